@@ -1,0 +1,80 @@
+"""Sampling parameters and the logit transforms shared by the draft and the target model.
+
+Speculative sampling preserves the target distribution only if the draft probabilities ``p`` and the
+target probabilities ``q`` are both produced by the *same* transform of their logits, so every caller
+goes through :func:`warp_logits` with one :class:`SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. ``temperature == 0`` means greedy decoding."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.max_new_tokens >= 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not self.top_k >= 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dimension: ``[..., vocab] -> [...]`` (LongTensor, first index on ties)."""
+    return logits.argmax(dim=-1)
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """Turn logits ``[..., vocab]`` into float32 probabilities ``[..., vocab]``.
+
+    Order: temperature scaling (``softmax(logits / T)``), then top-k (keep the ``top_k`` largest,
+    ``0`` = off), then top-p (nucleus: keep the smallest set of most likely tokens whose mass is
+    ``>= top_p``; the argmax is always kept), then renormalise. ``temperature == 0`` is the greedy
+    limit: a one-hot distribution on the argmax.
+    """
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    if temperature == 0:
+        one_hot = torch.zeros_like(logits)
+        return one_hot.scatter_(-1, greedy_tokens(logits).unsqueeze(-1), 1.0)
+    logits = logits / temperature
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).indices  # [..., top_k]
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, kth, True)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [..., vocab]
+    if top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
+        keep_sorted = mass_before < top_p
+        keep_sorted[..., 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One categorical sample per row: ``[rows, vocab] -> [rows]`` (weights need not be normalised)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
