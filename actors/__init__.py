@@ -1,0 +1,1 @@
+"""SpecOffload Ray actors: thin wrappers over runtime classes (next issues)."""

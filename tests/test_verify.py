@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
+
 from specoffload.runtime import verify
 from specoffload.runtime.sampling import SamplingParams, greedy_tokens, sample, warp_logits
 from specoffload.runtime.verify import VerifyResult, verify_greedy, verify_sampling

@@ -1,0 +1,191 @@
+"""`Checkpoint`: lazy, validated access to the tensors of a Hugging Face safetensors checkpoint directory.
+
+Construction reads only the safetensors headers (a few KB per file) and checks them against the file sizes, so
+a truncated or corrupt download fails at open time with the file named, not in the middle of a run. Tensor data
+is read on `get`. `file_of` gives the byte range of a tensor (or of one row of its first dimension, e.g. one
+expert of a fused `[experts, ...]` tensor) inside its file, for direct reads that bypass safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a tensor's raw little-endian data lies: `length` bytes at byte `offset` of file `path`."""
+
+    path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: str  # safetensors dtype string, e.g. "BF16"
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in `file`
+    length: int
+
+
+class Checkpoint:
+    """Read-only view of the safetensors tensors in an HF checkpoint directory (single file or sharded)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint directory not found: {self.path}")
+        self._entries: dict[str, _Entry] = {}
+        for file in self._files():
+            for name, entry in _read_header(file).items():
+                self._entries.setdefault(name, entry)
+        self._handles: dict[Path, Any] = {}
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def has(self, name: str) -> bool:
+        return name in self._entries
+
+    __contains__ = has
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name).shape
+
+    def nbytes(self, name: str, index: int | None = None) -> int:
+        """Bytes of the tensor in the file (of row `index` of its first dimension if given)."""
+        return self.file_of(name, index).length
+
+    def numel(self, name: str, index: int | None = None) -> int:
+        shape = self._entry(name).shape
+        return math.prod(shape[1:] if index is not None else shape)
+
+    def file_of(self, name: str, index: int | None = None) -> TensorLocation:
+        """Byte range of the tensor's data, or of its row `index` along the first (outermost) dimension."""
+        entry = self._entry(name)
+        if index is None:
+            return TensorLocation(str(entry.file), entry.offset, entry.length)
+        rows = self._check_index(name, entry, index)
+        row_bytes = entry.length // rows
+        return TensorLocation(str(entry.file), entry.offset + index * row_bytes, row_bytes)
+
+    def get(
+        self,
+        name: str,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        index: int | None = None,
+    ) -> torch.Tensor:
+        """Read a tensor (only its row `index` of the first dimension if given), cast to `dtype`, on `device`."""
+        entry = self._entry(name)
+        try:
+            handle = self._handle(entry.file)
+            if index is None:
+                tensor = handle.get_tensor(name)
+            else:
+                self._check_index(name, entry, index)
+                tensor = handle.get_slice(name)[index]
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"cannot read tensor {name!r} from {entry.file}: {exc}") from exc
+        return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}") from None
+
+    def _check_index(self, name: str, entry: _Entry, index: int) -> int:
+        rows = entry.shape[0] if entry.shape else 0
+        if not 0 <= index < rows:
+            raise IndexError(f"row {index} out of range for {name!r} of shape {entry.shape}")
+        return rows
+
+    def _handle(self, file: Path) -> Any:
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    def _files(self) -> list[Path]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            return _shards_from_index(index)
+        if (self.path / SINGLE_FILE).is_file():
+            return [self.path / SINGLE_FILE]
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no safetensors files ({SINGLE_FILE} or {INDEX_FILE}) in {self.path}")
+        return files
+
+
+def _shards_from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"corrupt index file {index}: {exc}") from exc
+    files = [index.parent / shard for shard in shards]
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"shard {file.name} named by {index} is missing")
+    return files
+
+
+def _read_header(file: Path) -> dict[str, _Entry]:
+    """Parse and validate a safetensors header: 8-byte little-endian length, then JSON, then the data."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"truncated or corrupt safetensors file {file}: {size} bytes")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8:
+                raise CheckpointError(
+                    f"truncated or corrupt safetensors file {file}: header of {header_len} bytes "
+                    f"but the file has {size} bytes"
+                )
+            header = json.loads(f.read(header_len))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {file}: {exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"corrupt safetensors header in {file}: {exc}") from exc
+    data_start = 8 + header_len
+    entries: dict[str, _Entry] = {}
+    try:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            shape = tuple(int(d) for d in info["shape"])
+            dtype = info["dtype"]
+            if end - begin != math.prod(shape) * _ITEMSIZE.get(dtype, 0) and dtype in _ITEMSIZE:
+                raise CheckpointError(f"corrupt safetensors header in {file}: bad size for tensor {name!r}")
+            entries[name] = _Entry(file, dtype, shape, data_start + begin, end - begin)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"corrupt safetensors header in {file}: {exc}") from exc
+    data_end = max((e.offset + e.length for e in entries.values()), default=data_start)
+    if data_end > size:
+        raise CheckpointError(
+            f"truncated safetensors file {file}: tensor data ends at byte {data_end} but the file has {size} bytes"
+        )
+    return entries

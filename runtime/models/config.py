@@ -1,0 +1,222 @@
+"""`ModelConfig`: the architecture facts the runtime needs, parsed once from a checkpoint's config.json.
+
+Layer convention used everywhere in `runtime.models`: layers are numbered 0..num_layers-1; each layer has an
+`attention` part and an `ffn` part; the ffn part of layer i is a mixture of experts iff `is_moe_layer(i)`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError, UnsupportedModelError
+
+#: architecture name in config.json -> family name used in this package
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+}
+
+# RoPE types whose frequencies depend on the current sequence length: HF recomputes them per forward, which a
+# KV cache written at earlier lengths cannot follow exactly.
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one decoder-only checkpoint. Build it with `ModelConfig.from_dir`."""
+
+    path: str
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (Mixtral: also the expert width)
+    hidden_act: str
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope_type: str
+    layer_windows: tuple[int | None, ...]  # per layer: sliding window size, None = full causal attention
+    num_experts: int  # 0 for dense models
+    num_experts_per_tok: int
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int  # 0 = no shared expert
+    moe_layers: frozenset[int]
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    _hf_config: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Sliding window size if any layer uses one, else None."""
+        windows = [w for w in self.layer_windows if w is not None]
+        return max(windows) if windows else None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.family == "qwen2_moe" and self.shared_expert_intermediate_size > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def window_of(self, layer: int) -> int | None:
+        """Sliding window of `layer`: a query at position q sees keys k with q - k < window; None = all k <= q."""
+        return self.layer_windows[layer]
+
+    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
+        """(inv_freq [head_dim // 2] float32, attention_scaling) exactly as transformers computes them."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if self.rope_type == "default":
+            base = self._hf_config.rope_parameters["rope_theta"]
+            dim = self.head_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [head_dim // 2]
+            return inv_freq, 1.0
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self._hf_config, None)
+        return inv_freq.float(), float(scaling)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Parse `path/config.json` (+ `generation_config.json` for extra EOS ids)."""
+        path = Path(path)
+        raw = _read_json(path / "config.json", required=True)
+        architecture = _architecture(raw, path)
+        if raw.get("quantization_config"):
+            raise UnsupportedModelError(f"quantized checkpoints are not supported ({path}/config.json)")
+        try:
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(str(path))
+        except Exception as exc:  # transformers raises many types for bad values
+            raise CheckpointError(f"cannot parse {path / 'config.json'}: {exc}") from exc
+        generation = _read_json(path / "generation_config.json", required=False)
+        return _build(str(path), architecture, hf, generation)
+
+
+def _read_json(file: Path, required: bool) -> dict[str, Any]:
+    if not file.parent.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {file.parent}")
+    if not file.is_file():
+        if required:
+            raise CheckpointError(f"missing {file.name} in checkpoint directory {file.parent}")
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"corrupt {file}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"corrupt {file}: expected a JSON object")
+    return data
+
+
+def _architecture(raw: dict[str, Any], path: Path) -> str:
+    names = list(raw.get("architectures") or [])
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    shown = ", ".join(names) or f"model_type={raw.get('model_type')!r}"
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    raise UnsupportedModelError(f"unsupported architecture {shown} in {path}; supported: {supported}")
+
+
+def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) -> ModelConfig:
+    family = SUPPORTED_ARCHITECTURES[architecture]
+    num_layers = hf.num_hidden_layers
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
+    if rope_type in _DYNAMIC_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} (length-dependent RoPE) is not supported ({path})")
+    if getattr(hf, "mlp_bias", False):
+        raise UnsupportedModelError(f"mlp_bias=True is not supported ({path})")
+
+    if family == "mixtral":
+        num_experts, moe_width, shared_width = hf.num_local_experts, hf.intermediate_size, 0
+        moe_layers = frozenset(range(num_layers))
+        norm_topk = True
+    elif family == "qwen2_moe":
+        num_experts, moe_width = hf.num_experts, hf.moe_intermediate_size
+        shared_width = hf.shared_expert_intermediate_size
+        mlp_only = set(hf.mlp_only_layers or [])
+        moe_layers = frozenset(
+            i
+            for i in range(num_layers)
+            if i not in mlp_only and num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
+        )
+        norm_topk = bool(hf.norm_topk_prob)
+    else:
+        num_experts, moe_width, shared_width, moe_layers, norm_topk = 0, 0, 0, frozenset(), False
+
+    return ModelConfig(
+        path=path,
+        architecture=architecture,
+        family=family,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=num_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+        head_dim=head_dim,
+        intermediate_size=hf.intermediate_size,
+        hidden_act=hf.hidden_act,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=_qkv_bias(family, hf),
+        rope_type=rope_type,
+        layer_windows=_layer_windows(family, hf, num_layers),
+        num_experts=num_experts,
+        num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,
+        norm_topk_prob=norm_topk,
+        moe_intermediate_size=moe_width,
+        shared_expert_intermediate_size=shared_width,
+        moe_layers=moe_layers,
+        eos_token_ids=_eos_ids(hf.eos_token_id, generation.get("eos_token_id")),
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        _hf_config=hf,
+    )
+
+
+def _qkv_bias(family: str, hf: Any) -> bool:
+    if family == "qwen2":
+        return True  # Qwen2Attention always has q/k/v biases
+    if family == "qwen2_moe":
+        return bool(hf.qkv_bias)
+    return bool(getattr(hf, "attention_bias", False))
+
+
+def _layer_windows(family: str, hf: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window, following each family's HF modeling code."""
+    window = getattr(hf, "sliding_window", None) or None  # Qwen2-MoE stores 0 when disabled
+    if family in ("mistral", "mixtral"):
+        return (window,) * num_layers  # these apply config.sliding_window to every layer
+    if family in ("qwen2", "qwen2_moe") and window is not None:
+        types = getattr(hf, "layer_types", None) or ["full_attention"] * num_layers
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (None,) * num_layers
+
+
+def _eos_ids(*values: int | list[int] | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in values:
+        for token in [value] if isinstance(value, int) else value or []:
+            if token not in ids:
+                ids.append(int(token))
+    return tuple(ids)

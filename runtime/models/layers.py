@@ -1,0 +1,232 @@
+"""Functional compute of one decoder layer's parts. Weights come in as arguments; nothing here owns state.
+
+Numerics follow transformers' modeling code (Llama/Mistral/Qwen2/Mixtral/Qwen2-MoE, v5) step by step, so fp32
+results agree to rounding: RMSNorm in float32 then cast back before the weight multiply; RoPE cos/sin in
+float32 times the rope type's attention scaling; router softmax in float32; Mixtral keeps the top-k weights in
+float32, Qwen2-MoE casts them back to the compute dtype.
+
+Shapes: B = batch rows, T = new tokens per row in this call, N = B * T, S = key positions attended to,
+H = hidden size, D = head dim, E = experts, k = experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from ..kv_cache import KVCache
+from .config import ModelConfig
+from .weights import AttentionWeights, DenseMLPWeights, EmbeddingWeights, ExpertWeights, HeadWeights, RouterWeights
+
+Tensor = torch.Tensor
+
+
+# --- norms, activations, embedding, head ------------------------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale."""
+    dtype = x.dtype
+    h = x.to(torch.float32)  # [..., H]
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+@lru_cache(maxsize=8)
+def activation(name: str) -> Callable[[Tensor], Tensor]:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def gated_mlp(x: Tensor, w: ExpertWeights, act: str) -> Tensor:
+    """down(act(gate x) * up x): x [..., H] -> [..., H]."""
+    return F.linear(activation(act)(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+
+
+def embed(w: EmbeddingWeights, input_ids: Tensor) -> Tensor:
+    """input_ids [B, T] -> [B, T, H]."""
+    return F.embedding(input_ids, w.embed)
+
+
+def head_logits(cfg: ModelConfig, w: HeadWeights, hidden: Tensor) -> Tensor:
+    """Final norm and LM head: hidden [B, T, H] -> logits [B, T, V] in float32."""
+    return F.linear(rms_norm(hidden, w.norm, cfg.rms_norm_eps), w.lm_head).float()
+
+
+# --- rotary position embedding -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE tables of one model: inverse frequencies and the cos/sin scaling of its rope type."""
+
+    inv_freq: Tensor  # [D // 2] float32
+    attention_scaling: float
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, device: str | torch.device = "cpu") -> Rope:
+        inv_freq, scaling = cfg.rope_inv_freq()
+        if inv_freq.shape != (cfg.head_dim // 2,):
+            raise ValueError(f"rope gives {inv_freq.shape[0]} frequencies for head_dim {cfg.head_dim}")
+        return cls(inv_freq.to(device), scaling)
+
+
+def rope_cos_sin(rope: Rope, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """positions [B, T] -> (cos, sin) [B, T, D] in `dtype`."""
+    freqs = positions[..., None].float() * rope.inv_freq.float()  # [B, T, D // 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+    cos = emb.cos() * rope.attention_scaling
+    sin = emb.sin() * rope.attention_scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, heads, T, D], cos/sin [B, T, D] -> rotated x [B, heads, T, D] (rotate-half convention)."""
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [B, heads, T, D]
+    return x * cos + rotated * sin
+
+
+# --- attention ---------------------------------------------------------------------------------------------
+
+
+def attention_mask(positions: Tensor, num_keys: int, window: int | None) -> Tensor:
+    """True where query position q may see key position k: k <= q and (q - k < window if windowed).
+
+    positions [B, T] -> mask [B, 1, T, num_keys] bool.
+    """
+    keys = torch.arange(num_keys, device=positions.device)  # [S]
+    queries = positions[:, :, None]  # [B, T, 1]
+    mask = keys <= queries  # [B, T, S]
+    if window is not None:
+        mask &= queries - keys < window
+    return mask[:, None]
+
+
+def attention_forward(
+    cfg: ModelConfig, w: AttentionWeights, hidden: Tensor, cache: KVCache, layer: int, rope: Rope
+) -> Tensor:
+    """Pre-norm self-attention block with residual: hidden [B, T, H] -> [B, T, H].
+
+    Writes this call's keys/values at positions cache.lengths[b] + t and attends causally over positions
+    0..lengths[b] + t. Does not advance the cache.
+    """
+    batch, steps, _ = hidden.shape
+    heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)  # [B, T, H]
+    q = F.linear(x, w.q, w.q_bias).view(batch, steps, heads, dim).transpose(1, 2)  # [B, heads, T, D]
+    k = F.linear(x, w.k, w.k_bias).view(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, T, D]
+    v = F.linear(x, w.v, w.v_bias).view(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, T, D]
+
+    positions = cache.device_lengths()[:, None] + torch.arange(steps, device=hidden.device)  # [B, T]
+    cos, sin = rope_cos_sin(rope, positions, x.dtype)  # [B, T, D]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    cache.write(layer, k, v)
+    num_keys = int(cache.lengths.max()) + steps
+    keys, values = cache.keys_values(layer, num_keys)  # [B, kv_heads, S, D]
+    mask = attention_mask(positions, num_keys, cfg.window_of(layer))  # [B, 1, T, S]
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=dim**-0.5, enable_gqa=heads != kv_heads
+    )  # [B, heads, T, D]
+    out = out.transpose(1, 2).reshape(batch, steps, heads * dim)  # [B, T, heads * D]
+    return hidden + F.linear(out, w.o)
+
+
+# --- feed-forward ------------------------------------------------------------------------------------------
+
+
+def dense_mlp_forward(cfg: ModelConfig, w: DenseMLPWeights, hidden: Tensor) -> Tensor:
+    """Pre-norm dense MLP block with residual: hidden [B, T, H] -> [B, T, H]."""
+    return hidden + gated_mlp(rms_norm(hidden, w.post_norm, cfg.rms_norm_eps), w.mlp, cfg.hidden_act)
+
+
+def route(cfg: ModelConfig, w: RouterWeights, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Post-attention norm and top-k routing.
+
+    hidden [B, T, H] -> (normed [N, H], topk_ids [N, k] long, topk_weights [N, k]). Softmax over all experts in
+    float32, top-k, renormalise if cfg.norm_topk_prob (always for Mixtral).
+    """
+    normed = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps).reshape(-1, hidden.shape[-1])  # [N, H]
+    logits = F.linear(normed, w.gate)  # [N, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
+    topk_weights, topk_ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [N, k]
+    if cfg.norm_topk_prob:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    if cfg.family == "qwen2_moe":
+        topk_weights = topk_weights.to(logits.dtype)
+    return normed, topk_ids, topk_weights
+
+
+def selected_experts(topk_ids: Tensor, token_mask: Tensor | None = None) -> list[int]:
+    """Sorted expert ids chosen by any (valid) token. topk_ids [N, k]; token_mask [N] bool or None."""
+    ids = topk_ids if token_mask is None else topk_ids[token_mask.reshape(-1)]
+    return ids.unique().tolist()
+
+
+def experts_forward(
+    cfg: ModelConfig,
+    normed: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    experts: Mapping[int, ExpertWeights],
+    token_mask: Tensor | None = None,
+) -> Tensor:
+    """Weighted sum of the selected experts' outputs: normed [N, H] -> [N, H].
+
+    Touches only experts some valid token selected; raises KeyError if one of them is not in `experts`.
+    Tokens with token_mask False get 0 (their routing is ignored, so they pull in no expert).
+    """
+    out = torch.zeros_like(normed)  # [N, H]
+    hits = topk_ids[:, :, None] == torch.arange(cfg.num_experts, device=topk_ids.device)  # [N, k, E]
+    if token_mask is not None:
+        hits &= token_mask.reshape(-1, 1, 1)
+    for e in selected_experts(topk_ids, token_mask):
+        if e not in experts:
+            raise KeyError(f"expert {e} was selected but not provided (have {sorted(experts)})")
+        tokens, slots = torch.where(hits[:, :, e])  # [n_e], [n_e]
+        y = gated_mlp(normed[tokens], experts[e], cfg.hidden_act)  # [n_e, H]
+        y = y * topk_weights[tokens, slots, None]  # float32 for Mixtral, as in transformers
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def shared_expert_forward(cfg: ModelConfig, w: RouterWeights, normed: Tensor) -> Tensor:
+    """Qwen2-MoE shared expert with its sigmoid gate: normed [N, H] -> [N, H]."""
+    if w.shared_expert is None or w.shared_expert_gate is None:
+        raise ValueError("router weights carry no shared expert")
+    gate = torch.sigmoid(F.linear(normed, w.shared_expert_gate))  # [N, 1]
+    return gate * gated_mlp(normed, w.shared_expert, cfg.hidden_act)
+
+
+def moe_combine(
+    cfg: ModelConfig,
+    w: RouterWeights,
+    hidden: Tensor,
+    routing: tuple[Tensor, Tensor, Tensor],
+    experts: Mapping[int, ExpertWeights],
+    token_mask: Tensor | None = None,
+) -> Tensor:
+    """Experts (+ shared expert) + residual, given `route`'s output: hidden [B, T, H] -> [B, T, H]."""
+    normed, topk_ids, topk_weights = routing
+    out = experts_forward(cfg, normed, topk_ids, topk_weights, experts, token_mask)  # [N, H]
+    if w.shared_expert is not None:
+        out = out + shared_expert_forward(cfg, w, normed)
+    return hidden + out.view(hidden.shape)
+
+
+def moe_forward(
+    cfg: ModelConfig,
+    w: RouterWeights,
+    hidden: Tensor,
+    experts: Mapping[int, ExpertWeights],
+    token_mask: Tensor | None = None,
+) -> Tensor:
+    """Whole MoE block with residual, when the experts are at hand: hidden [B, T, H] -> [B, T, H]."""
+    return moe_combine(cfg, w, hidden, route(cfg, w, hidden), experts, token_mask)

@@ -1,0 +1,119 @@
+"""`Transformer`: runs a checkpoint part by part (embed, per layer attention + ffn, logits) over a `KVCache`.
+
+Weights are fetched through `_weights(key)`, the one place that decides residency. Here every part stays
+resident after its first load; a streaming executor replaces that method (or the `resident` dict).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..kv_cache import KVCache
+from . import layers
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .weights import PartKey, WeightLoader, Weights
+
+Tensor = torch.Tensor
+
+
+class Transformer:
+    """Layer-by-layer executor of a decoder-only LLM (Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE)."""
+
+    def __init__(
+        self,
+        path_or_checkpoint: str | Path | Checkpoint,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        path = path_or_checkpoint.path if isinstance(path_or_checkpoint, Checkpoint) else path_or_checkpoint
+        self.config = ModelConfig.from_dir(path)  # first: a bad config.json is the clearer error
+        checkpoint = path_or_checkpoint
+        if not isinstance(checkpoint, Checkpoint):
+            checkpoint = Checkpoint(path)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.loader = WeightLoader(checkpoint, self.config, dtype, self.device)
+        self.rope = layers.Rope.from_config(self.config, self.device)
+        self.resident: dict[PartKey, Weights] = {}
+
+    def new_cache(self, batch_size: int, capacity: int, growable: bool = True) -> KVCache:
+        cfg = self.config
+        return KVCache(
+            cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device, growable
+        )
+
+    @torch.inference_mode()
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """input_ids [B, T] -> hidden [B, T, H]."""
+        return layers.embed(self._weights(PartKey("embedding")), input_ids.to(self.device))
+
+    @torch.inference_mode()
+    def attention(self, layer: int, hidden: Tensor, cache: KVCache) -> Tensor:
+        """Attention block of `layer` (writes K/V, does not advance the cache): [B, T, H] -> [B, T, H]."""
+        w = self._weights(PartKey("attention", layer))
+        return layers.attention_forward(self.config, w, hidden, cache, layer, self.rope)
+
+    @torch.inference_mode()
+    def ffn(self, layer: int, hidden: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        """FFN block of `layer`: [B, T, H] -> [B, T, H]. For MoE, loads only the experts valid tokens select.
+
+        token_mask [B, T] bool marks valid tokens; padded tokens then select no expert (their output is junk).
+        """
+        if not self.config.is_moe_layer(layer):
+            return layers.dense_mlp_forward(self.config, self._weights(PartKey("dense_mlp", layer)), hidden)
+        router = self._weights(PartKey("router", layer))
+        routing = layers.route(self.config, router, hidden)
+        experts = {
+            e: self._weights(PartKey("expert", layer, e)) for e in layers.selected_experts(routing[1], token_mask)
+        }
+        return layers.moe_combine(self.config, router, hidden, routing, experts, token_mask)
+
+    @torch.inference_mode()
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [B, T, H] -> logits [B, T, V] float32."""
+        return layers.head_logits(self.config, self._weights(PartKey("head")), hidden)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: KVCache,
+        num_new: Tensor | None = None,
+        output_positions: Tensor | None = None,
+        compute_logits: bool = True,
+    ) -> Tensor | None:
+        """Run all layers on input_ids [B, T] and advance the cache by num_new [B] (default T per row).
+
+        Row b's tokens t >= num_new[b] are padding: they are written past the row's valid length (and later
+        overwritten), route to no expert, and their logits are junk. Returns logits [B, T, V] float32, or only
+        at output_positions [B, P] (indices into T) -> [B, P, V], or None if not compute_logits.
+        """
+        batch, steps = input_ids.shape
+        token_mask = None
+        if num_new is not None:
+            num_new = torch.as_tensor(num_new, dtype=torch.long).cpu()
+            token_mask = torch.arange(steps)[None, :] < num_new[:, None]  # [B, T]
+            token_mask = token_mask.to(self.device)
+        hidden = self.embed(input_ids)  # [B, T, H]
+        for layer in range(self.config.num_layers):
+            hidden = self.attention(layer, hidden, cache)
+            hidden = self.ffn(layer, hidden, token_mask)
+        cache.advance(num_new if num_new is not None else steps)
+        if not compute_logits:
+            return None
+        if output_positions is not None:
+            index = torch.as_tensor(output_positions, dtype=torch.long, device=self.device)  # [B, P]
+            hidden = torch.gather(hidden, 1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, P, H]
+        return self.logits(hidden)  # [B, T or P, V]
+
+    __call__ = forward
+
+    def _weights(self, key: PartKey) -> Weights:
+        """The single residency decision: load on first use, keep resident."""
+        weights = self.resident.get(key)
+        if weights is None:
+            weights = self.resident[key] = self.loader.load(key)
+        return weights

@@ -1,0 +1,246 @@
+"""Per-part weight containers and the `WeightLoader` that reads each part from a checkpoint.
+
+A model is cut into independently loadable *parts*, named by `PartKey`, in execution order:
+
+    embedding -> for each layer i: attention(i), then dense_mlp(i) or [router(i), expert(i, e) for selected e]
+    -> head
+
+The post-attention RMSNorm belongs to the part that runs first in the ffn: `DenseMLPWeights.post_norm` or
+`RouterWeights.post_norm`, so an expert is only its three matrices. Compute functions in `layers.py` take these
+dataclasses as arguments; nothing here owns compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+
+Tensor = torch.Tensor
+
+PART_KINDS = ("embedding", "attention", "dense_mlp", "router", "expert", "head")
+
+
+@dataclass(frozen=True)
+class EmbeddingWeights:
+    embed: Tensor  # [vocab, hidden]
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    input_norm: Tensor  # [hidden]
+    q: Tensor  # [heads * head_dim, hidden]
+    k: Tensor  # [kv_heads * head_dim, hidden]
+    v: Tensor  # [kv_heads * head_dim, hidden]
+    o: Tensor  # [hidden, heads * head_dim]
+    q_bias: Tensor | None = None  # [heads * head_dim]
+    k_bias: Tensor | None = None  # [kv_heads * head_dim]
+    v_bias: Tensor | None = None  # [kv_heads * head_dim]
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """A gated MLP `down(act(gate x) * up x)`: a routed expert, the shared expert, or a dense MLP."""
+
+    gate: Tensor  # [intermediate, hidden]
+    up: Tensor  # [intermediate, hidden]
+    down: Tensor  # [hidden, intermediate]
+
+
+@dataclass(frozen=True)
+class DenseMLPWeights:
+    post_norm: Tensor  # [hidden]
+    mlp: ExpertWeights
+
+
+@dataclass(frozen=True)
+class RouterWeights:
+    post_norm: Tensor  # [hidden]
+    gate: Tensor  # [experts, hidden]
+    shared_expert: ExpertWeights | None = None  # Qwen2-MoE only
+    shared_expert_gate: Tensor | None = None  # [1, hidden], Qwen2-MoE only
+
+
+@dataclass(frozen=True)
+class HeadWeights:
+    norm: Tensor  # [hidden]
+    lm_head: Tensor  # [vocab, hidden]; the embedding matrix when tie_word_embeddings
+
+
+Weights = EmbeddingWeights | AttentionWeights | DenseMLPWeights | RouterWeights | ExpertWeights | HeadWeights
+
+
+@dataclass(frozen=True, order=True)
+class PartKey:
+    """Names one loadable part: kind in PART_KINDS; layer for per-layer parts; expert for kind "expert"."""
+
+    kind: str
+    layer: int = -1
+    expert: int = -1
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A checkpoint tensor, or row `index` of its first dimension (one expert of a fused expert tensor)."""
+
+    name: str
+    index: int | None = None
+
+
+class WeightLoader:
+    """Reads parts of one checkpoint, cast to `dtype` on `device`. Nothing is read at construction."""
+
+    def __init__(
+        self, checkpoint: Checkpoint, config: ModelConfig, dtype: torch.dtype, device: str | torch.device
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+    # --- the parts -------------------------------------------------------------------------------------
+
+    def embedding(self) -> EmbeddingWeights:
+        return EmbeddingWeights(**self._read(PartKey("embedding")))
+
+    def attention(self, layer: int) -> AttentionWeights:
+        return AttentionWeights(**self._read(PartKey("attention", layer)))
+
+    def dense_mlp(self, layer: int) -> DenseMLPWeights:
+        t = self._read(PartKey("dense_mlp", layer))
+        return DenseMLPWeights(t["post_norm"], ExpertWeights(t["gate"], t["up"], t["down"]))
+
+    def router(self, layer: int) -> RouterWeights:
+        t = self._read(PartKey("router", layer))
+        shared = None
+        if "shared_gate_proj" in t:
+            shared = ExpertWeights(t["shared_gate_proj"], t["shared_up_proj"], t["shared_down_proj"])
+        return RouterWeights(t["post_norm"], t["gate"], shared, t.get("shared_expert_gate"))
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        t = self._read(PartKey("expert", layer, expert))
+        if "gate_up" in t:
+            gate, up = t["gate_up"].chunk(2, dim=0)  # [2 * intermediate, hidden] -> 2 x [intermediate, hidden]
+            return ExpertWeights(gate, up, t["down"])
+        return ExpertWeights(t["gate"], t["up"], t["down"])
+
+    def head(self) -> HeadWeights:
+        return HeadWeights(**self._read(PartKey("head")))
+
+    def load(self, key: PartKey) -> Weights:
+        """Load any part by key."""
+        if key.kind == "embedding":
+            return self.embedding()
+        if key.kind == "attention":
+            return self.attention(key.layer)
+        if key.kind == "dense_mlp":
+            return self.dense_mlp(key.layer)
+        if key.kind == "router":
+            return self.router(key.layer)
+        if key.kind == "expert":
+            return self.expert(key.layer, key.expert)
+        if key.kind == "head":
+            return self.head()
+        raise ValueError(f"unknown part kind {key.kind!r}; expected one of {PART_KINDS}")
+
+    # --- sizes, for placement planning -----------------------------------------------------------------
+
+    def parts(self) -> list[PartKey]:
+        """Every part of the model, in execution order (all experts of a MoE layer after its router)."""
+        cfg = self.config
+        keys = [PartKey("embedding")]
+        for layer in range(cfg.num_layers):
+            keys.append(PartKey("attention", layer))
+            if cfg.is_moe_layer(layer):
+                keys.append(PartKey("router", layer))
+                keys += [PartKey("expert", layer, e) for e in range(cfg.num_experts)]
+            else:
+                keys.append(PartKey("dense_mlp", layer))
+        keys.append(PartKey("head"))
+        return keys
+
+    def nbytes(self, key: PartKey) -> int:
+        """Bytes the part occupies once loaded in the loader's dtype (a tied head counts the embedding)."""
+        numel = sum(self.checkpoint.numel(ref.name, ref.index) for ref in self.refs(key).values())
+        return numel * self.dtype.itemsize
+
+    def total_nbytes(self) -> int:
+        return sum(self.nbytes(key) for key in self.parts())
+
+    def refs(self, key: PartKey) -> dict[str, TensorRef]:
+        """The checkpoint tensors of a part, by field name."""
+        cfg = self.config
+        if key.kind == "embedding":
+            return {"embed": TensorRef("model.embed_tokens.weight")}
+        if key.kind == "head":
+            lm_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+            return {"norm": TensorRef("model.norm.weight"), "lm_head": TensorRef(lm_head)}
+        self._check_layer(key)
+        p = f"model.layers.{key.layer}"
+        if key.kind == "attention":
+            refs = {"input_norm": TensorRef(f"{p}.input_layernorm.weight")}
+            refs |= {x: TensorRef(f"{p}.self_attn.{x}_proj.weight") for x in "qkvo"}
+            if cfg.qkv_bias:
+                refs |= {f"{x}_bias": TensorRef(f"{p}.self_attn.{x}_proj.bias") for x in "qkv"}
+            return refs
+        if key.kind == "dense_mlp":
+            refs = {"post_norm": TensorRef(f"{p}.post_attention_layernorm.weight")}
+            return refs | {x: TensorRef(f"{p}.mlp.{x}_proj.weight") for x in ("gate", "up", "down")}
+        moe = self._moe_prefix(key.layer)
+        if key.kind == "router":
+            refs = {
+                "post_norm": TensorRef(f"{p}.post_attention_layernorm.weight"),
+                "gate": TensorRef(f"{moe}.gate.weight"),
+            }
+            if cfg.has_shared_expert:
+                refs |= {
+                    f"shared_{x}_proj": TensorRef(f"{moe}.shared_expert.{x}_proj.weight")
+                    for x in ("gate", "up", "down")
+                }
+                refs["shared_expert_gate"] = TensorRef(f"{moe}.shared_expert_gate.weight")
+            return refs
+        if key.kind == "expert":
+            return self._expert_refs(moe, key.expert)
+        raise ValueError(f"unknown part kind {key.kind!r}; expected one of {PART_KINDS}")
+
+    # --- internals -------------------------------------------------------------------------------------
+
+    def _read(self, key: PartKey) -> dict[str, Tensor]:
+        return {
+            field: self.checkpoint.get(ref.name, self.dtype, self.device, ref.index)
+            for field, ref in self.refs(key).items()
+        }
+
+    def _check_layer(self, key: PartKey) -> None:
+        cfg = self.config
+        if not 0 <= key.layer < cfg.num_layers:
+            raise IndexError(f"layer {key.layer} out of range for a {cfg.num_layers}-layer model")
+        moe = cfg.is_moe_layer(key.layer)
+        if key.kind in ("router", "expert") and not moe:
+            raise ValueError(f"layer {key.layer} is dense; it has no {key.kind}")
+        if key.kind == "dense_mlp" and moe:
+            raise ValueError(f"layer {key.layer} is a MoE layer; it has no dense_mlp")
+        if key.kind == "expert" and not 0 <= key.expert < cfg.num_experts:
+            raise IndexError(f"expert {key.expert} out of range for {cfg.num_experts} experts")
+
+    def _moe_prefix(self, layer: int) -> str:
+        """Mixtral checkpoints name the block `block_sparse_moe` (HF's saved format) or `mlp` (fused format)."""
+        p = f"model.layers.{layer}"
+        if self.config.family == "mixtral" and self.checkpoint.has(f"{p}.block_sparse_moe.gate.weight"):
+            return f"{p}.block_sparse_moe"
+        return f"{p}.mlp"
+
+    def _expert_refs(self, moe: str, e: int) -> dict[str, TensorRef]:
+        if self.checkpoint.has(f"{moe}.experts.gate_up_proj"):  # fused: [experts, 2 * inter, hidden]
+            return {
+                "gate_up": TensorRef(f"{moe}.experts.gate_up_proj", e),
+                "down": TensorRef(f"{moe}.experts.down_proj", e),  # [experts, hidden, inter]
+            }
+        if self.config.family == "mixtral" and moe.endswith("block_sparse_moe"):
+            names = {"gate": "w1", "up": "w3", "down": "w2"}
+        else:
+            names = {x: f"{x}_proj" for x in ("gate", "up", "down")}
+        return {field: TensorRef(f"{moe}.experts.{e}.{n}.weight") for field, n in names.items()}

