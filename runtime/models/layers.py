@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..kv_cache import KVCache
 from .config import ModelConfig
+from .linear import linear
 from .weights import AttentionWeights, DenseMLPWeights, EmbeddingWeights, ExpertWeights, HeadWeights, RouterWeights
 
 Tensor = torch.Tensor
@@ -45,7 +46,7 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
 
 def gated_mlp(x: Tensor, w: ExpertWeights, act: str) -> Tensor:
     """down(act(gate x) * up x): x [..., H] -> [..., H]."""
-    return F.linear(activation(act)(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+    return linear(activation(act)(linear(x, w.gate)) * linear(x, w.up), w.down)
 
 
 def embed(w: EmbeddingWeights, input_ids: Tensor) -> Tensor:
@@ -55,7 +56,7 @@ def embed(w: EmbeddingWeights, input_ids: Tensor) -> Tensor:
 
 def head_logits(cfg: ModelConfig, w: HeadWeights, hidden: Tensor) -> Tensor:
     """Final norm and LM head: hidden [B, T, H] -> logits [B, T, V] in float32."""
-    return F.linear(rms_norm(hidden, w.norm, cfg.rms_norm_eps), w.lm_head).float()
+    return linear(rms_norm(hidden, w.norm, cfg.rms_norm_eps), w.lm_head).float()
 
 
 # --- rotary position embedding -----------------------------------------------------------------------------
@@ -120,9 +121,9 @@ def attention_forward(
     batch, steps, _ = hidden.shape
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)  # [B, T, H]
-    q = F.linear(x, w.q, w.q_bias).view(batch, steps, heads, dim).transpose(1, 2)  # [B, heads, T, D]
-    k = F.linear(x, w.k, w.k_bias).view(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, T, D]
-    v = F.linear(x, w.v, w.v_bias).view(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, T, D]
+    q = linear(x, w.q, w.q_bias).reshape(batch, steps, heads, dim).transpose(1, 2)  # [B, heads, T, D]
+    k = linear(x, w.k, w.k_bias).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, T, D]
+    v = linear(x, w.v, w.v_bias).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, T, D]
 
     positions = cache.device_lengths()[:, None] + torch.arange(steps, device=hidden.device)  # [B, T]
     cos, sin = rope_cos_sin(rope, positions, x.dtype)  # [B, T, D]
@@ -136,7 +137,7 @@ def attention_forward(
         q, keys, values, attn_mask=mask, scale=dim**-0.5, enable_gqa=heads != kv_heads
     )  # [B, heads, T, D]
     out = out.transpose(1, 2).reshape(batch, steps, heads * dim)  # [B, T, heads * D]
-    return hidden + F.linear(out, w.o)
+    return hidden + linear(out, w.o)
 
 
 # --- feed-forward ------------------------------------------------------------------------------------------
@@ -154,7 +155,7 @@ def route(cfg: ModelConfig, w: RouterWeights, hidden: Tensor) -> tuple[Tensor, T
     float32, top-k, renormalise if cfg.norm_topk_prob (always for Mixtral).
     """
     normed = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps).reshape(-1, hidden.shape[-1])  # [N, H]
-    logits = F.linear(normed, w.gate)  # [N, E]
+    logits = linear(normed, w.gate)  # [N, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
     topk_weights, topk_ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [N, k]
     if cfg.norm_topk_prob:
@@ -201,7 +202,7 @@ def shared_expert_forward(cfg: ModelConfig, w: RouterWeights, normed: Tensor) ->
     """Qwen2-MoE shared expert with its sigmoid gate: normed [N, H] -> [N, H]."""
     if w.shared_expert is None or w.shared_expert_gate is None:
         raise ValueError("router weights carry no shared expert")
-    gate = torch.sigmoid(F.linear(normed, w.shared_expert_gate))  # [N, 1]
+    gate = torch.sigmoid(linear(normed, w.shared_expert_gate))  # [N, 1]
     return gate * gated_mlp(normed, w.shared_expert, cfg.hidden_act)
 
 
