@@ -1,0 +1,42 @@
+"""`specoffload generate`: prompts file in, JSONL out, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+from specoffload.runtime.cli import main
+
+
+def test_generate_writes_jsonl(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [5, 6, 7]}) + "\n" + json.dumps({"token_ids": [9]}) + "\n")
+    out = tmp_path / "out" / "completions.jsonl"
+    rc = main(["generate", "--target", str(tiny_models["mixtral"]), "--draft", str(tiny_models["draft"]),
+               "--prompts", str(prompts), "-o", str(out), "--max-new-tokens", "6", "-k", "2", "--ignore-eos",
+               "--no-progress"])
+    assert rc == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1]
+    assert all(len(r["token_ids"]) == 6 and r["finish_reason"] == "length" for r in records)
+    assert all(r["num_drafted"] > 0 for r in records)
+    assert "tokens/s" in capsys.readouterr().err
+
+
+def test_bad_prompt_file_is_one_clear_line(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('{"token_ids": [1, 2]}\n{not json\n')
+    rc = main(["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "specoffload: error:" in err and "bad.jsonl:2" in err and "Traceback" not in err
+
+
+def test_missing_checkpoint_and_bad_k(tmp_path, tiny_models, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    assert main(["generate", "--target", str(tmp_path / "missing"), "--prompts", str(prompts)]) == 2
+    assert "missing" in capsys.readouterr().err
+    rc = main(["generate", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"]),
+               "--prompts", str(prompts), "-k", "0"])
+    assert rc == 2
+    assert "num_draft_tokens" in capsys.readouterr().err
