@@ -11,7 +11,7 @@ venv="${SPECOFFLOAD_VENV:-$root/.venv}"
 target="$("$venv/bin/python" "$root/scripts/get_models.py" --print-path target)"
 draft="$("$venv/bin/python" "$root/scripts/get_models.py" --print-path draft)"
 out="$root/docs/demo-output.jsonl"
-if [ "$#" -eq 0 ]; then set -- --humaneval 16; fi
+if [ "$#" -eq 0 ]; then set -- --humaneval 8; fi
 "$venv/bin/specoffload" generate --target "$target" --draft "$draft" -k 4 --batch-size 16 \
-  --max-new-tokens 64 --output "$out" "$@"
+  --max-new-tokens 48 --output "$out" "$@"
 echo "completions written to $out"
