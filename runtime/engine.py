@@ -73,6 +73,10 @@ class Engine:
         self.tokenizer = load_tokenizer(config.target)
         if self.draft is not None:
             self._check_vocabularies()
+        # Everything is resident in the in-process engine: load now, not inside the first timed step.
+        for model in (self.target, self.draft):
+            if model is not None:
+                model.preload()
         self.last_stats: GenerateStats | None = None
 
     # ---- validation -------------------------------------------------------------------------

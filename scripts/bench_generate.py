@@ -93,14 +93,14 @@ class HFRunner:
 
 class OursRunner:
     def __init__(self, target: Path, draft: Path, dtype: str, k: int, max_batch: int) -> None:
-        self.plain = Engine(EngineConfig(target=target, dtype=dtype, max_batch_size=max_batch))
-        self.spec = Engine(EngineConfig(target=target, draft=draft, dtype=dtype, num_draft_tokens=k,
-                                        max_batch_size=max_batch))
-        # One set of weights in memory: the speculative engine reuses the plain engine's target.
-        self.spec.target = self.plain.target
+        # One engine, one copy of each model's weights; plain decoding runs it with its draft detached.
+        self.engine = Engine(EngineConfig(target=target, draft=draft, dtype=dtype, num_draft_tokens=k,
+                                          max_batch_size=max_batch))
+        self.draft = self.engine.draft
 
     def run(self, prompts: list[str], batch: int, new_tokens: int, assisted: bool) -> tuple[list[list[int]], float]:
-        engine = self.spec if assisted else self.plain
+        engine = self.engine
+        engine.draft = self.draft if assisted else None
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         outs: list[list[int]] = []
         drafted = accepted = 0
@@ -138,8 +138,8 @@ def main() -> None:
     args = ap.parse_args()
     reps = args.reps or (2 if args.quick else 3)
     big = args.batch or (4 if args.quick else 16)
-    new_tokens = args.new_tokens or (16 if args.quick else 48)
-    n_single = 2 if args.quick else 4  # prompts run one at a time at batch 1
+    new_tokens = args.new_tokens or (16 if args.quick else 32)
+    n_single = 2  # prompts run one at a time at batch 1
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
     target, draft = model_dir("target"), model_dir("draft")

@@ -10,7 +10,7 @@ venv="${SPECOFFLOAD_VENV:-$root/.venv}"
 "$venv/bin/python" "$root/scripts/get_models.py"
 target="$("$venv/bin/python" "$root/scripts/get_models.py" --print-path target)"
 draft="$("$venv/bin/python" "$root/scripts/get_models.py" --print-path draft)"
-out="$root/docs/demo-output.jsonl"
+out="${SPECOFFLOAD_DEMO_OUT:-$root/demo-output.jsonl}"
 if [ "$#" -eq 0 ]; then set -- --humaneval 8; fi
 "$venv/bin/specoffload" generate --target "$target" --draft "$draft" -k 4 --batch-size 16 \
   --max-new-tokens 48 --output "$out" "$@"

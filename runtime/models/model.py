@@ -39,6 +39,11 @@ class Transformer:
         self.rope = layers.Rope.from_config(self.config, self.device)
         self.resident: dict[PartKey, Weights] = {}
 
+    def preload(self) -> None:
+        """Load every part now (all weights resident), so the first forward pays no loading."""
+        for key in self.loader.parts():
+            self._weights(key)
+
     def new_cache(self, batch_size: int, capacity: int, growable: bool = True) -> KVCache:
         cfg = self.config
         return KVCache(
