@@ -6,13 +6,20 @@ Measured on the 2-core AVX2 CI machine (torch 2.13 CPU, MKL), W [8960, 1536]:
   - bfloat16 / float16 (no native support on AVX2): F.linear is best up to a few dozen rows; beyond that,
     upcasting W and x to float32 (exact) and doing one fp32 GEMM wins (130 ms vs 75 ms at 80 rows). oneDNN's
     bf16 GEMM accumulates in fp32 too, so this changes only the summation order, not the precision class.
+  - float32 weights packed for oneDNN (`pack_weights`): 1.4-1.9x faster than either orientation above at
+    1 row (the weight-bandwidth-bound decode of batch 1: 4.1 ms vs 7.7 ms), and on par at 5-80 rows.
 On CUDA F.linear is used as is.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
+
+W = TypeVar("W")
 
 #: rows from which a 16-bit CPU matmul is done in float32 (see module docstring)
 UPCAST_MIN_ROWS = 48
@@ -24,7 +31,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         return F.linear(x, w, bias)
     rows = x.numel() // x.shape[-1]
     x2 = x.reshape(rows, x.shape[-1])  # [N, in]
-    if w.dtype == torch.float32:
+    if w.is_mkldnn:
+        out = torch._C._nn.mkldnn_linear(x2.contiguous().to_mkldnn(), w, None).to_dense()  # [N, out]
+    elif w.dtype == torch.float32:
         out = (w @ x2.T).T  # [N, out] (transposed view)
     elif rows >= UPCAST_MIN_ROWS:
         out = (w.float() @ x2.float().T).T.to(x.dtype)  # [N, out]
@@ -33,3 +42,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """oneDNN packing pays off for float32 on CPU (see module docstring)."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_weights(weights: W) -> W:
+    """Copy of a weights dataclass with every 2-D matrix (a `linear` weight) in oneDNN's blocked layout.
+
+    Only for parts whose matrices are all consumed by `linear` (not the embedding table).
+    """
+    changes = {}
+    for f in dataclasses.fields(weights):
+        value = getattr(weights, f.name)
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            changes[f.name] = value.contiguous().to_mkldnn()
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = pack_weights(value)
+    return dataclasses.replace(weights, **changes)

@@ -14,6 +14,7 @@ from ..kv_cache import KVCache
 from . import layers
 from .checkpoint import Checkpoint
 from .config import ModelConfig
+from .linear import can_pack, pack_weights
 from .weights import PartKey, WeightLoader, Weights
 
 Tensor = torch.Tensor
@@ -38,6 +39,8 @@ class Transformer:
         self.loader = WeightLoader(checkpoint, self.config, dtype, self.device)
         self.rope = layers.Rope.from_config(self.config, self.device)
         self.resident: dict[PartKey, Weights] = {}
+        #: keep linear weights in oneDNN's packed layout (float32 on CPU; faster GEMV/GEMM, see linear.py)
+        self.pack = can_pack(dtype, self.device)
 
     def preload(self) -> None:
         """Load every part now (all weights resident), so the first forward pays no loading."""
@@ -120,5 +123,8 @@ class Transformer:
         """The single residency decision: load on first use, keep resident."""
         weights = self.resident.get(key)
         if weights is None:
-            weights = self.resident[key] = self.loader.load(key)
+            weights = self.loader.load(key)
+            if self.pack and key.kind != "embedding":
+                weights = pack_weights(weights)
+            self.resident[key] = weights
         return weights
