@@ -6,7 +6,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -219,8 +218,7 @@ class Engine:
             cache.reset_rows(rows)
             if max(len(p) for p in prefixes) == 0:
                 continue
-            ids, num_new = pad_right([p or [0] for p in prefixes])
-            num_new = torch.tensor([len(p) for p in prefixes], dtype=torch.long)
+            ids, num_new = pad_right(prefixes)  # rows with a one-token prompt have num_new 0
             tmp = model.new_cache(len(rows), ids.shape[1])
             model.forward(ids, tmp, num_new=num_new, output_positions=None, compute_logits=False)
             cache.assign_rows(rows, tmp)
@@ -271,6 +269,3 @@ class Engine:
             num_accepted=r.num_accepted,
         )
 
-
-def model_name(path: str | Path | None) -> str:
-    return Path(path).name if path else "-"

@@ -75,14 +75,18 @@ class HFRunner:
         self.tok = AutoTokenizer.from_pretrained(str(target), padding_side="left")
         self.target = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype).eval()
         self.draft = AutoModelForCausalLM.from_pretrained(str(draft), dtype=dtype).eval()
+        # Same semantics as our ignore_eos: never stop at EOS, but do not suppress it either
+        # (min_new_tokens would mask EOS logits and change the greedy tokens).
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        for model in (self.target, self.draft):
+            model.generation_config.eos_token_id = None
 
     def run(self, prompts: list[str], batch: int, new_tokens: int, assisted: bool) -> list[list[int]]:
         outs: list[list[int]] = []
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
             enc = self.tok(chunk, return_tensors="pt", padding=True)
-            kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=self.tok.pad_token_id or self.tok.eos_token_id)
+            kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=self.pad_id)
             if assisted:
                 kwargs["assistant_model"] = self.draft
             with torch.inference_mode():

@@ -50,17 +50,22 @@ def _mixtral() -> PretrainedConfig:
     )
 
 
+_QWEN2_MOE = dict(
+    _COMMON,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_hidden_layers=3,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
+
+
 def _qwen2_moe(norm_topk_prob: bool = False) -> PretrainedConfig:
     """Shared expert; layer 1 dense (mlp_only_layers); YaRN RoPE (attention scaling != 1)."""
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 256}
     return Qwen2MoeConfig(
-        **_COMMON,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_hidden_layers=3,
-        num_experts=4,
-        num_experts_per_tok=2,
+        **_QWEN2_MOE,
         norm_topk_prob=norm_topk_prob,
         mlp_only_layers=[1],
         rope_parameters=rope,
@@ -70,13 +75,7 @@ def _qwen2_moe(norm_topk_prob: bool = False) -> PretrainedConfig:
 def _qwen2_moe_windowed() -> PretrainedConfig:
     """norm_topk_prob, decoder_sparse_step 2 (only layer 1 sparse), sliding window 4 on layers 0 and 2."""
     return Qwen2MoeConfig(
-        **_COMMON,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_hidden_layers=3,
-        num_experts=4,
-        num_experts_per_tok=2,
+        **_QWEN2_MOE,
         norm_topk_prob=True,
         decoder_sparse_step=2,
         use_sliding_window=True,
