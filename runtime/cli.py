@@ -34,6 +34,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true")
+    o = p.add_argument_group("offloading (set --device-memory to stream the target's weights)")
+    o.add_argument("--device-memory", default=None, help="memory budget where compute runs, e.g. 3GiB")
+    o.add_argument("--host-memory", default=None, help="host RAM for the target KV cache / ram tier")
+    o.add_argument("--weights-tier", default="disk", choices=["disk", "ram"], help="where streamed weights live")
+    o.add_argument("--num-buffers", type=int, default=2, help="ring slots of streamed layer weights")
+    o.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens per row the KV is sized for")
+    o.add_argument("--expert-loading", default="auto", choices=["auto", "selected", "all"])
+    o.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace JSON of the pipeline")
+    o.add_argument("--show-placement", action="store_true", help="print the memory placement table to stderr")
 
 
 def _write_jsonl(records: list[dict], output: Path | None) -> None:
@@ -51,6 +60,7 @@ def _write_jsonl(records: list[dict], output: Path | None) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from .engine import Engine  # heavy import (torch, transformers) only when needed
+    from .offload.engine import OffloadEngine
 
     prompts = read_prompts_file(args.prompts) if args.prompts else humaneval_prompts(args.humaneval or None)
     params = SamplingParams(
@@ -68,8 +78,17 @@ def _generate(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         max_batch_size=args.batch_size,
         num_threads=args.threads,
+        device_memory=args.device_memory,
+        host_memory=args.host_memory,
+        weights_tier=args.weights_tier,
+        num_buffers=args.num_buffers,
+        max_seq_len=args.max_seq_len,
+        expert_loading=args.expert_loading,
+        trace=args.trace is not None,
     )
-    engine = Engine(config)
+    engine = OffloadEngine(config) if config.offloaded else Engine(config)
+    if args.show_placement and isinstance(engine, OffloadEngine):
+        print(engine.describe_placement(), file=sys.stderr)
     results = engine.generate(prompts, params, progress=not args.no_progress)
     records = [
         {
@@ -93,6 +112,12 @@ def _generate(args: argparse.Namespace) -> int:
     if args.draft:
         summary += f", acceptance {s.acceptance_rate:.2f} ({s.num_accepted}/{s.num_drafted} draft tokens)"
     print(summary, file=sys.stderr)
+    if isinstance(engine, OffloadEngine):
+        print(f"weights read: {s.bytes_read / 1e9:.2f} GB in {s.passes} streamed passes", file=sys.stderr)
+        if args.trace is not None:
+            path = engine.tracer.save_chrome_trace(args.trace)
+            print(engine.tracer.breakdown().table(), file=sys.stderr)
+            print(f"trace: {path} (open in https://ui.perfetto.dev)", file=sys.stderr)
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .models.errors import SpecOffloadError
+from .offload.memory import MemorySizeError, parse_bytes
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -25,6 +26,22 @@ class EngineConfig:
     num_draft_tokens: k, tokens the draft proposes per verification step (>= 1; unused without a draft).
     max_batch_size: rows decoded together; finished rows are refilled from waiting prompts.
     num_threads: torch intra-op threads (None: leave torch's default, one per core).
+
+    Offloading (the target streams its weights; see runtime/offload/). Set `device_memory` to turn it on:
+    device_memory: bytes (or "4GiB", "512MiB", ...) the engine may keep resident where compute happens: the draft
+        model and its KV cache, the target's resident parts and the ring of weight buffers. On "cpu" the device
+        *is* host memory, so unless host_memory is given the target's KV cache (and a "ram" weights tier) count
+        against it too: one budget for everything the engine holds.
+    host_memory: bytes of host RAM for the target KV cache (CPU attention) and, with weights_tier "ram", the
+        streamed weights (default: the machine's memory; on "cpu", giving it splits the budget in two).
+    weights_tier: where the target's streamed weights live: "disk" (read from the safetensors files with direct
+        I/O, so a warm page cache cannot fake the result) or "ram" (host memory, pinned on CUDA).
+    num_buffers: ring slots of streamed layer weights (>= 1; 2 overlaps loading layer j+1 with computing j).
+    max_seq_len: longest prompt + output per row the KV caches are sized for (default: the target's context,
+        at most 4096); placement counts the KV caches at this length.
+    expert_loading: MoE only: "selected" loads only the experts the router picks for the batch, "all" loads
+        every expert of a layer ahead of use, "auto" picks by the expected number of distinct experts.
+    trace: record a timed span per pipeline operation (for `OffloadEngine.tracer`).
     """
 
     target: str | Path
@@ -34,6 +51,13 @@ class EngineConfig:
     max_batch_size: int = 16
     device: str = "cpu"
     num_threads: int | None = None
+    device_memory: int | str | None = None
+    host_memory: int | str | None = None
+    weights_tier: str = "disk"
+    num_buffers: int = 2
+    max_seq_len: int | None = None
+    expert_loading: str = "auto"
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -46,6 +70,26 @@ class EngineConfig:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads!r}")
         if self.device != "cpu" and not torch.device(self.device).type == "cuda":
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("device_memory", "host_memory"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    object.__setattr__(self, name, parse_bytes(value))
+                except MemorySizeError as exc:
+                    raise ConfigError(f"{name}: {exc}") from None
+        if self.weights_tier not in ("disk", "ram"):
+            raise ConfigError(f"weights_tier must be 'disk' or 'ram', got {self.weights_tier!r}")
+        if not isinstance(self.num_buffers, int) or self.num_buffers < 1:
+            raise ConfigError(f"num_buffers must be an integer >= 1, got {self.num_buffers!r}")
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
+            raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
+        if self.expert_loading not in ("auto", "selected", "all"):
+            raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
+
+    @property
+    def offloaded(self) -> bool:
+        """True when the target streams its weights (device_memory is set)."""
+        return self.device_memory is not None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -40,3 +40,29 @@ def test_missing_checkpoint_and_bad_k(tmp_path, tiny_models, capsys):
                "--prompts", str(prompts), "-k", "0"])
     assert rc == 2
     assert "num_draft_tokens" in capsys.readouterr().err
+
+
+def test_generate_offloaded_with_trace_and_placement(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [5, 6, 7]}) + "\n" + json.dumps({"token_ids": [9, 4]}) + "\n")
+    out, trace = tmp_path / "out.jsonl", tmp_path / "trace.json"
+    common = ["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts), "--max-new-tokens", "5",
+              "--ignore-eos", "--no-progress"]
+    assert main([*common, "-o", str(tmp_path / "ref.jsonl")]) == 0
+    rc = main([*common, "-o", str(out), "--draft", str(tiny_models["draft"]), "--device-memory", "1000KiB",
+               "--max-seq-len", "32", "--batch-size", "2", "--show-placement", "--trace", str(trace)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "ring buffers" in err and "busy" in err
+    ref = [json.loads(line)["token_ids"] for line in (tmp_path / "ref.jsonl").read_text().splitlines()]
+    assert [json.loads(line)["token_ids"] for line in out.read_text().splitlines()] == ref
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_too_small_device_memory_is_one_clear_line(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [5, 6]}) + "\n")
+    rc = main(["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts),
+               "--device-memory", "10KiB", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "at least" in err and "Traceback" not in err

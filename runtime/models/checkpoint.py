@@ -28,6 +28,13 @@ _ITEMSIZE = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }  # fmt: skip
 
+_TORCH_DTYPE = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class TensorLocation:
@@ -70,6 +77,25 @@ class Checkpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name).shape
+
+    def shape_of(self, name: str, index: int | None = None) -> tuple[int, ...]:
+        """Shape of the tensor, or of its row `index` along the first dimension (the shape without that dim)."""
+        entry = self._entry(name)
+        if index is None:
+            return entry.shape
+        self._check_index(name, entry, index)
+        return entry.shape[1:]
+
+    def torch_dtype(self, name: str) -> torch.dtype:
+        """The torch dtype of the tensor's data in the file (from the safetensors dtype string, e.g. "BF16")."""
+        entry = self._entry(name)
+        try:
+            return _TORCH_DTYPE[entry.dtype]
+        except KeyError:
+            raise CheckpointError(
+                f"tensor {name!r} in {entry.file} has dtype {entry.dtype!r}, which this runtime cannot read; "
+                f"convert the checkpoint to one of {sorted(_TORCH_DTYPE)}"
+            ) from None
 
     def nbytes(self, name: str, index: int | None = None) -> int:
         """Bytes of the tensor in the file (of row `index` of its first dimension if given)."""

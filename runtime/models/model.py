@@ -1,11 +1,13 @@
 """`Transformer`: runs a checkpoint part by part (embed, per layer attention + ffn, logits) over a `KVCache`.
 
-Weights are fetched through `_weights(key)`, the one place that decides residency. Here every part stays
-resident after its first load; a streaming executor replaces that method (or the `resident` dict).
+Weights are fetched through `_weights(key)`, the one place that decides residency: a part in `resident` is used
+as is; otherwise, when a `fetch` hook is set (the offload pipeline sets one that returns the part from its ring
+buffer slot), the hook provides it; otherwise it is loaded on first use and kept resident.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -39,13 +41,16 @@ class Transformer:
         self.loader = WeightLoader(checkpoint, self.config, dtype, self.device)
         self.rope = layers.Rope.from_config(self.config, self.device)
         self.resident: dict[PartKey, Weights] = {}
+        #: provider of non-resident parts (a list of keys -> their weights), or None to load and keep them
+        self.fetch: Callable[[list[PartKey]], dict[PartKey, Weights]] | None = None
         #: keep linear weights in oneDNN's packed layout (float32 on CPU; faster GEMV/GEMM, see linear.py)
         self.pack = can_pack(dtype, self.device)
 
-    def preload(self) -> None:
-        """Load every part now (all weights resident), so the first forward pays no loading."""
-        for key in self.loader.parts():
-            self._weights(key)
+    def preload(self, keys: Iterable[PartKey] | None = None) -> None:
+        """Make these parts (default: all) resident now, so the first forward pays no loading."""
+        for key in self.loader.parts() if keys is None else keys:
+            if key not in self.resident:
+                self.resident[key] = self._load(key)
 
     def new_cache(self, batch_size: int, capacity: int, growable: bool = True) -> KVCache:
         cfg = self.config
@@ -74,9 +79,8 @@ class Transformer:
             return layers.dense_mlp_forward(self.config, self._weights(PartKey("dense_mlp", layer)), hidden)
         router = self._weights(PartKey("router", layer))
         routing = layers.route(self.config, router, hidden)
-        experts = {
-            e: self._weights(PartKey("expert", layer, e)) for e in layers.selected_experts(routing[1], token_mask)
-        }
+        keys = [PartKey("expert", layer, e) for e in layers.selected_experts(routing[1], token_mask)]
+        experts = {key.expert: w for key, w in self._weights_many(keys).items()}
         return layers.moe_combine(self.config, router, hidden, routing, experts, token_mask)
 
     @torch.inference_mode()
@@ -120,11 +124,21 @@ class Transformer:
     __call__ = forward
 
     def _weights(self, key: PartKey) -> Weights:
-        """The single residency decision: load on first use, keep resident."""
-        weights = self.resident.get(key)
-        if weights is None:
-            weights = self.loader.load(key)
-            if self.pack and key.kind != "embedding":
-                weights = pack_weights(weights)
-            self.resident[key] = weights
+        """The single residency decision (see the module docstring)."""
+        return self._weights_many([key])[key]
+
+    def _weights_many(self, keys: list[PartKey]) -> dict[PartKey, Weights]:
+        out = {key: self.resident[key] for key in keys if key in self.resident}
+        missing = [key for key in keys if key not in out]
+        if missing and self.fetch is not None:
+            out |= self.fetch(missing)
+        else:
+            for key in missing:
+                out[key] = self.resident[key] = self._load(key)
+        return out
+
+    def _load(self, key: PartKey) -> Weights:
+        weights = self.loader.load(key)
+        if self.pack and key.kind != "embedding":
+            weights = pack_weights(weights)
         return weights

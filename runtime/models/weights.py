@@ -104,46 +104,50 @@ class WeightLoader:
     # --- the parts -------------------------------------------------------------------------------------
 
     def embedding(self) -> EmbeddingWeights:
-        return EmbeddingWeights(**self._read(PartKey("embedding")))
+        return self.load(PartKey("embedding"))  # type: ignore[return-value]
 
     def attention(self, layer: int) -> AttentionWeights:
-        return AttentionWeights(**self._read(PartKey("attention", layer)))
+        return self.load(PartKey("attention", layer))  # type: ignore[return-value]
 
     def dense_mlp(self, layer: int) -> DenseMLPWeights:
-        t = self._read(PartKey("dense_mlp", layer))
-        return DenseMLPWeights(t["post_norm"], ExpertWeights(t["gate"], t["up"], t["down"]))
+        return self.load(PartKey("dense_mlp", layer))  # type: ignore[return-value]
 
     def router(self, layer: int) -> RouterWeights:
-        t = self._read(PartKey("router", layer))
-        shared = None
-        if "shared_gate_proj" in t:
-            shared = ExpertWeights(t["shared_gate_proj"], t["shared_up_proj"], t["shared_down_proj"])
-        return RouterWeights(t["post_norm"], t["gate"], shared, t.get("shared_expert_gate"))
+        return self.load(PartKey("router", layer))  # type: ignore[return-value]
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
-        t = self._read(PartKey("expert", layer, expert))
-        if "gate_up" in t:
-            gate, up = t["gate_up"].chunk(2, dim=0)  # [2 * intermediate, hidden] -> 2 x [intermediate, hidden]
-            return ExpertWeights(gate, up, t["down"])
-        return ExpertWeights(t["gate"], t["up"], t["down"])
+        return self.load(PartKey("expert", layer, expert))  # type: ignore[return-value]
 
     def head(self) -> HeadWeights:
-        return HeadWeights(**self._read(PartKey("head")))
+        return self.load(PartKey("head"))  # type: ignore[return-value]
 
     def load(self, key: PartKey) -> Weights:
         """Load any part by key."""
-        if key.kind == "embedding":
-            return self.embedding()
-        if key.kind == "attention":
-            return self.attention(key.layer)
+        if key.kind not in PART_KINDS:
+            raise ValueError(f"unknown part kind {key.kind!r}; expected one of {PART_KINDS}")
+        return self.assemble(key, self._read(key))
+
+    def assemble(self, key: PartKey, t: dict[str, Tensor]) -> Weights:
+        """Build the part's dataclass from its field tensors (named as in `refs(key)`), without copying them.
+
+        Used for tensors read from the checkpoint (`load`) and for views into a streamed buffer, so both build
+        identical objects.
+        """
+        if key.kind in ("embedding", "attention", "head"):
+            cls = {"embedding": EmbeddingWeights, "attention": AttentionWeights, "head": HeadWeights}[key.kind]
+            return cls(**t)
         if key.kind == "dense_mlp":
-            return self.dense_mlp(key.layer)
+            return DenseMLPWeights(t["post_norm"], ExpertWeights(t["gate"], t["up"], t["down"]))
         if key.kind == "router":
-            return self.router(key.layer)
+            shared = None
+            if "shared_gate_proj" in t:
+                shared = ExpertWeights(t["shared_gate_proj"], t["shared_up_proj"], t["shared_down_proj"])
+            return RouterWeights(t["post_norm"], t["gate"], shared, t.get("shared_expert_gate"))
         if key.kind == "expert":
-            return self.expert(key.layer, key.expert)
-        if key.kind == "head":
-            return self.head()
+            if "gate_up" in t:
+                gate, up = t["gate_up"].chunk(2, dim=0)  # [2 * intermediate, hidden] -> 2 x [intermediate, hidden]
+                return ExpertWeights(gate, up, t["down"])
+            return ExpertWeights(t["gate"], t["up"], t["down"])
         raise ValueError(f"unknown part kind {key.kind!r}; expected one of {PART_KINDS}")
 
     # --- sizes, for placement planning -----------------------------------------------------------------

@@ -1,0 +1,416 @@
+"""Where each weight and cache lives: a pure function from model sizes, a policy and budgets to a `Placement`.
+
+Tiers:
+    "device"  resident where compute happens (on a CPU-only machine that is host RAM too: `unified_memory`);
+    "host"    host RAM: the target KV cache (attention runs on the CPU), and the streamed target weights when
+              `weights_tier == "ram"`;
+    "disk"    the safetensors files: the streamed target weights when `weights_tier == "disk"`, and the
+              embedding table when it is not resident (only the rows of the current tokens are read).
+
+Footprint of a plan (what `place` checks against the budgets):
+    device = draft weights + draft KV + resident target parts + num_buffers * slot_bytes
+             (+ every host item when `unified_memory`: one pool)
+    host   = target KV + target weights on "host"
+where slot_bytes is the largest *slot group* of streamed target parts: all streamed parts of one layer load
+together into one ring slot (for MoE the router if streamed and every expert: the worst case of routing), and
+the streamed head takes a slot of its own (group index num_layers). The embedding never goes through the ring.
+
+Nothing here reads files, touches tensors or starts threads; the executor consumes the `Placement`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from ..models.errors import SpecOffloadError
+from ..models.weights import PART_KINDS, PartKey
+from .memory import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from ..models.weights import WeightLoader
+
+TIERS = ("device", "host", "disk")
+WEIGHTS_TIERS = ("disk", "ram")
+
+#: part kind -> the category it is reported (and prioritised) under
+_CATEGORY = {
+    "embedding": "embedding",
+    "attention": "attention",
+    "router": "routers",
+    "dense_mlp": "ffn",
+    "expert": "ffn",
+    "head": "head",
+}
+_CATEGORY_ORDER = ("embedding", "routers", "attention", "ffn", "head")  # report order of the items
+
+
+class PlacementError(SpecOffloadError, ValueError):
+    """The models do not fit the memory budgets under this policy, or the policy itself is invalid."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What placement needs to know about one model, in the compute dtype."""
+
+    name: str
+    parts: tuple[tuple[PartKey, int], ...]  # every part with its bytes, in execution order
+    num_layers: int
+    kv_bytes_per_token: int  # K + V bytes of one token over all layers
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 0 or self.kv_bytes_per_token < 0:
+            raise ValueError(f"{self.name}: num_layers and kv_bytes_per_token must be >= 0")
+        seen: set[PartKey] = set()
+        for key, nbytes in self.parts:
+            if key.kind not in PART_KINDS:
+                raise ValueError(f"{self.name}: unknown part kind {key.kind!r}; expected one of {PART_KINDS}")
+            per_layer = key.kind not in ("embedding", "head")
+            if per_layer and not 0 <= key.layer < self.num_layers:
+                raise ValueError(f"{self.name}: {key} is outside layers 0..{self.num_layers - 1}")
+            if nbytes < 0 or key in seen:
+                raise ValueError(f"{self.name}: {key} has negative bytes or appears twice")
+            seen.add(key)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.parts)
+
+    def kv_cache_bytes(self, policy: PlacementPolicy) -> int:
+        """Bytes of this model's KV cache for every row of every batch at full context."""
+        return self.kv_bytes_per_token * policy.context * policy.batch_size * policy.num_batches
+
+    @classmethod
+    def from_loader(cls, name: str, loader: WeightLoader) -> ModelShape:
+        """Sizes from a `WeightLoader` (its dtype is the compute dtype). Reads tensor headers only."""
+        cfg = loader.config
+        parts = tuple((key, loader.nbytes(key)) for key in loader.parts())
+        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * loader.dtype.itemsize
+        return cls(name=name, parts=parts, num_layers=cfg.num_layers, kv_bytes_per_token=kv)
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    """The knobs of a placement. Invalid values raise `PlacementError` at construction."""
+
+    batch_size: int  # rows per decode batch
+    num_batches: int = 2  # two interleaved batches with a draft, 1 without
+    context: int = 2048  # KV capacity per row (prompt + new tokens + k + 1)
+    num_buffers: int = 2  # ring slots for streamed layer weights (>= 1)
+    weights_tier: str = "disk"  # where streamed target weights live: "disk" (safetensors) or "ram" (host memory)
+    unified_memory: bool = True  # True on CPU: device memory IS host memory, host items count against both
+
+    def __post_init__(self) -> None:
+        for name, low in (("batch_size", 1), ("context", 1), ("num_buffers", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise PlacementError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.num_batches not in (1, 2) or isinstance(self.num_batches, bool):
+            raise PlacementError(
+                f"num_batches must be 1 (no draft) or 2 (two interleaved batches with a draft), "
+                f"got {self.num_batches!r}"
+            )
+        if self.weights_tier not in WEIGHTS_TIERS:
+            raise PlacementError(
+                f"weights_tier must be 'disk' (stream from the safetensors files) or 'ram' (keep in host "
+                f"memory), got {self.weights_tier!r}"
+            )
+
+    @property
+    def streamed_tier(self) -> str:
+        """The tier of a target part that is not resident: "disk" or "host"."""
+        return "disk" if self.weights_tier == "disk" else "host"
+
+    def describe(self) -> str:
+        return (
+            f"batch_size={self.batch_size}, num_batches={self.num_batches}, context={self.context}, "
+            f"num_buffers={self.num_buffers}, weights_tier={self.weights_tier!r}"
+        )
+
+
+@dataclass(frozen=True)
+class PlacementItem:
+    """One row of the placement table."""
+
+    name: str
+    tier: str  # one of TIERS
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Tier of every target part, the ring geometry, and the table of what lives where."""
+
+    tiers: Mapping[PartKey, str] = field(hash=False)  # target part -> "device" | "host" | "disk" (read-only)
+    streamed_layers: tuple[int, ...]  # layers with a streamed part; the streamed head counts as num_layers
+    slot_bytes: int  # bytes of one ring slot: the largest streamed slot group
+    num_buffers: int
+    policy: PlacementPolicy
+    items: tuple[PlacementItem, ...]
+    device_memory: int
+    host_memory: int
+
+    def tier(self, key: PartKey) -> str:
+        try:
+            return self.tiers[key]
+        except KeyError:
+            raise KeyError(f"{key} is not a part of the placed target model") from None
+
+    def is_streamed(self, key: PartKey) -> bool:
+        """True if the part is loaded into a ring slot before use (the embedding never is: rows are gathered)."""
+        return key.kind != "embedding" and self.tier(key) != "device"
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """tier -> sum of the items on it (every tier present, possibly 0)."""
+        totals = dict.fromkeys(TIERS, 0)
+        for item in self.items:
+            totals[item.tier] += item.nbytes
+        return totals
+
+    def device_bytes(self) -> int:
+        """What counts against device_memory: device items, plus host items under unified memory."""
+        totals = self.bytes_by_tier()
+        return totals["device"] + (totals["host"] if self.policy.unified_memory else 0)
+
+    def host_bytes(self) -> int:
+        return self.bytes_by_tier()["host"]
+
+    def table(self) -> str:
+        """Plain-text table (item, tier, bytes) with per-tier totals and budgets, for the CLI."""
+        width = max([len("item"), *(len(item.name) for item in self.items)])
+        lines = [f"{'item':<{width}}  {'tier':<6}  {'bytes':>10}", f"{'-' * width}  {'-' * 6}  {'-' * 10}"]
+        lines += [f"{i.name:<{width}}  {i.tier:<6}  {format_bytes(i.nbytes):>10}" for i in self.items]
+        totals = self.bytes_by_tier()
+        lines.append(f"{'-' * width}  {'-' * 6}  {'-' * 10}")
+        lines.append(f"{'total':<{width}}  {'device':<6}  {format_bytes(totals['device']):>10}")
+        lines.append(f"{'total':<{width}}  {'host':<6}  {format_bytes(totals['host']):>10}")
+        lines.append(f"{'total':<{width}}  {'disk':<6}  {format_bytes(totals['disk']):>10}")
+        pool = " (device + host items: unified memory)" if self.policy.unified_memory else ""
+        lines.append(f"device budget: {format_bytes(self.device_bytes())} of {format_bytes(self.device_memory)}{pool}")
+        lines.append(f"host budget:   {format_bytes(totals['host'])} of {format_bytes(self.host_memory)}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (per-part tiers are summarised as counts per kind and tier)."""
+        counts: dict[str, dict[str, int]] = {}
+        for key, tier in self.tiers.items():
+            by_tier = counts.setdefault(key.kind, {})
+            by_tier[tier] = by_tier.get(tier, 0) + 1
+        return {
+            "policy": asdict(self.policy),
+            "device_memory": self.device_memory,
+            "host_memory": self.host_memory,
+            "device_bytes": self.device_bytes(),
+            "bytes_by_tier": self.bytes_by_tier(),
+            "slot_bytes": self.slot_bytes,
+            "num_buffers": self.num_buffers,
+            "streamed_layers": list(self.streamed_layers),
+            "part_tiers": counts,
+            "items": [asdict(item) for item in self.items],
+        }
+
+
+def priority_order(target: ModelShape) -> tuple[tuple[PartKey, ...], ...]:
+    """The steps in which target parts become resident, highest priority first; each step is all-or-nothing.
+
+    1. routers, layer 0 upward: tiny and needed by every token to pick the experts;
+    2. attention, layer 0 upward: used by every token of every row, and small next to the ffn;
+    3. the head: once per pass, but it is large (vocab x hidden) and sets the slot size when it streams;
+    4. the ffn (dense_mlp, or all experts of a MoE layer), whole layers in `spread_order`: it dominates the
+       bytes, so it is what streams; resident and streamed layers alternate as evenly as possible, so that
+       loading a streamed layer overlaps the compute of the resident layers before it (a block of streamed
+       layers at the end would leave the loader idle for the first half of the pass and the device waiting for
+       it in the second);
+    5. the embedding last: when it is not resident only the rows of the current tokens are read.
+    """
+    by_kind: dict[str, list[PartKey]] = {}
+    ffn: dict[int, list[PartKey]] = {}
+    for key, _ in target.parts:
+        if _CATEGORY[key.kind] == "ffn":
+            ffn.setdefault(key.layer, []).append(key)
+        else:
+            by_kind.setdefault(key.kind, []).append(key)
+    steps: list[tuple[PartKey, ...]] = []
+    steps += [(key,) for key in sorted(by_kind.get("router", []))]
+    steps += [(key,) for key in sorted(by_kind.get("attention", []))]
+    steps += [(key,) for key in by_kind.get("head", [])]
+    layers = sorted(ffn)
+    steps += [tuple(ffn[layers[n]]) for n in spread_order(len(layers))]
+    steps += [(key,) for key in by_kind.get("embedding", [])]
+    return tuple(steps)
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 ordered so that every prefix is spread evenly over the range (bit-reversal / van der Corput order).
+
+    spread_order(8) == [0, 4, 2, 6, 1, 5, 3, 7]; for other n, the van der Corput points scaled to n, deduplicated.
+    """
+    order: list[int] = []
+    seen: set[int] = set()
+    bits = max(1, (n - 1).bit_length())
+    for i in range(1 << bits):
+        reversed_i = int(format(i, f"0{bits}b")[::-1], 2)
+        index = reversed_i * n >> bits
+        if index not in seen:
+            seen.add(index)
+            order.append(index)
+    order += [i for i in range(n) if i not in seen]
+    return order
+
+
+def minimum_device_memory(target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy) -> int:
+    """The smallest device footprint over the placement chain (usually: every streamable target part streamed)."""
+    return min(device for device, _ in _footprints(target, draft, policy))
+
+
+def place(
+    target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy, device_memory: int, host_memory: int
+) -> Placement:
+    """Place the target (and draft) within the budgets; see the module docstring for the footprint.
+
+    The draft weights, draft KV cache and the ring are mandatory on the device; the target KV cache is on the
+    host. Target parts then become resident step by step in `priority_order`: the plan is the longest prefix of
+    those steps whose footprint fits both budgets. More budget never makes fewer parts resident. Raises
+    `PlacementError` stating the minimum budgets when no prefix fits.
+    """
+    device_memory, host_memory = parse_bytes(device_memory), parse_bytes(host_memory)
+    chain = _footprints(target, draft, policy)
+    fitting = [k for k, (device, host) in enumerate(chain) if device <= device_memory and host <= host_memory]
+    if not fitting:
+        raise PlacementError(_no_fit_message(target, draft, policy, chain, device_memory, host_memory))
+    steps = priority_order(target)
+    layout = _layout(target, draft, policy, {key for step in steps[: fitting[-1]] for key in step})
+    return Placement(
+        tiers=MappingProxyType(dict(layout.tiers)),
+        streamed_layers=layout.streamed_layers,
+        slot_bytes=layout.slot_bytes,
+        num_buffers=policy.num_buffers,
+        policy=policy,
+        items=layout.items,
+        device_memory=device_memory,
+        host_memory=host_memory,
+    )
+
+
+# --- internals -------------------------------------------------------------------------------------------
+
+
+def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy) -> list[tuple[int, int]]:
+    """(device, host) footprint of every prefix of `priority_order(target)`: index k = first k steps resident.
+
+    Incremental, O(steps * layers); the items `_layout` builds for a resident set add up to the same numbers.
+    """
+    nbytes = dict(target.parts)
+    draft_bytes = draft.total_bytes + draft.kv_cache_bytes(policy) if draft is not None else 0
+    kv = target.kv_cache_bytes(policy)
+    slots: dict[int, int] = {}  # slot group -> streamed bytes
+    for key, n in target.parts:
+        group = _slot_group(key, target.num_layers)
+        if group is not None:
+            slots[group] = slots.get(group, 0) + n
+    resident = 0  # target weight bytes on the device
+
+    def footprint() -> tuple[int, int]:
+        host = kv + (target.total_bytes - resident if policy.weights_tier == "ram" else 0)
+        ring = policy.num_buffers * max(slots.values(), default=0)
+        return draft_bytes + resident + ring + (host if policy.unified_memory else 0), host
+
+    chain = [footprint()]
+    for step in priority_order(target):
+        for key in step:
+            resident += nbytes[key]
+            group = _slot_group(key, target.num_layers)
+            if group is not None:
+                slots[group] -= nbytes[key]
+        chain.append(footprint())
+    return chain
+
+
+def _slot_group(key: PartKey, num_layers: int) -> int | None:
+    """The ring slot group of a streamed part: its layer, num_layers for the head, None for the embedding."""
+    if key.kind == "embedding":
+        return None
+    return num_layers if key.kind == "head" else key.layer
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The plan for one resident set."""
+
+    tiers: tuple[tuple[PartKey, str], ...]
+    streamed_layers: tuple[int, ...]
+    slot_bytes: int
+    items: tuple[PlacementItem, ...]
+
+
+def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy, resident: set[PartKey]) -> _Layout:
+    tiers: list[tuple[PartKey, str]] = []
+    slots: dict[int, int] = {}  # slot group -> streamed bytes
+    buckets: dict[tuple[str, str], list[Any]] = {}  # (category, tier) -> [bytes, set of layers]
+    for key, nbytes in target.parts:
+        tier = "device" if key in resident else policy.streamed_tier
+        tiers.append((key, tier))
+        group = _slot_group(key, target.num_layers)
+        if tier != "device" and group is not None:
+            slots[group] = slots.get(group, 0) + nbytes
+        bucket = buckets.setdefault((_CATEGORY[key.kind], tier), [0, set()])
+        bucket[0] += nbytes
+        bucket[1].add(key.layer)
+    slot_bytes = max(slots.values(), default=0)
+
+    items: list[PlacementItem] = []
+    if draft is not None:
+        items.append(PlacementItem("draft weights", "device", draft.total_bytes))
+        items.append(PlacementItem("draft KV cache", "device", draft.kv_cache_bytes(policy)))
+    for category in _CATEGORY_ORDER:
+        if (category, "device") in buckets:
+            nbytes, layers = buckets[category, "device"]
+            items.append(PlacementItem(_label(category, layers, streamed=False), "device", nbytes))
+    if slot_bytes:
+        ring = f"ring buffers {policy.num_buffers} x {format_bytes(slot_bytes)}"
+        items.append(PlacementItem(ring, "device", policy.num_buffers * slot_bytes))
+    for category in _CATEGORY_ORDER:
+        if (category, policy.streamed_tier) in buckets:
+            nbytes, layers = buckets[category, policy.streamed_tier]
+            items.append(PlacementItem(_label(category, layers, streamed=True), policy.streamed_tier, nbytes))
+    items.append(PlacementItem("target KV cache", "host", target.kv_cache_bytes(policy)))
+    return _Layout(tuple(tiers), tuple(sorted(slots)), slot_bytes, tuple(items))
+
+
+def _label(category: str, layers: set[int], streamed: bool) -> str:
+    if category == "embedding":
+        return "target embedding" if not streamed else "target embedding (rows read on demand)"
+    if category == "head":
+        return "target head (streamed)" if streamed else "target head"
+    count = f"{len(layers)} layer{'s' if len(layers) != 1 else ''}"
+    return f"target {category} ({'streamed, ' if streamed else ''}{count})"
+
+
+def _no_fit_message(
+    target: ModelShape,
+    draft: ModelShape | None,
+    policy: PlacementPolicy,
+    chain: list[tuple[int, int]],
+    device_memory: int,
+    host_memory: int,
+) -> str:
+    pair = f"target {target.name!r}" + (f" with draft {draft.name!r}" if draft is not None else "")
+    min_device = min(device for device, _ in chain)
+    problems = []
+    if device_memory < min_device:
+        problems.append(
+            f"at least {format_bytes(min_device)} ({min_device} bytes) of device memory "
+            f"(budget {format_bytes(device_memory)})"
+        )
+    device_ok = [host for device, host in chain if device <= device_memory]
+    min_host = min(device_ok) if device_ok else min(host for _, host in chain)
+    if host_memory < min_host:
+        problems.append(
+            f"at least {format_bytes(min_host)} ({min_host} bytes) of host memory (budget {format_bytes(host_memory)})"
+        )
+    hint = "lower batch_size, context or num_buffers"
+    if policy.weights_tier == "ram":
+        hint += ", or stream the weights from disk (weights_tier='disk')"
+    return f"{pair} does not fit: with {policy.describe()} it needs {' and '.join(problems)}; {hint}."

@@ -1,0 +1,229 @@
+"""The interleaved two-batch schedule, as a list of operations a test can check without threads.
+
+Convention (stated once): **step i, layer j, batch k**. Step i is one pass of the target's weights.
+With a draft model there are two batches, k in {0, 1}: at step i the target verifies batch ``k = i % 2``
+("A") while the draft proposes tokens for batch ``1 - i % 2`` ("B"); roles swap every step. Without a
+draft there is one batch (k = 0), verified every step (layer streaming only, FlexGen style).
+
+A target pass over batch A at step i is, per layer j:
+
+    load(i, j)  [io]      the layer's streamed weights into ring slot j % num_buffers
+    attention(i, j, A)    [cpu]     CPU attention against the host KV cache (after ffn(i, j-1, A))
+    ffn(i, j, A)          [device]  FFN / experts with the streamed weights (after attention and load)
+
+bracketed by embed(i, A) [cpu] before layer 0 and head(i, A) [device] + verify(i, A) [cpu] after the last
+layer (the head is loaded as pseudo-layer L when it streams). Meanwhile draft(i, B, t) [device], t < k,
+proposes draft token t for batch B. Dependencies:
+
+- load(i, j) into slot s waits for the last op that used slot s (so at most ``num_buffers`` layers of
+  streamed weights are live); it depends on nothing else, so step i+1's first loads start while step i
+  still computes.
+- embed(i, A) waits for verify of batch A's previous pass and for A's drafts (draft(i-1, A, k-1)).
+- draft(i, B, 0) waits only for verify of batch B's previous pass, which finished at the end of step i-1
+  (the swap): batch B's drafting never waits on batch A's verification of step i.
+
+Each resource runs its ops in list order of priority: an executor picks the first op whose dependencies are
+done (so the device runs draft ops while the next ffn waits for its weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+RESOURCES = ("io", "cpu", "device")
+KINDS = ("load", "embed", "attention", "ffn", "head", "verify", "draft")
+_RESOURCE_OF = {
+    "load": "io",
+    "embed": "cpu",
+    "attention": "cpu",
+    "ffn": "device",
+    "head": "device",
+    "verify": "cpu",
+    "draft": "device",
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation. `layer` is the pseudo-layer L for the head's load; `token` is the draft token index."""
+
+    id: int
+    kind: str
+    step: int
+    layer: int = -1
+    batch: int = -1
+    token: int = -1
+    slot: int = -1
+    deps: tuple[int, ...] = ()
+
+    @property
+    def resource(self) -> str:
+        return _RESOURCE_OF[self.kind]
+
+    def __str__(self) -> str:
+        parts = [f"i={self.step}"]
+        if self.layer >= 0:
+            parts.append(f"j={self.layer}")
+        if self.batch >= 0:
+            parts.append(f"k={self.batch}")
+        if self.token >= 0:
+            parts.append(f"t={self.token}")
+        if self.slot >= 0:
+            parts.append(f"slot={self.slot}")
+        return f"{self.kind}({', '.join(parts)})"
+
+
+@dataclass
+class PipelineSchedule:
+    """Emits the ops of successive steps, keeping the cross-step state (slot owners, last verify per batch).
+
+    num_layers: L; streamed_layers: layers whose weights are loaded per pass (the head is layer L);
+    attention_streamed: layers whose attention weights are in their slot (attention then waits for the load);
+    num_buffers: ring slots; num_draft_tokens: k (0 or no draft: one batch, no draft ops).
+    """
+
+    num_layers: int
+    streamed_layers: Sequence[int]
+    num_buffers: int = 2
+    num_draft_tokens: int = 0
+    attention_streamed: Sequence[int] = ()
+    _ops: list[Op] = field(default_factory=list, init=False)
+    _slot_user: dict[int, int] = field(default_factory=dict, init=False)  # slot -> last op id using it
+    _next_slot: int = field(default=0, init=False)
+    _last_verify: dict[int, int] = field(default_factory=dict, init=False)  # batch -> verify op id
+    _last_draft: dict[int, int] = field(default_factory=dict, init=False)  # batch -> last draft op id
+    _step: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_buffers < 1:
+            raise ValueError(f"num_buffers must be >= 1, got {self.num_buffers}")
+        if self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        bad = [j for j in self.streamed_layers if not 0 <= j <= self.num_layers]
+        if bad:
+            raise ValueError(f"streamed layers {bad} outside 0..{self.num_layers} (L = the head)")
+        self.streamed_layers = tuple(sorted(set(self.streamed_layers)))
+        self.attention_streamed = frozenset(self.attention_streamed)
+
+    @property
+    def num_batches(self) -> int:
+        return 2 if self.num_draft_tokens > 0 else 1
+
+    @property
+    def ops(self) -> list[Op]:
+        """Every op emitted so far, in priority order."""
+        return list(self._ops)
+
+    def target_batch(self, step: int) -> int:
+        return step % self.num_batches
+
+    def draft_batch(self, step: int) -> int | None:
+        return 1 - step % 2 if self.num_batches == 2 else None
+
+    def next_step(self, target: bool = True, draft: bool = True) -> list[Op]:
+        """Ops of the next step. target=False: batch A has no rows (no pass); draft=False: B has no rows."""
+        i = self._step
+        self._step += 1
+        a, b = self.target_batch(i), self.draft_batch(i)
+        new: list[Op] = []
+
+        def emit(kind: str, deps: Sequence[int | None] = (), **where: int) -> int:
+            op = Op(len(self._ops) + len(new), kind, i, deps=tuple(sorted({d for d in deps if d is not None})),
+                    **where)
+            new.append(op)
+            return op.id
+
+        drafts: list[tuple[int, int]] = []  # (after this layer, token): where draft ops go in priority order
+        if b is not None and draft:
+            k = self.num_draft_tokens
+            drafts = [((t + 1) * self.num_layers // (k + 1), t) for t in range(k)]
+        if target:
+            loads: dict[int, int] = {}  # layer -> load op id
+            pending = list(self.streamed_layers)
+
+            def issue_load() -> None:  # the next pending load, into the next ring slot
+                j = pending.pop(0)
+                slot = self._next_slot
+                self._next_slot = (slot + 1) % self.num_buffers
+                loads[j] = emit("load", [self._slot_user.get(slot)], layer=j, slot=slot)
+                self._slot_user[slot] = loads[j]
+
+            def release(j: int, user: int) -> None:  # user is the slot's last reader: the next load may follow
+                self._slot_user[self._slot_of(loads[j], new)] = user
+                if pending:
+                    issue_load()
+
+            for _ in range(min(self.num_buffers, len(pending))):
+                issue_load()
+            prev = emit("embed", [self._last_verify.get(a), self._last_draft.get(a)], batch=a)
+            self._last_draft.pop(a, None)
+            for j in range(self.num_layers):
+                attn = emit("attention", [prev, loads.get(j) if j in self.attention_streamed else None],
+                            layer=j, batch=a)
+                prev = emit("ffn", [attn, loads.get(j)], layer=j, batch=a, slot=self._slot_of(loads.get(j), new))
+                if j in loads:
+                    release(j, prev)
+                while drafts and drafts[0][0] <= j:
+                    self._emit_draft(emit, i, b, drafts.pop(0)[1])
+            head_load = loads.get(self.num_layers)
+            head = emit("head", [prev, head_load], batch=a, slot=self._slot_of(head_load, new))
+            if head_load is not None:
+                release(self.num_layers, head)
+            self._last_verify[a] = emit("verify", [head], batch=a)
+        for _, t in drafts:
+            self._emit_draft(emit, i, b, t)
+        self._ops.extend(new)
+        return new
+
+    def _emit_draft(self, emit, step: int, batch: int, token: int) -> None:  # noqa: ANN001
+        if token > 0:
+            deps = [self._last_draft.get(batch)]
+        else:  # B's last verify, and B's drafts no pass verified (B's pass was skipped): they share draft state
+            deps = [self._last_verify.get(batch), self._last_draft.get(batch)]
+        self._last_draft[batch] = emit("draft", deps, batch=batch, token=token)
+
+    def _slot_of(self, op_id: int | None, new: list[Op]) -> int:
+        if op_id is None:
+            return -1
+        base = len(self._ops)
+        return new[op_id - base].slot if op_id >= base else self._ops[op_id].slot
+
+
+def check_schedule(ops: Sequence[Op], num_buffers: int) -> None:
+    """Raise AssertionError if ops violate the schedule invariants (used by tests and in debug runs).
+
+    - deps point to earlier ops (the list is a valid topological order);
+    - every (step, layer, batch) attention and ffn appears exactly once per target pass;
+    - each ffn of a streamed layer depends (directly) on the load of that layer in the same step;
+    - a slot is never reloaded before the previous user of that slot is done, so in any topological
+      execution at most `num_buffers` loaded layers are live.
+    """
+    by_id = {op.id: op for op in ops}
+    for op in ops:
+        for d in op.deps:
+            assert d in by_id and d < op.id, f"{op} depends on a later or unknown op {d}"
+    seen: set[tuple[str, int, int, int]] = set()
+    for op in ops:
+        if op.kind in ("attention", "ffn"):
+            key = (op.kind, op.step, op.layer, op.batch)
+            assert key not in seen, f"{op} computed twice"
+            seen.add(key)
+    loads = {(op.step, op.layer): op for op in ops if op.kind == "load"}
+    for op in ops:
+        if op.kind == "ffn" and (op.step, op.layer) in loads:
+            assert loads[(op.step, op.layer)].id in op.deps, f"{op} does not wait for its weights"
+    users: dict[int, list[Op]] = {}
+    for op in ops:
+        if op.slot >= 0:
+            assert op.slot < num_buffers, f"{op} uses slot {op.slot} >= {num_buffers}"
+            users.setdefault(op.slot, []).append(op)
+    for slot_ops in users.values():
+        last_use: int | None = None
+        for op in slot_ops:
+            if op.kind == "load":
+                if last_use is not None:
+                    assert last_use in op.deps, f"{op} overwrites slot {op.slot} before op {last_use} is done"
+                last_use = op.id
+            else:
+                last_use = op.id

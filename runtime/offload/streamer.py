@@ -1,0 +1,334 @@
+"""`WeightStreamer`: loads the streamed parts of a model into a ring of preallocated device buffers ("slots").
+
+A slot is one uint8 device tensor of `slot_bytes`. `load(slot, keys)` lays the parts out back to back in the slot
+(every tensor at a `TENSOR_ALIGN`-aligned byte offset, in the compute dtype), fills them from the source tier and
+returns each part's `Weights` dataclass built by `WeightLoader.assemble` over views into the slot, so streamed and
+resident weights are the same objects to the compute code. Nothing is allocated per load.
+
+Source tiers:
+  "disk"  raw bytes are read from the safetensors files with `DirectReader` (O_DIRECT), tensors that are close in a
+          file coalesced into one read of up to `staging_bytes`, then converted to the compute dtype into the slot.
+  "ram"   at construction the streamable `parts` are read once into host memory in the compute dtype (pinned on
+          CUDA), laid out per part exactly as in a slot, so a load is one memcpy per part.
+
+On CUDA all copies are issued on a dedicated copy stream with `non_blocking=True` and an event is recorded per load;
+`wait(slot)` makes the current stream wait for it, `release(slot)` makes the next load into the slot wait for the
+work the current stream has queued on it. From disk, the raw file bytes go host->device first (in the file dtype,
+e.g. float16: half the PCIe bytes of float32) into a device scratch buffer, and are converted on the device; two
+pinned staging buffers let the read of one chunk overlap the transfer of the previous one. On CPU every copy is
+synchronous in the calling thread, and the conversion reads straight from the staging buffer.
+
+Threading: `load` may run in a dedicated io thread (calls are serialised by a lock); the caller guarantees that a
+slot being reloaded is no longer in use (on CUDA: calls `release(slot)` after queueing its last use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..models.checkpoint import TensorLocation
+from ..models.weights import PartKey, TensorRef, WeightLoader, Weights
+from .direct_io import ALIGN, AlignedBuffer, DirectReader, align_up
+
+TENSOR_ALIGN = 64  # bytes: start of every tensor in a slot (and in the host tier)
+SOURCES = ("disk", "ram")
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    """One tensor of a part: where its bytes are in the file and where it goes in the part's region of a slot."""
+
+    field: str
+    ref: TensorRef
+    location: TensorLocation  # the raw bytes in the checkpoint (file dtype)
+    file_dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # byte offset in the part's region, TENSOR_ALIGN-aligned
+    nbytes: int  # bytes in the compute dtype
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    fields: tuple[FieldLayout, ...]
+    nbytes: int  # bytes the part takes in a slot, a multiple of TENSOR_ALIGN
+
+
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """`length` bytes at `offset` of file `path` (in `file_dtype`), to be converted into the elements of `dest`."""
+
+    path: str
+    offset: int
+    length: int
+    file_dtype: torch.dtype
+    dest: torch.Tensor  # [length // file_dtype.itemsize], compute dtype, flat view into a slot or the host tier
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def coalesce(pieces: Sequence[Piece], max_span: int, max_gap: int) -> list[list[Piece]]:
+    """Group pieces into reads: same file, sorted by offset, gaps of at most `max_gap` bytes read through, each
+    read's ALIGN-aligned span at most `max_span` bytes (a piece must fit alone: see `split_pieces`)."""
+    groups: list[list[Piece]] = []
+    start = end = 0
+    for piece in sorted(pieces, key=lambda p: (p.path, p.offset)):
+        last = groups[-1][-1] if groups else None
+        fits = align_up(max(end, piece.end)) - start // ALIGN * ALIGN <= max_span
+        if last is not None and last.path == piece.path and piece.offset - end <= max_gap and fits:
+            groups[-1].append(piece)
+            end = max(end, piece.end)
+        else:
+            groups.append([piece])
+            start, end = piece.offset, piece.end
+    return groups
+
+
+def split_pieces(field: FieldLayout, dest: torch.Tensor, max_piece: int) -> Iterator[Piece]:
+    """Cut a tensor's file bytes into pieces of at most `max_piece` bytes (a multiple of TENSOR_ALIGN, hence of
+    the item size) with the matching ranges of `dest` (flat, compute dtype)."""
+    loc, itemsize = field.location, field.file_dtype.itemsize
+    for begin in range(0, loc.length, max_piece):
+        length = min(max_piece, loc.length - begin)
+        elems = dest[begin // itemsize : (begin + length) // itemsize]
+        yield Piece(loc.path, loc.offset + begin, length, field.file_dtype, elems)
+
+
+class WeightStreamer:
+    """Loads the streamed parts of a model into one of `num_slots` preallocated device buffers ("slots").
+
+    `source` is "disk" or "ram" (see the module docstring); `parts` are the parts that may be streamed (required
+    for "ram", which preloads them); `tracer`, if given, has `span(name, resource, **args)` returning a context
+    manager. `bytes_read` counts bytes moved from the source tier by `load` (file bytes including alignment padding
+    and coalesced gaps for "disk", host bytes for "ram"); `read_seconds` and `copy_seconds` the host time spent
+    reading and copying/converting (on CUDA copies are asynchronous: only their issue time). `reader` is the
+    `DirectReader` (its `mode` and `reads` are worth reporting). `direct=False` forces buffered reads; `max_gap` is
+    the largest hole between two tensors of a file that is read through to merge their reads.
+    """
+
+    def __init__(
+        self,
+        loader: WeightLoader,
+        slot_bytes: int,
+        num_slots: int,
+        source: str,
+        device: str | torch.device,
+        staging_bytes: int = 64 << 20,
+        parts: Sequence[PartKey] | None = None,
+        tracer: Any = None,
+        direct: bool = True,
+        max_gap: int = 64 << 10,
+    ) -> None:
+        if source not in SOURCES:
+            raise ValueError(f"unknown weight source {source!r}; expected one of {SOURCES}")
+        if source == "ram" and parts is None:
+            raise ValueError('source "ram" preloads the streamed parts: pass them as `parts`')
+        if num_slots < 1 or slot_bytes < 1:
+            raise ValueError(f"need at least one slot of at least one byte, got {num_slots} x {slot_bytes} bytes")
+        self.loader = loader
+        self.source = source
+        self.device = torch.device(device)
+        self.dtype = loader.dtype
+        self.slot_bytes = slot_bytes
+        self.max_gap = max_gap
+        self.tracer = tracer
+        self.bytes_read = 0
+        self.read_seconds = 0.0
+        self.copy_seconds = 0.0
+        self._cuda = self.device.type == "cuda"
+        self._lock = threading.Lock()
+        self._layouts: dict[PartKey, PartLayout] = {}
+        self.reader = DirectReader(direct=direct)
+        self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
+        staging_bytes = max(align_up(staging_bytes), 4 * ALIGN)
+        self._staging = [AlignedBuffer(staging_bytes, pin=self._cuda) for _ in range(2 if self._cuda else 1)]
+        self._max_piece = (staging_bytes - 2 * ALIGN) // TENSOR_ALIGN * TENSOR_ALIGN  # + alignment fits staging
+        self._turn = 0
+        self._staging_free: list[torch.cuda.Event | None] = [None] * len(self._staging)
+        self._loaded: list[torch.cuda.Event | None] = [None] * num_slots
+        self._released: list[torch.cuda.Event | None] = [None] * num_slots
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        on_device_disk = self._cuda and source == "disk"
+        self._scratch = torch.empty(staging_bytes, dtype=torch.uint8, device=self.device) if on_device_disk else None
+        self._host: torch.Tensor | None = None
+        self._host_offset: dict[PartKey, int] = {}
+        if source == "ram":
+            self._preload(list(dict.fromkeys(parts or ())))
+
+    # --- public --------------------------------------------------------------------------------------------
+
+    def nbytes(self, keys: Sequence[PartKey]) -> int:
+        """Bytes the parts take in a slot, in the compute dtype, with per-tensor alignment."""
+        return sum(self.layout(key).nbytes for key in dict.fromkeys(keys))
+
+    def layout(self, key: PartKey) -> PartLayout:
+        """Where each tensor of the part lies in the file and in the part's region of a slot (cached)."""
+        if key not in self._layouts:
+            self._layouts[key] = self._make_layout(key)
+        return self._layouts[key]
+
+    def load(self, slot: int, keys: Sequence[PartKey]) -> dict[PartKey, Weights]:
+        """Fill slot `slot` with the parts and return their weights (views into the slot, compute dtype, device).
+
+        Blocks until the data is in the slot on CPU; on CUDA until it is queued (call `wait(slot)` before use).
+        Raises ValueError if the parts do not fit in a slot, CheckpointError if the checkpoint cannot be read.
+        """
+        if not 0 <= slot < len(self._slots):
+            raise IndexError(f"slot {slot} out of range for {len(self._slots)} slots")
+        keys = list(dict.fromkeys(keys))
+        need = self.nbytes(keys)
+        if need > self.slot_bytes:
+            raise ValueError(
+                f"parts {keys} need {need} bytes but a slot holds {self.slot_bytes}; load fewer parts per slot "
+                "or make the slots larger"
+            )
+        missing = [key for key in keys if self.source == "ram" and key not in self._host_offset]
+        if missing:
+            raise ValueError(f"parts {missing} are not in the host RAM tier; pass them in `parts` at construction")
+        with self._lock, self._span("load", "io", slot=slot, parts=len(keys), bytes=need):
+            bases = self._bases(keys)
+            if self._stream is not None and self._released[slot] is not None:
+                self._stream.wait_event(self._released[slot])
+            if self.source == "disk":
+                before = self.reader.bytes_read
+                self._fill_from_disk(self._pieces(self._slots[slot], bases), on_device=self._cuda)
+                self.bytes_read += self.reader.bytes_read - before
+            else:
+                self._fill_from_host(self._slots[slot], bases)
+            if self._stream is not None:
+                self._loaded[slot] = self._stream.record_event()
+            return {key: self.loader.assemble(key, self._views(self._slots[slot], key, base)) for key, base in bases}
+
+    def wait(self, slot: int) -> None:
+        """Make the current stream wait until the last load into `slot` has landed (no-op on CPU)."""
+        event = self._loaded[slot]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def release(self, slot: int) -> None:
+        """Mark `slot` free once the work queued so far on the current stream is done (no-op on CPU): the next
+        load into it waits for that work before overwriting the slot."""
+        if self._cuda:
+            self._released[slot] = torch.cuda.current_stream(self.device).record_event()
+
+    def close(self) -> None:
+        """Close the checkpoint files and free the slots, staging buffers and host tier."""
+        with self._lock:
+            if self._stream is not None:
+                self._stream.synchronize()
+            self.reader.close()
+            self._slots, self._staging, self._scratch, self._host = [], [], None, None
+
+    def __enter__(self) -> WeightStreamer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- layout --------------------------------------------------------------------------------------------
+
+    def _make_layout(self, key: PartKey) -> PartLayout:
+        ckpt, fields, offset = self.loader.checkpoint, [], 0
+        for field, ref in self.loader.refs(key).items():
+            shape = ckpt.shape_of(ref.name, ref.index)
+            numel = ckpt.numel(ref.name, ref.index)
+            location = ckpt.file_of(ref.name, ref.index)
+            nbytes = numel * self.dtype.itemsize
+            fields.append(FieldLayout(field, ref, location, ckpt.torch_dtype(ref.name), shape, offset, nbytes))
+            offset = align_up(offset + nbytes, TENSOR_ALIGN)
+        return PartLayout(tuple(fields), offset)
+
+    def _bases(self, keys: Sequence[PartKey]) -> list[tuple[PartKey, int]]:
+        """Byte offset of each part's region in a slot: back to back, in the given order."""
+        bases, offset = [], 0
+        for key in keys:
+            bases.append((key, offset))
+            offset += self.layout(key).nbytes
+        return bases
+
+    def _flat(self, buffer: torch.Tensor, base: int, field: FieldLayout) -> torch.Tensor:
+        start = base + field.offset
+        return buffer[start : start + field.nbytes].view(self.dtype)  # [numel]
+
+    def _views(self, buffer: torch.Tensor, key: PartKey, base: int) -> dict[str, torch.Tensor]:
+        return {f.field: self._flat(buffer, base, f).view(f.shape) for f in self.layout(key).fields}
+
+    def _pieces(self, buffer: torch.Tensor, bases: Sequence[tuple[PartKey, int]]) -> list[Piece]:
+        return [
+            piece
+            for key, base in bases
+            for field in self.layout(key).fields
+            for piece in split_pieces(field, self._flat(buffer, base, field), self._max_piece)
+        ]
+
+    # --- copies --------------------------------------------------------------------------------------------
+
+    def _fill_from_disk(self, pieces: Sequence[Piece], on_device: bool) -> None:
+        """Read the pieces with as few reads as `coalesce` allows, converting each into its destination."""
+        for group in coalesce(pieces, self._staging[0].nbytes, self.max_gap):
+            start, end = group[0].offset, max(p.end for p in group)
+            turn, self._turn = self._turn, (self._turn + 1) % len(self._staging)
+            free = self._staging_free[turn]
+            if free is not None:
+                free.synchronize()  # the staging buffer's previous transfer has left it
+            t0 = time.perf_counter()
+            with self._span("read", "disk", bytes=end - start):
+                raw = self.reader.read_into(group[0].path, start, end - start, self._staging[turn])  # [end - start]
+            t1 = time.perf_counter()
+            with self._span("copy", "copy", bytes=end - start):
+                if on_device:
+                    assert self._stream is not None and self._scratch is not None
+                    with torch.cuda.stream(self._stream):
+                        scratch = self._scratch[: end - start]
+                        scratch.copy_(raw, non_blocking=True)
+                        self._staging_free[turn] = self._stream.record_event()
+                        for p in group:
+                            p.dest.copy_(_typed(scratch, p.offset - start, p.length, p.file_dtype))
+                else:
+                    for p in group:
+                        p.dest.copy_(_typed(raw, p.offset - start, p.length, p.file_dtype))
+            self.read_seconds += t1 - t0
+            self.copy_seconds += time.perf_counter() - t1
+
+    def _fill_from_host(self, slot: torch.Tensor, bases: Sequence[tuple[PartKey, int]]) -> None:
+        """Copy each part's region from the host tier: the layouts match, so one copy per part."""
+        assert self._host is not None
+        t0 = time.perf_counter()
+        with self._span("copy", "copy", parts=len(bases)), contextlib.ExitStack() as stack:
+            if self._stream is not None:
+                stack.enter_context(torch.cuda.stream(self._stream))
+            for key, base in bases:
+                host, n = self._host_offset[key], self.layout(key).nbytes
+                slot[base : base + n].copy_(self._host[host : host + n], non_blocking=self._cuda)
+                self.bytes_read += n
+        self.copy_seconds += time.perf_counter() - t0
+
+    def _preload(self, parts: Sequence[PartKey]) -> None:
+        """Read `parts` into the host RAM tier (compute dtype, pinned on CUDA), through the disk path."""
+        offset = 0
+        for key in parts:
+            self._host_offset[key] = offset
+            offset += self.layout(key).nbytes
+        self._host = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self._cuda)
+        with self._span("preload", "io", parts=len(parts), bytes=offset):
+            self._fill_from_disk(self._pieces(self._host, list(self._host_offset.items())), on_device=False)
+        self.read_seconds = self.copy_seconds = 0.0
+
+    def _span(self, name: str, resource: str, **args: Any) -> contextlib.AbstractContextManager[Any]:
+        return self.tracer.span(name, resource, **args) if self.tracer is not None else contextlib.nullcontext()
+
+
+def _typed(raw: torch.Tensor, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """`raw[start:start + length]` (uint8) viewed as `dtype`; copied first if the bytes are not aligned for it."""
+    data = raw[start : start + length]
+    if data.storage_offset() % dtype.itemsize:
+        data = data.clone()
+    return data.view(dtype)

@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""Benchmark: the offloaded target (weights streamed from disk) with and without a draft, vs accelerate.
+
+One process, one memory budget (`--budget`, everything the engine holds counts: resident weights, the draft,
+the ring of weight buffers and both KV caches), the real Qwen2.5-Coder pair, HumanEval prompts (cut to
+`--prompt-tokens`), greedy, EOS ignored so every system generates the same tokens:
+
+  (1) transformers + accelerate disk offload (device_map with max_memory = the budget; hf_device_map checked)
+  (2) ours, no draft: layer streaming only (FlexGen style)
+  (3) ours, with the draft, two interleaved batches
+  (4) ours with a draft that proposes random tokens (same compute; shows the gain comes from accepted tokens)
+
+Ours run at each batch size of their list (each at its own best batch under the same budget; a batch that
+does not fit the budget is reported as such). Page cache dropped before every run; our streamed reads use
+O_DIRECT. Reports tok/s (median, min-max over reps), the batch, bytes read per generated token, overlap
+efficiency (max resource busy / wall) and the per-resource breakdown of the best (3) run, and saves a Chrome
+trace of one of its steps. Writes docs/perf/offload.json and a section of docs/perf/README.md.
+
+    python scripts/bench_offload.py            # ~30-40 minutes on 2 cores
+    python scripts/bench_offload.py --quick    # a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from get_models import model_dir  # noqa: E402
+
+from specoffload.runtime import EngineConfig, SamplingParams  # noqa: E402
+from specoffload.runtime.offload.direct_io import AlignedBuffer, DirectReader  # noqa: E402
+from specoffload.runtime.offload.engine import OffloadEngine  # noqa: E402
+from specoffload.runtime.offload.memory import format_bytes, parse_bytes  # noqa: E402
+from specoffload.runtime.offload.placement import PlacementError  # noqa: E402
+from specoffload.runtime.prompts import humaneval_prompts  # noqa: E402
+
+PERF = ROOT / "docs" / "perf"
+
+
+def drop_caches() -> None:
+    """Flush the page cache (root only); otherwise our O_DIRECT reads are cold anyway."""
+    os.sync()
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def roofline(checkpoint: Path) -> dict[str, float]:
+    """Cold O_DIRECT read bandwidth of the checkpoint file and fp32 matmul throughput at decode-like shapes."""
+    drop_caches()
+    file = next(checkpoint.glob("*.safetensors"))
+    reader, buf = DirectReader(), AlignedBuffer(64 << 20)
+    size = min(file.stat().st_size, 1 << 30)
+    t = time.perf_counter()
+    for offset in range(0, size - (64 << 20), 64 << 20):
+        reader.read_into(str(file), offset, 64 << 20, buf)
+    disk = reader.bytes_read / (time.perf_counter() - t) / 1e9
+    reader.close()
+    out = {"disk_read_GBps": disk}
+    w = torch.randn(8960, 1536)
+    for rows in (16, 64, 256):
+        x = torch.randn(rows, 1536)
+        (w @ x.T).sum()
+        t = time.perf_counter()
+        for _ in range(5):
+            w @ x.T
+        out[f"matmul_fp32_{rows}rows_GFLOPs"] = 2 * w.numel() * rows * 5 / (time.perf_counter() - t) / 1e9
+    return out
+
+
+class RandomDraftEngine(OffloadEngine):
+    """Runs the real draft model (same compute) but proposes uniformly random tokens."""
+
+    def _op_draft(self, op) -> None:  # noqa: ANN001
+        super()._op_draft(op)
+        b = self._batches[op.batch]
+        if not b.rows:
+            return
+        rand = torch.randint(0, self.target.config.vocab_size, (len(b.rows),), generator=self._rand)
+        if op.token == self.k - 1:
+            b.drafts[:, -1] = rand
+        else:
+            b.draft_tokens[-1] = rand
+
+    _rand = torch.Generator().manual_seed(0)
+
+
+def run_ours(label: str, cls: type, config: EngineConfig, prompts: list[list[int]], params: SamplingParams,
+             reps: int) -> dict:
+    try:
+        engine = cls(config)
+    except PlacementError as exc:
+        print(f"  {label} batch {config.max_batch_size}: does not fit: {exc}", flush=True)
+        return {"system": label, "batch": config.max_batch_size, "fits": False, "error": str(exc)}
+    runs, tokens = [], None
+    for _ in range(reps):
+        drop_caches()
+        results = engine.generate(prompts, params)
+        s = engine.last_stats
+        table = engine.tracer.breakdown()
+        runs.append({
+            "tok_s": s.tokens_per_s, "wall_s": s.wall_s, "generated": s.generated_tokens, "passes": s.passes,
+            "bytes_read": s.bytes_read, "acceptance": s.acceptance_rate if s.num_drafted else None,
+            "overlap_efficiency": table.overlap_efficiency, "breakdown": table.to_dict(),
+        })
+        tokens = [r.token_ids for r in results]
+        print(f"  {label} batch {config.max_batch_size}: {s.tokens_per_s:.2f} tok/s, {s.passes} passes, "
+              f"acceptance {runs[-1]['acceptance']}, efficiency {table.overlap_efficiency:.2f}", flush=True)
+    tok = [r["tok_s"] for r in runs]
+    row = {
+        "system": label, "batch": config.max_batch_size, "fits": True, "runs": runs, "tokens": tokens,
+        "tok_s_median": statistics.median(tok), "tok_s_min": min(tok), "tok_s_max": max(tok),
+        "bytes_per_token": statistics.median(r["bytes_read"] / r["generated"] for r in runs),
+        "overlap_efficiency": statistics.median(r["overlap_efficiency"] for r in runs),
+        "acceptance": runs[-1]["acceptance"], "placement": engine.placement.to_dict(),
+        "placement_table": engine.describe_placement(),
+    }
+    if label.startswith("(3)"):
+        spans = engine.tracer.spans
+        steps = sorted({s.args.get("step") for s in spans if "step" in s.args})
+        mid = steps[len(steps) // 2]
+        step_spans = [s for s in spans if s.args.get("step") == mid]
+        window = (min(s.start for s in step_spans), max(s.end for s in step_spans))
+        row["trace_window_step"] = mid
+        row["_tracer"], row["_window"] = engine.tracer, window
+    engine.close()
+    del engine
+    gc.collect()
+    return row
+
+
+def run_hf(target: Path, budget: int, prompts: list[list[int]], new_tokens: int, batch: int) -> dict:
+    from hf_disk_offload import generate_hf, load_hf_disk_offload
+
+    with tempfile.TemporaryDirectory(prefix="hf-offload-") as folder:
+        drop_caches()
+        model = load_hf_disk_offload(target, budget, folder, torch.float32)
+        run = generate_hf(model, prompts[:batch], new_tokens, batch, pad_token_id=0)
+        del model
+        gc.collect()
+    print(f"  (1) accelerate batch {batch}: {run.tokens_per_second:.3f} tok/s, map {run.device_map_summary}",
+          flush=True)
+    return {
+        "system": "(1) transformers+accelerate disk offload", "batch": batch, "fits": True,
+        "tok_s_median": run.tokens_per_second, "tok_s_min": run.tokens_per_second,
+        "tok_s_max": run.tokens_per_second, "tokens": run.tokens, "device_map": run.device_map_summary,
+        "disk_bytes": run.disk_bytes, "bytes_per_token": run.disk_bytes * (new_tokens + 1) / run.generated_tokens,
+        "seconds": run.seconds, "overlap_efficiency": None, "acceptance": None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", default="4.5GiB")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("-k", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--plain-batches", default="16,32")
+    ap.add_argument("--draft-batches", default="8,16")
+    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="8 prompts, 8 tokens, 1 rep, one batch each")
+    ap.add_argument("--out", default="offload")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.new_tokens, args.reps = 8, 8, 1
+        args.plain_batches, args.draft_batches, args.hf_batch = "8", "4", 4
+    budget = parse_bytes(args.budget)
+    target, draft = model_dir("target"), model_dir("draft")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok.encode(p)[: args.prompt_tokens] for p in humaneval_prompts(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    print(f"budget {format_bytes(budget)}, {len(prompts)} prompts x {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens, k={args.k}, {args.reps} reps", flush=True)
+    roof = roofline(target)
+    print(f"roofline: {roof}", flush=True)
+    rows = []
+    if not args.skip_hf:
+        rows.append(run_hf(target, budget, prompts, args.new_tokens, args.hf_batch))
+    common = dict(target=target, max_seq_len=args.prompt_tokens + args.new_tokens, device_memory=budget,
+                  num_draft_tokens=args.k, trace=True)
+    for b in map(int, args.plain_batches.split(",")):
+        rows.append(run_ours("(2) ours, no draft", OffloadEngine, EngineConfig(**common, max_batch_size=b),
+                             prompts, params, args.reps))
+    for b in map(int, args.draft_batches.split(",")):
+        rows.append(run_ours("(3) ours, draft", OffloadEngine,
+                             EngineConfig(**common, draft=draft, max_batch_size=b), prompts, params, args.reps))
+    fitting3 = [r for r in rows if r["system"].startswith("(3)") and r["fits"]]
+    if fitting3:
+        b3 = max(fitting3, key=lambda r: r["tok_s_median"])["batch"]
+        rows.append(run_ours("(4) ours, random draft", RandomDraftEngine,
+                             EngineConfig(**common, draft=draft, max_batch_size=b3), prompts, params, args.reps))
+    report(args, budget, roof, rows)
+    return 0
+
+
+def best(rows: list[dict], prefix: str) -> dict | None:
+    fitting = [r for r in rows if r["system"].startswith(prefix) and r["fits"]]
+    return max(fitting, key=lambda r: r["tok_s_median"]) if fitting else None
+
+
+def report(args: argparse.Namespace, budget: int, roof: dict, rows: list[dict]) -> None:
+    reference = best(rows, "(2)")
+    ref_tokens = reference["tokens"] if reference else None
+    for r in rows:
+        if r.get("tokens") is not None and ref_tokens is not None:
+            n = len(r["tokens"])
+            r["equal_to_ours_no_draft"] = r["tokens"] == ref_tokens[:n]
+    b1, b2, b3, b4 = (best(rows, p) for p in ("(1)", "(2)", "(3)", "(4)"))
+    ratios = {}
+    if b2 and b3:
+        ratios["(3)/(2)"] = b3["tok_s_median"] / b2["tok_s_median"]
+    if b1 and b3:
+        ratios["(3)/(1)"] = b3["tok_s_median"] / b1["tok_s_median"]
+    if b2 and b4:
+        ratios["(4)/(2)"] = b4["tok_s_median"] / b2["tok_s_median"]
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "budget_bytes": budget,
+        "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "k": args.k,
+        "reps": args.reps, "quick": args.quick, "roofline": roof,
+    }
+    trace_note = ""
+    if b3 and "_tracer" in b3:
+        trace_path = PERF / f"{args.out}_trace.json"
+        b3["_tracer"].save_chrome_trace(trace_path, window=b3["_window"])
+        step_table = b3["_tracer"].breakdown(window=b3["_window"]).table()
+        trace_note = f"Trace of step {b3['trace_window_step']} of the best (3) run: `{trace_path.name}` (Perfetto)."
+    clean = [{k: v for k, v in r.items() if not k.startswith("_") and k != "tokens"} for r in rows]
+    PERF.mkdir(parents=True, exist_ok=True)
+    (PERF / f"{args.out}.json").write_text(json.dumps({"meta": meta, "ratios": ratios, "rows": clean}, indent=1))
+    lines = [
+        f"Run {meta['date']} on {meta['machine']} ({meta['threads']} threads), torch {meta['torch']}; budget "
+        f"{format_bytes(budget)} for everything the engine holds; {args.prompts} HumanEval prompts cut to "
+        f"{args.prompt_tokens} tokens, {args.new_tokens} new tokens (EOS ignored), greedy, k={args.k}, "
+        f"{args.reps} reps{' (--quick)' if args.quick else ''}.",
+        "",
+        f"Roofline measured in the same run: cold O_DIRECT disk read {roof['disk_read_GBps']:.2f} GB/s; fp32 matmul "
+        + ", ".join(f"{v:.0f} GFLOP/s at {k.split('_')[2]}" for k, v in roof.items() if k.startswith("matmul")) + ".",
+        "",
+        "| system | batch | tok/s median | min–max | bytes read / token | overlap eff. | acceptance "
+        "| = ours no-draft |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r["fits"]:
+            lines.append(f"| {r['system']} | {r['batch']} | does not fit | | | | | |")
+            continue
+        eff = f"{r['overlap_efficiency']:.2f}" if r.get("overlap_efficiency") is not None else "–"
+        acc = f"{r['acceptance']:.2f}" if r.get("acceptance") is not None else "–"
+        eq = {True: "yes", False: "NO"}.get(r.get("equal_to_ours_no_draft"), "–")
+        lines.append(
+            f"| {r['system']} | {r['batch']} | {r['tok_s_median']:.3f} | {r['tok_s_min']:.3f}–{r['tok_s_max']:.3f} | "
+            f"{format_bytes(int(r['bytes_per_token']))} | {eff} | {acc} | {eq} |"
+        )
+    lines += ["", "Ratios of the best rows: " + ", ".join(f"{k} = {v:.2f}" for k, v in ratios.items()) + "."]
+    if b1:
+        lines += ["", f"(1) device map: {b1['device_map']} (disk bytes {format_bytes(b1['disk_bytes'])})."]
+    if b3:
+        lines += ["", "Placement of the best (3) run:", "", "```", b3["placement_table"], "```"]
+    if trace_note:
+        lines += ["", trace_note, "", step_table]
+    section = "\n".join(lines)
+    readme = PERF / "README.md"
+    text = readme.read_text() if readme.exists() else "# Performance results\n"
+    begin, end = f"<!-- {args.out}:begin -->", f"<!-- {args.out}:end -->"
+    if begin in text:
+        text = text[: text.index(begin)] + begin + "\n" + section + "\n" + text[text.index(end):]
+    else:
+        text += f"\n## {args.out} (`scripts/bench_offload.py`)\n\n{begin}\n{section}\n{end}\n"
+    readme.write_text(text)
+    print(section)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The offloaded pipeline reproduces the resident Engine token for token, at every budget that fits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+
+from specoffload.runtime.config import ConfigError, EngineConfig
+from specoffload.runtime.engine import Engine, PromptError
+from specoffload.runtime.models.errors import SpecOffloadError
+from specoffload.runtime.offload.engine import OffloadEngine
+from specoffload.runtime.offload.placement import PlacementError
+from specoffload.runtime.sampling import SamplingParams
+
+PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
+GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    """Greedy tokens of the resident Engine, per target model."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(name: str) -> list[list[int]]:
+        if name not in cache:
+            engine = Engine(EngineConfig(tiny_models[name], max_batch_size=3))
+            cache[name] = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+        return cache[name]
+
+    return get
+
+
+def _config(tiny_models, target: str, draft: str | None, **kw) -> EngineConfig:
+    base = dict(target=tiny_models[target], draft=tiny_models[draft] if draft else None, max_batch_size=3,
+                max_seq_len=48, num_draft_tokens=3)
+    return EngineConfig(**(base | kw))
+
+
+def _budgets(tiny_models, target: str, draft: str | None, **kw) -> list[int]:
+    """The minimum budget, one in between, and the budget with everything resident."""
+    probe = OffloadEngine(_config(tiny_models, target, draft, device_memory="1GiB", **kw))
+    lo = probe.minimum_device_memory()
+    hi = probe.placement.device_bytes()
+    return sorted({lo, (2 * lo + hi) // 3, hi})
+
+
+@pytest.mark.parametrize("target", ["llama", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("draft", [None, "qwen2_draft", "self"])
+def test_disk_tier_matches_resident_engine_at_every_budget(tiny_models, reference, single_thread, target, draft):
+    draft = target if draft == "self" else draft  # a self-draft accepts everything: the acceptance path
+    budgets = _budgets(tiny_models, target, draft)
+    streamed_somewhere = False
+    for budget in budgets:
+        engine = OffloadEngine(_config(tiny_models, target, draft, device_memory=budget))
+        out = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+        assert out == reference(target), f"budget {budget}: {engine.describe_placement()}"
+        assert engine.placement.device_bytes() <= budget
+        stats = engine.last_stats
+        assert stats.generated_tokens == sum(len(t) for t in out)
+        if engine.placement.streamed_layers:
+            streamed_somewhere = True
+            assert stats.bytes_read > 0
+        if draft == target:
+            assert stats.num_accepted == stats.num_drafted > 0
+    assert streamed_somewhere, "the smallest budget must stream something"
+
+
+@pytest.mark.parametrize("target", ["llama", "qwen2_moe"])
+def test_ram_tier_matches_resident_engine(tiny_models, reference, single_thread, target):
+    # host_memory given: device_memory covers the device tier only, the streamed weights live in host RAM
+    kw = dict(weights_tier="ram", host_memory="1GiB")
+    lo = _budgets(tiny_models, target, "qwen2_draft", **kw)[0]
+    engine = OffloadEngine(_config(tiny_models, target, "qwen2_draft", device_memory=lo, **kw))
+    assert engine.placement.streamed_layers
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == reference(target)
+    assert engine.last_stats.bytes_read > 0
+
+
+@pytest.mark.parametrize("target", ["mixtral", "qwen2_moe"])
+def test_selected_experts_only_loads_routed_experts(tiny_models, reference, single_thread, target):
+    """Small batches load only the experts the router picks; outputs are unchanged and fewer bytes move."""
+    probe = OffloadEngine(_config(tiny_models, target, None, device_memory="1GiB", max_batch_size=1))
+    # the largest budget that streams experts while attention and routers stay resident
+    budget = probe.placement.device_bytes()
+    while budget > probe.minimum_device_memory():
+        budget -= 4096
+        plan = OffloadEngine(_config(tiny_models, target, None, device_memory=budget, max_batch_size=1)).placement
+        if any(plan.is_streamed(k) for k in plan.tiers if k.kind == "expert"):
+            break
+    assert not any(plan.is_streamed(k) for k in plan.tiers if k.kind in ("attention", "router"))
+    moved = {}
+    for mode in ("all", "selected"):
+        engine = OffloadEngine(
+            _config(tiny_models, target, None, device_memory=budget, expert_loading=mode, max_batch_size=1)
+        )
+        assert engine.selected_experts == (mode == "selected")
+        out = [r.token_ids for r in engine.generate(PROMPTS[:3], GREEDY)]
+        assert out == reference(target)[:3]
+        moved[mode] = engine.last_stats.bytes_read
+    assert 0 < moved["selected"] < moved["all"]
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_models, single_thread):
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        budget = _budgets(tiny_models, "llama", "qwen2_draft")[0]
+        engine = OffloadEngine(_config(tiny_models, "llama", "qwen2_draft", device_memory=budget))
+        runs.append([r.token_ids for r in engine.generate(PROMPTS, params)])
+    assert runs[0] == runs[1]
+    assert all(len(t) == 8 and all(0 <= x < 512 for x in t) for t in runs[0])
+
+
+def test_budget_below_minimum_states_the_minimum(tiny_models):
+    with pytest.raises(PlacementError, match=r"at least .*\(\d+ bytes\)"):
+        OffloadEngine(_config(tiny_models, "llama", "qwen2_draft", device_memory="64KiB"))
+
+
+def test_bad_memory_strings_are_config_errors(tiny_models):
+    with pytest.raises(ConfigError, match="device_memory"):
+        _config(tiny_models, "llama", None, device_memory="lots")
+    with pytest.raises(ConfigError, match="weights_tier"):
+        _config(tiny_models, "llama", None, device_memory="1GiB", weights_tier="tape")
+
+
+def test_prompt_longer_than_max_seq_len_is_a_prompt_error(tiny_models):
+    engine = OffloadEngine(_config(tiny_models, "llama", None, device_memory="1GiB", max_seq_len=8))
+    with pytest.raises(PromptError, match="max_seq_len"):
+        engine.generate([list(range(3, 20))], GREEDY)
+
+
+def test_truncated_checkpoint_mid_stream_is_a_clear_error_not_a_hang(tiny_models, tmp_path, single_thread):
+    ckpt = tmp_path / "llama"
+    shutil.copytree(tiny_models["llama"], ckpt)
+    config = EngineConfig(ckpt, max_batch_size=3, max_seq_len=48, device_memory="1GiB")
+    budget = OffloadEngine(config).minimum_device_memory()
+    engine = OffloadEngine(EngineConfig(ckpt, max_batch_size=3, max_seq_len=48, device_memory=budget))
+    assert engine.placement.streamed_layers
+    file = next(ckpt.glob("*.safetensors"))
+    with open(file, "r+b") as f:  # the file is cut after the engine validated its header
+        f.truncate(file.stat().st_size // 2)
+    result: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            engine.generate(PROMPTS, GREEDY)
+        except BaseException as exc:  # noqa: BLE001
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "generate hung on a truncated checkpoint"
+    error = result.get("error")
+    assert isinstance(error, SpecOffloadError)
+    assert file.name in str(error) or file.name in str(error.__cause__)
+
+
+def test_trace_covers_every_op_and_the_breakdown_adds_up(tiny_models, tmp_path, single_thread):
+    budget = _budgets(tiny_models, "mixtral", "qwen2_draft")[0]
+    engine = OffloadEngine(_config(tiny_models, "mixtral", "qwen2_draft", device_memory=budget, trace=True))
+    engine.generate(PROMPTS, GREEDY)
+    spans = engine.tracer.spans
+    kinds = {s.name for s in spans}
+    assert {"load", "embed", "attention", "ffn", "head", "verify", "draft"} <= kinds
+    assert {s.resource for s in spans} == {"io", "cpu", "device"}
+    table = engine.tracer.breakdown()
+    for usage in table.resources:
+        assert usage.busy + usage.idle == pytest.approx(table.wall, abs=1e-9)
+    assert sum(t for _, t in table.overlap) == pytest.approx(table.wall, abs=1e-9)
+    path = engine.tracer.save_chrome_trace(tmp_path / "trace.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == len(spans)
+
+
+def test_offload_engine_rejects_cuda_until_implemented(tiny_models):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine would run the CUDA path")
+    with pytest.raises(ConfigError):
+        OffloadEngine(EngineConfig(tiny_models["llama"], device_memory="1GiB", device="cuda"))
