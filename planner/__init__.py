@@ -1,4 +1,36 @@
-"""SpecOffload planner: picks batch sizes and draft length from a measured profile (next issues).
+"""SpecOffload planner: picks the batch size and draft length k from a measured hardware profile.
 
-Never imports the runtime's executors or Ray.
+Pure: it reads shapes, budgets and a profile, and returns typed plans; it never imports the runtime's engines,
+executors or Ray (only the pure `runtime.offload.placement` and `runtime.models.weights.PartKey`).
+
+    profile.py      HardwareProfile: measured io / attention / FFN / draft costs, JSON with provenance
+    acceptance.py   expected tokens per verify round (Leviathan et al. 2023, eq. 1); alpha estimation
+    cost.py         ModelCosts (FLOPs from shapes), the step and workload time model
+    search.py       Policy, search over (batch, k), replan_k for online re-planning
+    paper_scale/    inputs and script of the paper-scale *prediction* (Mixtral 8x7B + Mistral 7B, RTX 4090)
 """
+
+from .acceptance import AcceptanceEstimate, AcceptanceTracker, estimate_alpha, expected_tokens
+from .cost import ModelCosts, StepEstimate, Workload, WorkloadEstimate, estimate_step, estimate_workload
+from .profile import HardwareProfile, ProfileError
+from .search import NoFeasiblePolicyError, Policy, SearchResult, replan_k, search
+
+__all__ = [
+    "AcceptanceEstimate",
+    "AcceptanceTracker",
+    "HardwareProfile",
+    "ModelCosts",
+    "NoFeasiblePolicyError",
+    "Policy",
+    "ProfileError",
+    "SearchResult",
+    "StepEstimate",
+    "Workload",
+    "WorkloadEstimate",
+    "estimate_alpha",
+    "estimate_step",
+    "estimate_workload",
+    "expected_tokens",
+    "replan_k",
+    "search",
+]

@@ -91,9 +91,9 @@ class RandomDraftEngine(OffloadEngine):
         if not b.rows:
             return
         rand = torch.randint(0, self.target.config.vocab_size, (len(b.rows),), generator=self._rand)
-        if op.token == self.k - 1:
+        if b.drafts is not None and b.drafts.shape[1] == op.token + 1:  # the round's last token
             b.drafts[:, -1] = rand
-        else:
+        elif len(b.draft_tokens) == op.token + 1:
             b.draft_tokens[-1] = rand
 
     _rand = torch.Generator().manual_seed(0)

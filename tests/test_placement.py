@@ -402,3 +402,18 @@ def test_from_loader_on_a_tiny_checkpoint(tiny_models: dict, name: str) -> None:
     assert everything.streamed_layers == () and everything.device_bytes() == shape.total_bytes + shape.kv_cache_bytes(
         policy
     )
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 12, 28, 61])
+def test_spread_order_is_a_permutation_whose_prefixes_spread(n):
+    from specoffload.runtime.offload.placement import spread_order
+
+    order = spread_order(n)
+    assert sorted(order) == list(range(n))
+    if n >= 8:  # the first quarter of the resident layers covers every half of the model
+        first = order[: n // 4]
+        assert any(i < n // 2 for i in first) and any(i >= n // 2 for i in first)
+        # no run of streamed layers longer than ~2x the even spacing once half the layers are resident
+        resident = sorted(order[: n // 2])
+        gaps = [b - a for a, b in zip(resident, resident[1:])]
+        assert max(gaps) <= 4

@@ -203,7 +203,7 @@ def test_attention_streamed_layer_waits_for_its_load() -> None:
     assert lines(sched.next_step()) == [
         "0 load(i=0, j=0, slot=0) <- []",
         "1 embed(i=0, k=0) <- []",
-        "2 attention(i=0, j=0, k=0) <- [0, 1]",
+        "2 attention(i=0, j=0, k=0, slot=0) <- [0, 1]",
         "3 ffn(i=0, j=0, k=0, slot=0) <- [0, 2]",
         "4 head(i=0, k=0) <- [3]",
         "5 verify(i=0, k=0) <- [4]",

@@ -25,21 +25,17 @@ from tqdm import tqdm
 
 from ..config import ConfigError, EngineConfig
 from ..engine import Engine, GenerateStats
-from ..kv_cache import KVCache
 from ..models.model import Transformer
-from ..models.weights import PartKey, Weights
 from ..request import GenerationResult, Request
-from ..sampling import SamplingParams, warp_logits
+from ..sampling import SamplingParams
 from ..speculative import pad_right
 from ..tokenizer import load_tokenizer
 from ..trace import Tracer
-from ..verify import verify_greedy, verify_sampling
-from .embedding import EmbeddingRows
 from .executor import OpExecutor
 from .memory import machine_memory_bytes
 from .placement import ModelShape, Placement, PlacementPolicy, minimum_device_memory, place
 from .schedule import Op, PipelineSchedule
-from .streamer import TENSOR_ALIGN, WeightStreamer
+from .workers import AttentionWorker, DraftWorker, PrefetchWorker, VerifierWorker, WeightPlan
 
 #: default KV length per row when neither max_seq_len nor a shorter model context says otherwise
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -55,12 +51,10 @@ class OffloadStats(GenerateStats):
 
 @dataclass
 class _Batch:
-    """One of the two interleaved batches: its rows, caches, drafts and the activations of its current pass."""
+    """Coordinator-side state of one of the two interleaved batches (its KV caches live in the workers)."""
 
     index: int
     rows: list[Request] = field(default_factory=list)
-    t_cache: KVCache | None = None
-    d_cache: KVCache | None = None
     drafts: torch.Tensor | None = None  # [rows, k] proposed for the next target pass
     p: torch.Tensor | None = None  # [rows, k, vocab] draft probabilities (sampling only)
     draft_tokens: list[torch.Tensor] = field(default_factory=list)  # k x [rows] during a draft round
@@ -71,8 +65,6 @@ class _Batch:
     pass_k: int = 0  # draft tokens verified by the current pass
     committed: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [rows, pass_k + 1, vocab]
-    verify_gen: torch.Generator | None = None
-    draft_gen: torch.Generator | None = None
 
 
 class OffloadEngine(Engine):
@@ -99,9 +91,10 @@ class OffloadEngine(Engine):
         cfg = self.target.config
         self.max_seq_len = min(cfg.max_position_embeddings, config.max_seq_len or DEFAULT_MAX_SEQ_LEN)
         self.placement = self._place()  # PlacementError (with the minimum) if the budget is too small
-        self._setup_weights()
-        if self.draft is not None:
-            self.draft.preload()
+        self.selected_experts = self._select_experts_mode()
+        self.plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts, self.selected_experts)
+        self.load_groups = self.plan.load_groups
+        self._make_workers()
         self.tracer = Tracer(enabled=config.trace)
         self.last_stats: OffloadStats | None = None
 
@@ -132,50 +125,21 @@ class OffloadEngine(Engine):
         draft = ModelShape.from_loader("draft", self.draft.loader) if self.draft is not None else None
         return target, draft, policy
 
-    def _setup_weights(self) -> None:
-        """Preload resident parts; group streamed parts into per-layer slot loads; open the streamer."""
-        tcfg = self.target.config
-        embedding = PartKey("embedding")
-        resident = [key for key, tier in self.placement.tiers.items() if tier == "device"]
-        streamed = [key for key, tier in self.placement.tiers.items() if tier != "device" and key != embedding]
-        self.embedding_rows: EmbeddingRows | None = None
-        if self.placement.tier(embedding) == "disk":
-            self.embedding_rows = EmbeddingRows(
-                self.target.loader.checkpoint, self.target.loader.refs(embedding)["embed"].name, self.target.dtype
-            )
-        elif self.placement.tier(embedding) == "host":
-            resident.append(embedding)  # the host tier is where this engine computes: a plain resident table
-        self.target.preload(resident)
-        self.target.fetch = self._fetch
-        groups: dict[int, list[PartKey]] = {}
-        for key in streamed:
-            groups.setdefault(tcfg.num_layers if key.kind == "head" else key.layer, []).append(key)
-        self.selected_experts = self._select_experts_mode(groups)
-        if self.selected_experts:  # experts load after routing, in the ffn op; the load op reserves the slot
-            groups = {j: [k for k in keys if k.kind != "expert"] for j, keys in groups.items()}
-        self.load_groups = groups
-        self.attention_streamed = sorted(j for j, keys in groups.items() if any(k.kind == "attention" for k in keys))
-        self._staged: dict[PartKey, Weights] = {}
-        self._ffn_slot = -1
-        self.streamer: WeightStreamer | None = None
-        if streamed:
-            fields = 8 * (tcfg.num_experts + 4 if tcfg.num_experts else 4)  # per-tensor alignment margin
-            self.streamer = WeightStreamer(
-                self.target.loader,
-                self.placement.slot_bytes + TENSOR_ALIGN * fields,
-                self.placement.num_buffers,
-                self.config.weights_tier,
-                self.target.device,
-                parts=streamed,
-            )
+    def _make_workers(self) -> None:
+        """The four roles, in this process (the local backend); they share the ring slots of the prefetcher."""
+        self.prefetch = PrefetchWorker(self.config, self.plan)
+        slots = self.prefetch.slots
+        self.attn = AttentionWorker(self.config, self.plan, slots)
+        self.verifier = VerifierWorker(self.config, self.plan, slots)
+        self.drafter = DraftWorker(self.config) if self.draft is not None else None
 
-    def _select_experts_mode(self, groups: dict[int, list[PartKey]]) -> bool:
-        """Load only routed experts? Needs the layer's attention and router resident (they run before routing)."""
+    def _select_experts_mode(self) -> bool:
+        """Load only routed experts? Needs attention and routers resident (they run before routing) and the
+        disk tier (the ffn op reads the routed experts itself)."""
         cfg, policy = self.target.config, self.config.expert_loading
-        if not cfg.num_experts or policy == "all":
+        if not cfg.num_experts or policy == "all" or self.config.weights_tier != "disk":
             return False
-        before_routing = any(k.kind in ("attention", "router") for keys in groups.values() for k in keys)
-        if before_routing:
+        if any(self.placement.is_streamed(k) for k in self.placement.tiers if k.kind in ("attention", "router")):
             return False
         if policy == "selected":
             return True
@@ -186,24 +150,6 @@ class OffloadEngine(Engine):
 
     def describe_placement(self) -> str:
         return self.placement.table()
-
-    # ---- weights ------------------------------------------------------------------------------------------------
-    def _fetch(self, keys: list[PartKey]) -> dict[PartKey, Weights]:
-        """Transformer hook for non-resident parts: staged by a load op, or (routed experts) loaded right now."""
-        out = {key: self._staged[key] for key in keys if key in self._staged}
-        missing = [key for key in keys if key not in out]
-        if missing:
-            if not (self.selected_experts and all(k.kind == "expert" for k in missing) and self._ffn_slot >= 0):
-                raise RuntimeError(f"parts {missing} are neither resident nor staged: schedule bug")
-            assert self.streamer is not None
-            with self.tracer.span("load_experts", "io", layer=missing[0].layer, experts=len(missing)):
-                out |= self.streamer.load(self._ffn_slot, missing)
-        return out
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.embedding_rows is not None:
-            return self.embedding_rows(ids)
-        return self.target.embed(ids)
 
     # ---- generation -------------------------------------------------------------------------------------------------
     def _generate(self, encoded: list[list[int]], params: SamplingParams, progress: bool) -> list[GenerationResult]:
@@ -230,14 +176,12 @@ class OffloadEngine(Engine):
         self._bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
         num_batches = 2 if self.k > 0 else 1
         self._batches = [_Batch(n) for n in range(num_batches)]
-        for n, b in enumerate(self._batches):
-            if params.seed is not None:
-                b.verify_gen = torch.Generator().manual_seed(params.seed * 4 + 2 * n)
-                b.draft_gen = torch.Generator().manual_seed(params.seed * 4 + 2 * n + 1)
+        self._waves = 0
+        for b in self._batches:
             self._admit(b)
         bytes_before = self._bytes_read()
         schedule = PipelineSchedule(
-            cfg.num_layers, sorted(self.load_groups), self.placement.num_buffers, self.k, self.attention_streamed
+            cfg.num_layers, self.plan.streamed_layers(), self.plan.num_buffers, self.k, self.plan.attention_streamed
         )
         handlers = {
             "load": self._op_load,
@@ -301,135 +245,118 @@ class OffloadEngine(Engine):
         return results
 
     def _bytes_read(self) -> int:
-        total = self.streamer.bytes_read if self.streamer is not None else 0
-        return total + (self.embedding_rows.bytes_read if self.embedding_rows is not None else 0)
+        return self.prefetch.bytes_read + self.attn.bytes_read + self.verifier.bytes_read
 
     def _admit(self, b: _Batch) -> None:
-        """Fill an empty batch from the waiting prompts, with fresh caches sized for its rows."""
+        """Fill an empty batch from the waiting prompts, with fresh worker caches sized for its rows."""
         n = min(self.config.max_batch_size, len(self._waiting))
         b.rows = [self._waiting.popleft() for _ in range(n)]
         b.drafts = b.p = None
         if not b.rows:
-            b.t_cache = b.d_cache = None
+            self.attn.drop(b.index)
+            if self.drafter is not None:
+                self.drafter.drop(b.index)
             return
         capacity = max(len(r.prompt) + r.max_new_tokens for r in b.rows) + self.k + 1
-        b.t_cache = self.target.new_cache(n, capacity)
-        b.d_cache = self.draft.new_cache(n, capacity) if self.draft is not None else None
+        seed = self._params.seed
+        self.attn.reset(b.index, n, capacity)
+        self.verifier.seed(b.index, None if seed is None else seed * 4 + 2 * b.index + self._waves)
+        if self.drafter is not None:
+            self.drafter.reset(b.index, n, capacity, None if seed is None else seed * 4 + 2 * b.index + 1 + self._waves)
+        self._waves += 1
 
     # ---- op handlers (each runs on its resource's worker thread) ---------------------------------------------------
     def _op_load(self, op: Op) -> None:
-        if self.streamer is None:
-            return
-        keys = self.load_groups.get(op.layer, [])
-        if keys:
-            self._staged.update(self.streamer.load(op.slot, keys))
+        self.prefetch.load(op.layer, op.slot)
 
     def _op_embed(self, op: Op) -> None:
         b = self._batches[op.batch]
         if not b.rows:
             return
-        assert b.t_cache is not None
-        t_len = b.t_cache.lengths.tolist()
+        t_len = self.attn.lengths(b.index)
         k = 0 if b.drafts is None else b.drafts.shape[1]
         drafts = b.drafts.tolist() if b.drafts is not None else [[] for _ in b.rows]
         ids, num_new = pad_right([r.tokens[t_len[n]:] + drafts[n] for n, r in enumerate(b.rows)])  # [rows, T]
         b.committed = [r.num_tokens for r in b.rows]
         b.pass_k, b.num_new = k, num_new
         b.token_mask = torch.arange(ids.shape[1])[None, :] < num_new[:, None]  # [rows, T]
-        b.hidden = self._embed(ids)  # [rows, T, H]
+        b.hidden = self.attn.embed(ids)  # [rows, T, H]
 
     def _op_attention(self, op: Op) -> None:
         b = self._batches[op.batch]
         if b.hidden is not None:
-            b.hidden = self.target.attention(op.layer, b.hidden, b.t_cache)
+            b.hidden = self.attn.attention(b.index, op.layer, op.slot, b.hidden)
 
     def _op_ffn(self, op: Op) -> None:
         b = self._batches[op.batch]
         if b.hidden is not None:
-            self._ffn_slot = op.slot
-            b.hidden = self.target.ffn(op.layer, b.hidden, b.token_mask)
-            self._ffn_slot = -1
+            b.hidden = self.verifier.ffn(op.layer, op.slot, b.hidden, b.token_mask)
 
     def _op_head(self, op: Op) -> None:
         b = self._batches[op.batch]
         if b.hidden is None:
             return
-        assert b.t_cache is not None and b.num_new is not None
-        b.t_cache.advance(b.num_new)
+        assert b.num_new is not None
+        self.attn.advance(b.index, b.num_new.tolist())
         k = b.pass_k
         positions = (b.num_new - k - 1)[:, None] + torch.arange(k + 1)[None, :]  # [rows, k + 1]
-        index = positions.to(b.hidden.device)[:, :, None].expand(-1, -1, b.hidden.shape[-1])
-        b.logits = self.target.logits(torch.gather(b.hidden, 1, index))  # [rows, k + 1, vocab]
+        b.logits = self.verifier.head(op.slot, b.hidden, positions)  # [rows, k + 1, vocab]
         b.hidden = None
 
     def _op_verify(self, op: Op) -> None:
         b = self._batches[op.batch]
         if b.logits is None:
             return
-        assert b.t_cache is not None
         k = b.pass_k
         drafts = b.drafts if b.drafts is not None else torch.zeros((len(b.rows), 0), dtype=torch.long)  # [rows, k]
-        if self._params.greedy:
-            result = verify_greedy(drafts, b.logits)
-        else:
-            p = self._params
-            q = warp_logits(b.logits, p.temperature, p.top_p, p.top_k)  # [rows, k + 1, vocab]
-            dp = b.p if b.p is not None else q.new_zeros((q.shape[0], 0, q.shape[2]))
-            result = verify_sampling(drafts, dp, q, b.verify_gen)
-        accepted, emitted = result.num_accepted.tolist(), result.tokens.tolist()
+        accepted, emitted = self.verifier.verify(b.index, b.logits, drafts, b.p, self._params)
         for n, r in enumerate(b.rows):
             r.num_drafted += k
             r.num_accepted += accepted[n]
             r.commit(emitted[n][: accepted[n] + 1])
         committed = b.committed
-        b.t_cache.truncate(torch.tensor([c + a for c, a in zip(committed, accepted)], dtype=torch.long))
-        if b.d_cache is not None and k >= 1:  # the draft cache saw committed + d_1..d_{k-1}
-            b.d_cache.truncate(torch.tensor([c + min(a, k - 1) for c, a in zip(committed, accepted)], dtype=torch.long))
+        self.attn.truncate(b.index, [c + a for c, a in zip(committed, accepted)])
+        if self.drafter is not None and k >= 1:  # the draft cache saw committed + d_1..d_{k-1}
+            self.drafter.truncate(b.index, [c + min(a, k - 1) for c, a in zip(committed, accepted)])
         b.drafts = b.p = b.logits = None
         keep = [n for n, r in enumerate(b.rows) if not r.finished]
         self._bar.update(len(b.rows) - len(keep))
         if len(keep) < len(b.rows):
             b.rows = [b.rows[n] for n in keep]
             if keep:
-                b.t_cache.select_rows(keep)
-                if b.d_cache is not None:
-                    b.d_cache.select_rows(keep)
+                self.attn.select_rows(b.index, keep)
+                if self.drafter is not None:
+                    self.drafter.select_rows(b.index, keep)
             else:
                 self._admit(b)
 
     def _op_draft(self, op: Op) -> None:
         b = self._batches[op.batch]
-        if not b.rows or self.draft is None:
+        if not b.rows or self.drafter is None:
             return
-        assert b.d_cache is not None
+        # Never draft past the longest remaining budget of the batch (those tokens could not be accepted).
+        limit = min(self.k, max(r.remaining for r in b.rows) - 1)
+        if op.token >= limit:
+            return
         if op.token == 0:
-            d_len = b.d_cache.lengths.tolist()
+            d_len = self.drafter.lengths(b.index)
             ids, num_new = pad_right([r.tokens[d_len[n]:] for n, r in enumerate(b.rows)])  # [rows, T]
-            last = num_new - 1  # [rows]
             b.draft_tokens, b.draft_probs = [], []
         else:
             ids = b.draft_tokens[-1][:, None]  # [rows, 1]
             num_new = torch.ones(len(b.rows), dtype=torch.long)
-            last = torch.zeros(len(b.rows), dtype=torch.long)
-        logits = self.draft.forward(ids, b.d_cache, num_new=num_new, output_positions=last[:, None])[:, 0]  # [rows, V]
-        if self._params.greedy:
-            token = logits.argmax(dim=-1)  # [rows]
-        else:
-            p = self._params
-            probs = warp_logits(logits, p.temperature, p.top_p, p.top_k)  # [rows, vocab]
-            token = torch.multinomial(probs, 1, generator=b.draft_gen).squeeze(1)
-            b.draft_probs.append(probs)
+        token, probs = self.drafter.propose(b.index, ids, num_new, self._params)  # [rows], [rows, vocab] | None
         b.draft_tokens.append(token)
-        if op.token == self.k - 1:
+        if probs is not None:
+            b.draft_probs.append(probs)
+        if op.token == limit - 1:
             b.drafts = torch.stack(b.draft_tokens, dim=1)  # [rows, k]
             b.p = torch.stack(b.draft_probs, dim=1) if b.draft_probs else None  # [rows, k, vocab]
             b.draft_tokens, b.draft_probs = [], []
 
     def close(self) -> None:
-        if self.streamer is not None:
-            self.streamer.close()
-        if self.embedding_rows is not None:
-            self.embedding_rows.close()
+        self.prefetch.close()
+        self.attn.close()
 
 
 def _inference(handler):  # noqa: ANN001, ANN202 - wraps an op handler

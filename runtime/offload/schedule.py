@@ -159,8 +159,9 @@ class PipelineSchedule:
             prev = emit("embed", [self._last_verify.get(a), self._last_draft.get(a)], batch=a)
             self._last_draft.pop(a, None)
             for j in range(self.num_layers):
-                attn = emit("attention", [prev, loads.get(j) if j in self.attention_streamed else None],
-                            layer=j, batch=a)
+                streamed_attn = j in self.attention_streamed and j in loads
+                attn = emit("attention", [prev, loads.get(j) if streamed_attn else None], layer=j, batch=a,
+                            slot=self._slot_of(loads.get(j), new) if streamed_attn else -1)
                 prev = emit("ffn", [attn, loads.get(j)], layer=j, batch=a, slot=self._slot_of(loads.get(j), new))
                 if j in loads:
                     release(j, prev)

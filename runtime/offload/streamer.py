@@ -126,6 +126,7 @@ class WeightStreamer:
         tracer: Any = None,
         direct: bool = True,
         max_gap: int = 64 << 10,
+        slots: Sequence[torch.Tensor] | None = None,
     ) -> None:
         if source not in SOURCES:
             raise ValueError(f"unknown weight source {source!r}; expected one of {SOURCES}")
@@ -147,7 +148,12 @@ class WeightStreamer:
         self._lock = threading.Lock()
         self._layouts: dict[PartKey, PartLayout] = {}
         self.reader = DirectReader(direct=direct)
-        self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
+        if slots is not None:  # caller-owned slot buffers, e.g. shared-memory arenas another process maps
+            if len(slots) != num_slots or any(t.dtype != torch.uint8 or t.numel() < slot_bytes for t in slots):
+                raise ValueError(f"need {num_slots} uint8 slot tensors of at least {slot_bytes} bytes")
+            self._slots = list(slots)
+        else:
+            self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
         staging_bytes = max(align_up(staging_bytes), 4 * ALIGN)
         self._staging = [AlignedBuffer(staging_bytes, pin=self._cuda) for _ in range(2 if self._cuda else 1)]
         self._max_piece = (staging_bytes - 2 * ALIGN) // TENSOR_ALIGN * TENSOR_ALIGN  # + alignment fits staging
@@ -206,6 +212,16 @@ class WeightStreamer:
             if self._stream is not None:
                 self._loaded[slot] = self._stream.record_event()
             return {key: self.loader.assemble(key, self._views(self._slots[slot], key, base)) for key, base in bases}
+
+    def views(self, slot: int, keys: Sequence[PartKey]) -> dict[PartKey, Weights]:
+        """The weights `load(slot, keys)` put in the slot, without loading: for a reader of shared slot buffers.
+
+        The layout is a pure function of the keys (in order), so a streamer in another process that shares the
+        slot buffers sees exactly what the loading process wrote.
+        """
+        keys = list(dict.fromkeys(keys))
+        return {key: self.loader.assemble(key, self._views(self._slots[slot], key, base))
+                for key, base in self._bases(keys)}
 
     def wait(self, slot: int) -> None:
         """Make the current stream wait until the last load into `slot` has landed (no-op on CPU)."""

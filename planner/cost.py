@@ -1,0 +1,396 @@
+"""Cost model of the offloaded pipeline: seconds per step and per workload from a profile, shapes and a placement.
+
+Symbols (schedule.py's convention: step i, layer j, batch k). A *step* is one target pass over batch A, with
+B = `batch` rows, each fed k + 1 tokens (its last committed token and k drafts), while the draft proposes k
+tokens for the other batch. L layers; the head is pseudo-layer L. Per pass, with n = B * (k + 1) tokens fed:
+
+    load_j  = streamed bytes of slot group j / stream_bytes_per_s           (0 when layer j is resident)
+    attn_j  = attention_seconds(n, context)                                  [cpu]
+    ffn_j   = F_dense_j * n / rate(n) + F_exp_j * n / rate(max(1, n * top_k / E))    [device]
+    head    = F_head * n / head_rate(n)                                      [device]
+    draft   = k * draft_seconds(B)                                           [device]
+    o       = pass_overhead_s                                                (embed + verify)
+
+F_dense_j: FLOPs per token of layer j's dense MLP and router (2 per parameter); F_exp_j: top_k experts of E per
+token; each expert GEMM sees n * top_k / E rows on average, so at small n the experts cost their weight-read
+time, as on the real device. The embedding costs nothing.
+
+    T_chain   the steady-state period of the serial target pass (o, attn_0, ffn_0, ..., head) when a ring of
+              num_buffers slots streams the loads in order: load m starts when the io is free and slot
+              m % num_buffers is released by the ffn (or head) of load m - num_buffers, so loads run ahead into
+              the next pass; ffn_j waits for load_j (attn_j too when layer j's attention streams). Simulated.
+    T_io      = sum_j load_j
+    shared compute (CPU-only: cpu and device are the same cores; the draft fills the chain's stalls):
+        T_step = max(T_io, T_chain, sum_j (attn_j + ffn_j) + head + o + draft)
+    separate compute (GPU: attention on the CPU, ffn / head / draft on the device):
+        T_step = max(T_io, T_chain, sum_j attn_j + o, sum_j ffn_j + head + draft)
+
+    tokens_per_step = B * E(alpha, k) with E = expected_tokens (acceptance.py; k = 0: B).
+
+Not modelled: io contending with compute for the cores, the draft's first token of a round feeding ~E tokens,
+selected-expert loading (io is the worst case: every expert of a streamed layer).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from specoffload.runtime.models.weights import PartKey
+from specoffload.runtime.offload.placement import ModelShape, Placement
+
+from .acceptance import expected_tokens
+from .profile import HardwareProfile, ProfileError
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """FLOPs and bytes per layer of the target and the draft, from shapes (no weights).
+
+    A part of P = bytes / dtype_bytes parameters costs 2 * P FLOPs per token (norm vectors are counted as if they
+    were weights: negligible); an MoE layer runs top_k of its num_experts experts per token; the embedding
+    costs nothing. num_experts must match the expert parts of the shape (0 for a dense model).
+    """
+
+    target: ModelShape
+    draft: ModelShape | None
+    dtype_bytes: int = 2
+    num_experts: int = 0
+    top_k: int = 0
+    draft_num_experts: int = 0
+    draft_top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype_bytes, bool) or not isinstance(self.dtype_bytes, int) or self.dtype_bytes < 1:
+            raise ValueError(f"dtype_bytes must be an integer >= 1, got {self.dtype_bytes!r}")
+        _check_experts(self.target, self.num_experts, self.top_k)
+        if self.draft is not None:
+            _check_experts(self.draft, self.draft_num_experts, self.draft_top_k)
+
+    @classmethod
+    def from_shapes(
+        cls, target: ModelShape, draft: ModelShape | None, dtype_bytes: int = 2, top_k: int = 0, draft_top_k: int = 0
+    ) -> ModelCosts:
+        """Costs with num_experts counted from the shapes' expert parts (top_k cannot be: it is config)."""
+        draft_experts = _experts_per_layer(draft) if draft is not None else 0
+        return cls(target, draft, dtype_bytes, _experts_per_layer(target), top_k, draft_experts, draft_top_k)
+
+    @cached_property
+    def _target_layers(self) -> tuple[tuple[float, float, float], ...]:
+        """Per layer: FLOPs per token of (attention, dense mlp + router, top_k experts)."""
+        attention = [0.0] * self.target.num_layers
+        dense = [0.0] * self.target.num_layers
+        experts = [0.0] * self.target.num_layers
+        for key, nbytes in self.target.parts:
+            flops = 2.0 * nbytes / self.dtype_bytes
+            if key.kind == "attention":
+                attention[key.layer] += flops
+            elif key.kind in ("dense_mlp", "router"):
+                dense[key.layer] += flops
+            elif key.kind == "expert":
+                experts[key.layer] += flops * self.top_k / self.num_experts
+        return tuple(zip(attention, dense, experts))
+
+    def attention_flops(self, layer: int) -> float:
+        """FLOPs per token of layer `layer`'s attention projections (the attention fit covers them)."""
+        return self._target_layers[layer][0]
+
+    def dense_flops(self, layer: int) -> float:
+        """FLOPs per token of layer `layer`'s dense MLP and router: the GEMMs that see every token."""
+        return self._target_layers[layer][1]
+
+    def expert_flops(self, layer: int) -> float:
+        """FLOPs per token of layer `layer`'s routed experts: top_k of num_experts."""
+        return self._target_layers[layer][2]
+
+    @cached_property
+    def head_flops(self) -> float:
+        """FLOPs per token of the target's head (final norm + LM head)."""
+        return sum(2.0 * n / self.dtype_bytes for key, n in self.target.parts if key.kind == "head")
+
+    @cached_property
+    def target_flops_per_token(self) -> float:
+        return _flops_per_token(self.target, self.dtype_bytes, self.num_experts, self.top_k)
+
+    @cached_property
+    def draft_flops_per_token(self) -> float:
+        if self.draft is None:
+            return 0.0
+        return _flops_per_token(self.draft, self.dtype_bytes, self.draft_num_experts, self.draft_top_k)
+
+    @property
+    def expert_fraction(self) -> float:
+        """top_k / num_experts: the share of an MoE layer's tokens each expert sees (1 for a dense model)."""
+        return self.top_k / self.num_experts if self.num_experts else 1.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is generated: `num_prompts` prompts of mean `prompt_len` tokens, `new_tokens` tokens each."""
+
+    num_prompts: int
+    prompt_len: float
+    new_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.new_tokens < 1 or not self.prompt_len >= 1:
+            raise ValueError(f"a workload needs num_prompts, prompt_len and new_tokens >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Predicted seconds of one step (module docstring):
+
+        T_step = max(T_io, T_chain, compute)  with compute = attention + ffn + head + overhead + draft when
+                 shared, else max(attention + overhead [cpu], ffn + head + draft [device]);
+        tokens_per_s = tokens_per_step / T_step.
+
+    Times are per step, summed over layers; `bound` names the term that sets T_step.
+    """
+
+    t_io: float
+    t_attention: float
+    t_ffn: float
+    t_head: float
+    t_overhead: float
+    t_draft: float
+    t_chain: float
+    t_step: float
+    tokens_per_step: float
+    tokens_per_s: float
+    bound: str  # "io" | "chain" | "compute" (shared) | "cpu" | "device"
+
+
+@dataclass(frozen=True)
+class WorkloadEstimate:
+    """Predicted time of a whole workload (see `estimate_workload`)."""
+
+    tokens_per_s: float  # generated tokens / total_s
+    total_s: float
+    prefill_s: float
+    decode_s: float
+    waves: int
+    num_batches: int
+    rows: int  # rows per batch actually used: min(batch, ceil(num_prompts / num_batches))
+    decode_steps: int  # per wave
+    prefill: StepEstimate
+    step: StepEstimate
+
+
+def stream_bytes(placement: Placement, target: ModelShape) -> dict[int, int]:
+    """Slot group -> bytes streamed per pass (layer j, or num_layers for the head); resident groups absent."""
+    groups: dict[int, int] = {}
+    for key, nbytes in target.parts:
+        if placement.is_streamed(key):
+            group = target.num_layers if key.kind == "head" else key.layer
+            groups[group] = groups.get(group, 0) + nbytes
+    return groups
+
+
+def estimate_step(
+    profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, alpha: float, context: int
+) -> StepEstimate:
+    """One decode step: a target pass over `batch` rows of k + 1 tokens each, KV length `context` (docstring)."""
+    _check_plan(profile, costs, placement, batch, k)
+    fed = batch * (k + 1)
+    t_draft = k * profile.draft_seconds(batch) if k else 0.0
+    return _pass(profile, costs, placement, fed, fed, context, t_draft, batch * expected_tokens(alpha, k))
+
+
+def estimate_prefill(
+    profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, prompt_len: float
+) -> StepEstimate:
+    """A batch's first pass (prefill merged into it): `batch` rows of prompt_len tokens, one token out per row.
+
+    fed = round(batch * prompt_len) tokens attend to context = ceil(prompt_len) keys (a masked prefill computes
+    the full score matrix); the head sees one position per row. Meanwhile the draft prefills the other batch
+    and proposes its first k tokens: draft_seconds(fed) + (k - 1) * draft_seconds(batch).
+    """
+    _check_plan(profile, costs, placement, batch, k)
+    fed = max(batch, round(batch * prompt_len))
+    t_draft = profile.draft_seconds(fed) + (k - 1) * profile.draft_seconds(batch) if k else 0.0
+    return _pass(profile, costs, placement, fed, batch, math.ceil(prompt_len), t_draft, float(batch))
+
+
+def estimate_workload(
+    profile: HardwareProfile,
+    costs: ModelCosts,
+    placement: Placement,
+    batch: int,
+    k: int,
+    alpha: float,
+    workload: Workload,
+) -> WorkloadEstimate:
+    """Whole-workload time, in waves of num_batches batches (2 with a draft, k >= 1; else 1):
+
+        rows  = min(batch, ceil(num_prompts / num_batches))          (a batch never holds more rows than prompts)
+        waves = ceil(num_prompts / (rows * num_batches))
+        decode_steps per wave = num_batches * ceil((new_tokens - 1) / E(alpha, k))   (the prefill pass emits one)
+        total = waves * (num_batches * T_prefill + decode_steps * T_step)
+    with T_step at the mean KV length prompt_len + new_tokens / 2. Every wave is costed as full.
+    """
+    num_batches = 2 if k >= 1 else 1
+    rows = min(batch, math.ceil(workload.num_prompts / num_batches))
+    waves = math.ceil(workload.num_prompts / (rows * num_batches))
+    context = round(workload.prompt_len + workload.new_tokens / 2)
+    step = estimate_step(profile, costs, placement, rows, k, alpha, context)
+    prefill = estimate_prefill(profile, costs, placement, rows, k, workload.prompt_len)
+    decode_steps = num_batches * math.ceil((workload.new_tokens - 1) / expected_tokens(alpha, k))
+    prefill_s = waves * num_batches * prefill.t_step
+    decode_s = waves * decode_steps * step.t_step
+    total = prefill_s + decode_s
+    return WorkloadEstimate(
+        tokens_per_s=workload.num_prompts * workload.new_tokens / total,
+        total_s=total,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        waves=waves,
+        num_batches=num_batches,
+        rows=rows,
+        decode_steps=decode_steps,
+        prefill=prefill,
+        step=step,
+    )
+
+
+# --- internals -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """One link of the serial target chain: `pre` (attention), then `post` (ffn or head) after its load."""
+
+    pre: float
+    post: float
+    load: float | None  # seconds of this slot group's load; None when resident
+    pre_waits: bool = False  # the attention weights stream with the layer: attention waits for the load too
+
+
+def chain_period(layers: Sequence[ChainLink], overhead: float, num_buffers: int, passes: int | None = None) -> float:
+    """Steady-state seconds per pass of the serial chain overhead, layers[0], ..., layers[-1] (module docstring).
+
+    Simulates `passes` consecutive passes (default 4 * num_buffers + 8) and averages the second half, which
+    also covers a chain that settles into a cycle of several passes.
+    """
+    passes = passes if passes is not None else 4 * num_buffers + 8
+    release: list[float] = []  # load index -> when its slot's last user finished
+    io_free = t = 0.0
+    ends: list[float] = []
+    for _ in range(passes):
+        t += overhead
+        for layer in layers:
+            ready = t
+            if layer.load is not None:
+                m = len(release)
+                start = max(io_free, release[m - num_buffers] if m >= num_buffers else 0.0)
+                io_free = ready = start + layer.load
+            pre_end = (max(t, ready) if layer.pre_waits else t) + layer.pre
+            t = max(pre_end, ready) + layer.post
+            if layer.load is not None:
+                release.append(t)
+        ends.append(t)
+    half = passes // 2
+    return (ends[-1] - ends[half - 1]) / (passes - half)
+
+
+def _pass(
+    profile: HardwareProfile,
+    costs: ModelCosts,
+    placement: Placement,
+    fed: int,
+    head_rows: int,
+    context: int,
+    t_draft: float,
+    tokens: float,
+) -> StepEstimate:
+    target = costs.target
+    loads = {j: nbytes / profile.stream_bytes_per_s for j, nbytes in stream_bytes(placement, target).items()}
+    expert_rows = max(1.0, fed * costs.expert_fraction)
+    attn = profile.attention_seconds(fed, context)
+    layers = []
+    for j in range(target.num_layers):
+        ffn = profile.ffn_seconds(costs.dense_flops(j) * fed, fed)
+        ffn += profile.ffn_seconds(costs.expert_flops(j) * fed, expert_rows)
+        streams_attention = placement.tiers.get(PartKey("attention", j), "device") != "device"
+        layers.append(ChainLink(attn, ffn, loads.get(j), pre_waits=streams_attention))
+    head = profile.head_seconds(costs.head_flops * head_rows, head_rows)
+    layers.append(ChainLink(0.0, head, loads.get(target.num_layers)))
+    overhead = profile.pass_overhead_s
+    t_io = sum(loads.values())
+    t_attention = attn * target.num_layers
+    t_ffn = sum(layer.post for layer in layers[:-1])
+    t_chain = chain_period(layers, overhead, placement.num_buffers)
+    terms = {"io": t_io, "chain": t_chain}
+    if profile.shared_compute:
+        terms["compute"] = t_attention + t_ffn + head + overhead + t_draft
+    else:
+        terms["cpu"] = t_attention + overhead
+        terms["device"] = t_ffn + head + t_draft
+    t_step = max(terms.values())
+    bound = next(name for name, t in terms.items() if t >= t_step * (1 - 1e-9))  # ties: io, chain, then compute
+    return StepEstimate(
+        t_io=t_io,
+        t_attention=t_attention,
+        t_ffn=t_ffn,
+        t_head=head,
+        t_overhead=overhead,
+        t_draft=t_draft,
+        t_chain=t_chain,
+        t_step=t_step,
+        tokens_per_step=tokens,
+        tokens_per_s=tokens / t_step if t_step > 0 else math.inf,
+        bound=bound,
+    )
+
+
+def _check_plan(profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int) -> None:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an integer >= 0, got {k!r}")
+    if k >= 1 and costs.draft is None:
+        raise ValueError(f"k = {k} draft tokens need a draft model; costs.draft is None")
+    if set(placement.tiers) != {key for key, _ in costs.target.parts}:
+        raise ValueError("the placement was not made for this target shape (its parts differ)")
+    if placement.policy.weights_tier != profile.weights_tier:
+        raise ProfileError(
+            f"the profile measured streaming from {profile.weights_tier!r} but the placement streams from "
+            f"{placement.policy.weights_tier!r}: measure a profile for that tier or change weights_tier"
+        )
+
+
+def _flops_per_token(shape: ModelShape, dtype_bytes: int, num_experts: int, top_k: int) -> float:
+    total = 0.0
+    for key, nbytes in shape.parts:
+        if key.kind == "embedding":
+            continue
+        share = top_k / num_experts if key.kind == "expert" else 1.0
+        total += 2.0 * nbytes / dtype_bytes * share
+    return total
+
+
+def _experts_per_layer(shape: ModelShape) -> int:
+    """The largest number of expert parts in one layer (0 for a dense model)."""
+    counts: dict[int, int] = {}
+    for key, _ in shape.parts:
+        if key.kind == "expert":
+            counts[key.layer] = counts.get(key.layer, 0) + 1
+    return max(counts.values(), default=0)
+
+
+def _check_experts(shape: ModelShape, num_experts: int, top_k: int) -> None:
+    per_layer: dict[int, int] = {}
+    for key, _ in shape.parts:
+        if key.kind == "expert":
+            per_layer[key.layer] = per_layer.get(key.layer, 0) + 1
+    if not per_layer:
+        if num_experts or top_k:
+            raise ValueError(f"{shape.name}: num_experts/top_k given but the shape has no expert parts")
+        return
+    if set(per_layer.values()) != {num_experts}:
+        counts = sorted(set(per_layer.values()))
+        raise ValueError(f"{shape.name}: num_experts={num_experts} but its MoE layers hold {counts} experts")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"{shape.name}: top_k must be in 1..{num_experts}, got {top_k}")

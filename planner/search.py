@@ -1,0 +1,180 @@
+"""Policy search: the (batch, k) that maximises predicted workload throughput within the memory budgets.
+
+The paper's policy is (prefill_batch, decode_batch, draft_batch, k). In our runtime prefill is merged into the
+first pass of each batch and the draft proposes for the *other* batch of the same size, so
+prefill_batch = decode_batch = draft_batch = batch (draft_batch = 0 without a draft); the four fields are kept
+for the paper's vocabulary and the search runs over (batch, k):
+
+    k = 0   no draft, one batch (num_batches = 1): layer streaming only, FlexGen style;
+    k >= 1  the draft resident on the device, two batches of `batch` rows alternate (num_batches = 2).
+
+For each pair: `place` (a `PlacementError` makes the pair infeasible, with its reason), then
+`estimate_workload` (cost.py); the best policy is the argmax, ties going to the smaller batch, then smaller k.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from specoffload.runtime.models.errors import SpecOffloadError
+from specoffload.runtime.offload.placement import ModelShape, Placement, PlacementError, PlacementPolicy, place
+
+from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimate_workload
+from .profile import HardwareProfile
+
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class NoFeasiblePolicyError(SpecOffloadError, ValueError):
+    """No (batch, k) of the search space fits the memory budgets."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A chosen plan: batch sizes in the paper's vocabulary (tied in our runtime, module docstring) and k."""
+
+    prefill_batch: int
+    decode_batch: int
+    draft_batch: int  # rows the draft proposes for per step: decode_batch with a draft, 0 without
+    k: int
+    predicted_tokens_per_s: float
+    alpha: float
+    memory: Mapping[str, int] = field(hash=False)  # bytes per tier, and "device_footprint" (the device budget used)
+    placement_table: str = field(repr=False)
+    estimate: WorkloadEstimate | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.prefill_batch != self.decode_batch or self.draft_batch != (self.decode_batch if self.k else 0):
+            raise ValueError(
+                "in this runtime prefill_batch = decode_batch and draft_batch = decode_batch (0 when k = 0), got "
+                f"{self.prefill_batch}, {self.decode_batch}, {self.draft_batch} with k = {self.k}"
+            )
+        object.__setattr__(self, "memory", MappingProxyType(dict(self.memory)))
+
+    @property
+    def batch(self) -> int:
+        return self.decode_batch
+
+    @property
+    def num_batches(self) -> int:
+        return 2 if self.k >= 1 else 1
+
+    def describe(self) -> str:
+        draft = f"k={self.k}, two batches" if self.k else "no draft, one batch"
+        return f"batch={self.batch} ({draft}): {self.predicted_tokens_per_s:.2f} tokens/s predicted"
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """`alternatives`: every feasible policy, best first (so alternatives[0] is `best`)."""
+
+    best: Policy
+    alternatives: tuple[Policy, ...]
+    infeasible: tuple[tuple[int, int, str], ...]  # (batch, k, why)
+
+    def best_where(self, predicate: Callable[[Policy], bool]) -> Policy | None:
+        """The best feasible policy satisfying `predicate`, e.g. `lambda p: p.k == 0` (no speculation)."""
+        return next((p for p in self.alternatives if predicate(p)), None)
+
+
+def search(
+    profile: HardwareProfile,
+    target: ModelShape,
+    draft: ModelShape | None,
+    workload: Workload,
+    alpha: float,
+    device_memory: int,
+    host_memory: int,
+    *,
+    batches: Iterable[int] = DEFAULT_BATCHES,
+    ks: Iterable[int] = range(0, 9),
+    num_buffers: int = 2,
+    weights_tier: str | None = None,
+    unified_memory: bool | None = None,
+    context: int | None = None,
+    dtype_bytes: int = 2,
+    top_k: int = 0,
+    draft_top_k: int = 0,
+) -> SearchResult:
+    """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
+
+    context: tokens per row (prompt + new tokens; the engine's max_seq_len), default ceil(prompt_len) +
+    new_tokens; the KV capacity placed is context + k + 1, as the engine sizes it. weights_tier defaults to
+    the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
+    top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
+    Raises `NoFeasiblePolicyError` (with the reasons) when no pair fits.
+    """
+    costs = ModelCosts.from_shapes(target, draft, dtype_bytes, top_k, draft_top_k)
+    tier = weights_tier if weights_tier is not None else profile.weights_tier
+    unified = unified_memory if unified_memory is not None else profile.device == "cpu"
+    tokens = context if context is not None else math.ceil(workload.prompt_len) + workload.new_tokens
+    feasible: list[Policy] = []
+    infeasible: list[tuple[int, int, str]] = []
+    for batch in batches:
+        for k in ks:
+            if k >= 1 and draft is None:
+                continue
+            policy = PlacementPolicy(
+                batch_size=batch,
+                num_batches=2 if k >= 1 else 1,
+                context=tokens + k + 1,
+                num_buffers=num_buffers,
+                weights_tier=tier,
+                unified_memory=unified,
+            )
+            try:
+                placement = place(target, draft if k >= 1 else None, policy, device_memory, host_memory)
+            except PlacementError as exc:
+                infeasible.append((batch, k, str(exc)))
+                continue
+            estimate = estimate_workload(profile, costs, placement, batch, k, alpha, workload)
+            feasible.append(_policy(batch, k, alpha, placement, estimate))
+    if not feasible:
+        reasons = "; ".join(f"batch={b}, k={k}: {why}" for b, k, why in infeasible[:3])
+        raise NoFeasiblePolicyError(f"no (batch, k) fits the memory budgets. First reasons: {reasons}")
+    ranked = tuple(sorted(feasible, key=lambda p: (-_rounded(p.predicted_tokens_per_s), p.batch, p.k)))
+    return SearchResult(best=ranked[0], alternatives=ranked, infeasible=tuple(infeasible))
+
+
+def replan_k(
+    profile: HardwareProfile,
+    costs: ModelCosts,
+    placement: Placement,
+    batch: int,
+    alpha: float,
+    context: int,
+    ks: Iterable[int] = range(0, 9),
+) -> int:
+    """The k of `ks` with the highest predicted decode tokens/s at a fixed batch and placement (online re-planning).
+
+    For the runtime's `AcceptanceTracker` estimate of alpha: k >= 1 only when `costs.draft` exists (its placement
+    is fixed, so the draft stays resident whatever k is chosen; k = 0 stops drafting). Ties go to the smaller k.
+    """
+    candidates = [k for k in ks if k == 0 or costs.draft is not None]
+    if not candidates:
+        raise ValueError("no candidate k: ks is empty, or holds only k >= 1 and there is no draft model")
+    rates = {k: estimate_step(profile, costs, placement, batch, k, alpha, context).tokens_per_s for k in candidates}
+    return min(rates, key=lambda k: (-_rounded(rates[k]), k))
+
+
+def _rounded(rate: float) -> float:
+    """`rate` to 12 significant digits: predictions equal up to float rounding tie (then smaller batch, k win)."""
+    return float(f"{rate:.12g}")
+
+
+def _policy(batch: int, k: int, alpha: float, placement: Placement, estimate: WorkloadEstimate) -> Policy:
+    memory = {**placement.bytes_by_tier(), "device_footprint": placement.device_bytes()}
+    return Policy(
+        prefill_batch=batch,
+        decode_batch=batch,
+        draft_batch=batch if k else 0,
+        k=k,
+        predicted_tokens_per_s=estimate.tokens_per_s,
+        alpha=alpha,
+        memory=memory,
+        placement_table=placement.table(),
+        estimate=estimate,
+    )

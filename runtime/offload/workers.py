@@ -1,0 +1,294 @@
+"""The four workers of the offloaded pipeline, as plain classes (one per resource / actor role).
+
+  PrefetchWorker   io      streams a layer's non-resident target weights into a ring slot
+  AttentionWorker  cpu     target embedding + attention against the host KV caches (one per batch)
+  VerifierWorker   device  target FFN / experts / head with resident or slot weights; verification
+  DraftWorker      device  the resident draft model and its KV caches; proposes draft tokens
+
+The local backend (`OffloadEngine`) calls them in one process from its executor threads; the Ray backend
+(`actors/`) runs each in its own process and passes tensors through shared-memory slots and arenas. Workers
+hold no request state: the coordinator sends token ids and row indices, and gets tensors or small results back.
+Methods take and return only ints, lists, SamplingParams-like dicts and tensors, so they cross a wire easily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import EngineConfig
+from ..kv_cache import KVCache
+from ..models.model import Transformer
+from ..models.weights import PartKey, Weights
+from ..sampling import SamplingParams, warp_logits
+from ..verify import verify_greedy, verify_sampling
+from .embedding import EmbeddingRows
+from .placement import Placement
+from .streamer import TENSOR_ALIGN, WeightStreamer
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """The placement as the workers need it: what is resident, what streams, and how slot loads are grouped.
+
+    load_groups: layer (num_layers = the head) -> parts loaded together into one slot by a load op.
+    selected_experts: MoE experts are not in load_groups; the ffn op loads the routed ones into its slot.
+    """
+
+    resident: tuple[PartKey, ...]
+    streamed: tuple[PartKey, ...]
+    load_groups: Mapping[int, tuple[PartKey, ...]]
+    slot_bytes: int
+    num_buffers: int
+    embedding_tier: str
+    selected_experts: bool
+    attention_streamed: tuple[int, ...] = field(default=())
+
+    @classmethod
+    def from_placement(cls, placement: Placement, num_layers: int, num_experts: int, selected: bool) -> WeightPlan:
+        embedding = PartKey("embedding")
+        resident = [key for key, tier in placement.tiers.items() if tier == "device"]
+        if placement.tier(embedding) == "host":
+            resident.append(embedding)  # on the host tier it is a plain resident table of the host-side worker
+        streamed = [key for key, tier in placement.tiers.items() if tier != "device" and key != embedding]
+        groups: dict[int, list[PartKey]] = {}
+        for key in streamed:
+            groups.setdefault(num_layers if key.kind == "head" else key.layer, []).append(key)
+        if selected:
+            groups = {j: [k for k in keys if k.kind != "expert"] for j, keys in groups.items()}
+        fields = 8 * (num_experts + 4 if num_experts else 4)  # per-tensor alignment margin inside a slot
+        return cls(
+            resident=tuple(resident),
+            streamed=tuple(streamed),
+            load_groups={j: tuple(keys) for j, keys in groups.items()},
+            slot_bytes=placement.slot_bytes + TENSOR_ALIGN * fields if streamed else 0,
+            num_buffers=placement.num_buffers,
+            embedding_tier=placement.tier(embedding),
+            selected_experts=selected,
+            attention_streamed=tuple(sorted(j for j, ks in groups.items() if any(k.kind == "attention" for k in ks))),
+        )
+
+    def streamed_layers(self) -> list[int]:
+        return sorted(self.load_groups)
+
+
+def _slot_streamer(model: Transformer, plan: WeightPlan, config: EngineConfig, slots: Sequence[Tensor] | None,
+                   loads: bool) -> WeightStreamer | None:
+    """A streamer over the shared slot buffers: loads (PrefetchWorker, routed experts) or only views them."""
+    if not plan.streamed:
+        return None
+    source = config.weights_tier if loads else "disk"  # a view-only streamer never reads, so never preloads
+    return WeightStreamer(
+        model.loader, plan.slot_bytes, plan.num_buffers, source, model.device,
+        staging_bytes=(64 << 20) if loads else 4 * 4096, parts=list(plan.streamed) if loads else None, slots=slots,
+    )
+
+
+class _SlotReader:
+    """Transformer fetch hook of a worker that computes with streamed weights: views of the op's slot."""
+
+    def __init__(self, streamer: WeightStreamer | None, plan: WeightPlan, expert_loader: WeightStreamer | None = None):
+        self.streamer, self.plan, self.expert_loader = streamer, plan, expert_loader
+        self.slot = -1
+        self.layer = -1
+
+    def __call__(self, keys: list[PartKey]) -> dict[PartKey, Weights]:
+        if self.streamer is None or self.slot < 0:
+            raise RuntimeError(f"parts {keys} are not resident and no slot is bound: schedule bug")
+        group = list(self.plan.load_groups.get(self.layer, ()))
+        out = {}
+        staged = [key for key in keys if key in group]
+        if staged:
+            views = self.streamer.views(self.slot, group)
+            out = {key: views[key] for key in staged}
+        routed = [key for key in keys if key not in out]
+        if routed:
+            if not (self.plan.selected_experts and self.expert_loader is not None
+                    and all(k.kind == "expert" for k in routed)):
+                raise RuntimeError(f"parts {routed} are neither resident nor in slot {self.slot}: schedule bug")
+            out |= self.expert_loader.load(self.slot, routed)  # routed experts only, into this layer's slot
+        return out
+
+    def bind(self, layer: int, slot: int) -> _SlotReader:
+        self.layer, self.slot = layer, slot
+        return self
+
+    def __enter__(self) -> _SlotReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.layer = self.slot = -1
+
+
+class PrefetchWorker:
+    """io: fills ring slots with a layer's streamed weights (disk with O_DIRECT, or the host-RAM tier)."""
+
+    def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None) -> None:
+        self.plan = plan
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
+        self.streamer = _slot_streamer(self.model, plan, config, slots, loads=True)
+
+    @property
+    def slots(self) -> list[Tensor]:
+        return list(self.streamer._slots) if self.streamer is not None else []
+
+    @property
+    def bytes_read(self) -> int:
+        return self.streamer.bytes_read if self.streamer is not None else 0
+
+    def load(self, layer: int, slot: int) -> None:
+        keys = self.plan.load_groups.get(layer, ())
+        if keys and self.streamer is not None:
+            self.streamer.load(slot, list(keys))
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+
+
+class AttentionWorker:
+    """cpu: the target's embedding and attention blocks over one host KV cache per batch."""
+
+    def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None) -> None:
+        self.plan = plan
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
+        mine = [k for k in plan.resident if k.kind in ("attention", "embedding")]
+        self.model.preload(mine)
+        self.reader = _SlotReader(_slot_streamer(self.model, plan, config, slots, loads=False), plan)
+        self.model.fetch = self.reader
+        self.rows: EmbeddingRows | None = None
+        if plan.embedding_tier == "disk":
+            name = self.model.loader.refs(PartKey("embedding"))["embed"].name
+            self.rows = EmbeddingRows(self.model.loader.checkpoint, name, self.model.dtype)
+        self.caches: dict[int, KVCache] = {}
+
+    # -- KV cache management (the coordinator decides, this worker owns the memory) --
+    def reset(self, batch: int, rows: int, capacity: int) -> None:
+        self.caches[batch] = self.model.new_cache(rows, capacity)
+
+    def drop(self, batch: int) -> None:
+        self.caches.pop(batch, None)
+
+    def lengths(self, batch: int) -> list[int]:
+        return self.caches[batch].lengths.tolist()
+
+    def advance(self, batch: int, num_new: Sequence[int]) -> None:
+        self.caches[batch].advance(torch.tensor(list(num_new), dtype=torch.long))
+
+    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
+        self.caches[batch].truncate(torch.tensor(list(lengths), dtype=torch.long))
+
+    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
+        self.caches[batch].select_rows(list(keep))
+
+    # -- compute --
+    @property
+    def bytes_read(self) -> int:
+        return self.rows.bytes_read if self.rows is not None else 0
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids [rows, T] -> hidden [rows, T, H]."""
+        with torch.inference_mode():
+            return self.rows(ids) if self.rows is not None else self.model.embed(ids)
+
+    def attention(self, batch: int, layer: int, slot: int, hidden: Tensor) -> Tensor:
+        """hidden [rows, T, H] -> [rows, T, H]; writes K/V of the T new positions (advance comes later)."""
+        with self.reader.bind(layer, slot):
+            return self.model.attention(layer, hidden, self.caches[batch])
+
+    def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()
+
+
+class VerifierWorker:
+    """device: the target's FFN / experts and head (resident or from the op's slot), and verification."""
+
+    def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None) -> None:
+        self.plan = plan
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
+        mine = [k for k in plan.resident if k.kind in ("dense_mlp", "router", "expert", "head")]
+        self.model.preload(mine)
+        views = _slot_streamer(self.model, plan, config, slots, loads=False)
+        experts = _slot_streamer(self.model, plan, config, slots, loads=True) if plan.selected_experts else None
+        self.reader = _SlotReader(views, plan, experts)
+        self.model.fetch = self.reader
+        self.generators: dict[int, torch.Generator] = {}
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.expert_loader.bytes_read if self.reader.expert_loader is not None else 0
+
+    def seed(self, batch: int, seed: int | None) -> None:
+        self.generators.pop(batch, None)
+        if seed is not None:
+            self.generators[batch] = torch.Generator().manual_seed(seed)
+
+    def ffn(self, layer: int, slot: int, hidden: Tensor, token_mask: Tensor | None) -> Tensor:
+        with self.reader.bind(layer, slot):
+            return self.model.ffn(layer, hidden, token_mask)
+
+    def head(self, slot: int, hidden: Tensor, positions: Tensor) -> Tensor:
+        """hidden [rows, T, H], positions [rows, P] -> logits [rows, P, vocab] (float32)."""
+        index = positions.to(hidden.device)[:, :, None].expand(-1, -1, hidden.shape[-1])
+        with self.reader.bind(self.model.config.num_layers, slot):
+            return self.model.logits(torch.gather(hidden, 1, index))
+
+    def verify(self, batch: int, logits: Tensor, drafts: Tensor, p: Tensor | None,
+               params: SamplingParams) -> tuple[list[int], list[list[int]]]:
+        """Greedy match or rejection sampling (see runtime/verify.py): (accepted per row, emitted tokens per row)."""
+        with torch.inference_mode():
+            if params.greedy:
+                result = verify_greedy(drafts, logits)
+            else:
+                q = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, k + 1, vocab]
+                dp = p if p is not None else q.new_zeros((q.shape[0], 0, q.shape[2]))
+                result = verify_sampling(drafts, dp, q, self.generators.get(batch))
+            return result.num_accepted.tolist(), result.tokens.tolist()
+
+
+class DraftWorker:
+    """device: the resident draft model, one KV cache per batch; proposes one draft token per call."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        assert config.draft is not None
+        self.model = Transformer(config.draft, dtype=config.torch_dtype, device=config.device)
+        self.model.preload()
+        self.caches: dict[int, KVCache] = {}
+        self.generators: dict[int, torch.Generator] = {}
+
+    def reset(self, batch: int, rows: int, capacity: int, seed: int | None = None) -> None:
+        self.caches[batch] = self.model.new_cache(rows, capacity)
+        self.generators.pop(batch, None)
+        if seed is not None:
+            self.generators[batch] = torch.Generator().manual_seed(seed)
+
+    def drop(self, batch: int) -> None:
+        self.caches.pop(batch, None)
+
+    def lengths(self, batch: int) -> list[int]:
+        return self.caches[batch].lengths.tolist()
+
+    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
+        self.caches[batch].truncate(torch.tensor(list(lengths), dtype=torch.long))
+
+    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
+        self.caches[batch].select_rows(list(keep))
+
+    def propose(self, batch: int, ids: Tensor, num_new: Tensor,
+                params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+        """Feed ids [rows, T] (row b: its first num_new[b] valid) and draw the next token per row.
+
+        Returns (token [rows], probs [rows, vocab] or None when greedy).
+        """
+        with torch.inference_mode():
+            last = (num_new - 1)[:, None]  # [rows, 1]
+            logits = self.model.forward(ids, self.caches[batch], num_new=num_new, output_positions=last)[:, 0]
+            if params.greedy:
+                return logits.argmax(dim=-1), None  # [rows]
+            probs = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, vocab]
+            return torch.multinomial(probs, 1, generator=self.generators.get(batch)).squeeze(1), probs
