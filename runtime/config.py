@@ -23,8 +23,11 @@ class EngineConfig:
 
     target: HF checkpoint directory of the model whose output we reproduce.
     draft: checkpoint directory of a small model on the same vocabulary, or None for plain decoding.
-    num_draft_tokens: k, tokens the draft proposes per verification step (>= 1; unused without a draft).
-    max_batch_size: rows decoded together; finished rows are refilled from waiting prompts.
+    num_draft_tokens: k, tokens the draft proposes per verification step (>= 1; unused without a draft), or
+        "auto" (offloaded engines only): the planner picks k (0 = no speculation) from the measured hardware
+        profile and re-plans it online from the observed acceptance rate.
+    max_batch_size: rows decoded together; finished rows are refilled from waiting prompts; "auto" (offloaded
+        engines only): the planner picks it under the memory budget.
     num_threads: torch intra-op threads (None: leave torch's default, one per core).
 
     Offloading (the target streams its weights; see runtime/offload/). Set `device_memory` to turn it on:
@@ -39,6 +42,8 @@ class EngineConfig:
     num_buffers: ring slots of streamed layer weights (>= 1; 2 overlaps loading layer j+1 with computing j).
     max_seq_len: longest prompt + output per row the KV caches are sized for (default: the target's context,
         at most 4096); placement counts the KV caches at this length.
+    acceptance_prior: the draft's per-token acceptance rate the planner assumes before it has observed any.
+    replan_interval: with k "auto", re-estimate the acceptance rate and re-plan k every this many verify rounds.
     expert_loading: MoE only: "selected" loads only the experts the router picks for the batch, "all" loads
         every expert of a layer ahead of use, "auto" picks by the expected number of distinct experts.
     trace: record a timed span per pipeline operation (for `OffloadEngine.tracer`).
@@ -47,8 +52,8 @@ class EngineConfig:
     target: str | Path
     draft: str | Path | None = None
     dtype: str = "float32"
-    num_draft_tokens: int = 4
-    max_batch_size: int = 16
+    num_draft_tokens: int | str = 4
+    max_batch_size: int | str = 16
     device: str = "cpu"
     num_threads: int | None = None
     device_memory: int | str | None = None
@@ -58,14 +63,23 @@ class EngineConfig:
     max_seq_len: int | None = None
     expert_loading: str = "auto"
     trace: bool = False
+    acceptance_prior: float = 0.7
+    replan_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ConfigError(f"num_draft_tokens (k) must be an integer >= 1, got {self.num_draft_tokens!r}")
-        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
-            raise ConfigError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        k, batch = self.num_draft_tokens, self.max_batch_size
+        if k != "auto" and (not isinstance(k, int) or k < 1):
+            raise ConfigError(f"num_draft_tokens (k) must be an integer >= 1 or 'auto', got {k!r}")
+        if batch != "auto" and (not isinstance(batch, int) or batch < 1):
+            raise ConfigError(f"max_batch_size must be an integer >= 1 or 'auto', got {batch!r}")
+        if "auto" in (k, batch) and self.device_memory is None:
+            raise ConfigError("'auto' batch size or k needs device_memory: the planner plans for an offloaded target")
+        if not 0.0 <= self.acceptance_prior <= 1.0:
+            raise ConfigError(f"acceptance_prior must be in [0, 1], got {self.acceptance_prior!r}")
+        if not isinstance(self.replan_interval, int) or self.replan_interval < 0:
+            raise ConfigError(f"replan_interval must be an integer >= 0, got {self.replan_interval!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads!r}")
         if self.device != "cpu" and not torch.device(self.device).type == "cuda":
@@ -85,6 +99,11 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
+
+    @property
+    def planned(self) -> bool:
+        """True when the planner chooses the batch size or k."""
+        return "auto" in (self.num_draft_tokens, self.max_batch_size)
 
     @property
     def offloaded(self) -> bool:

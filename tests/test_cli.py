@@ -66,3 +66,18 @@ def test_too_small_device_memory_is_one_clear_line(tiny_models, tmp_path, capsys
                "--device-memory", "10KiB", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "at least" in err and "Traceback" not in err
+
+
+def test_plan_prints_policy_table_and_alternatives(tiny_models, tmp_path, capsys, monkeypatch):
+    from specoffload.runtime.offload import profiler
+
+    monkeypatch.setattr(profiler, "PROFILE_DIR", tmp_path / "profiles")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": [5 + i, 6, 7]}) + "\n" for i in range(4)))
+    rc = main(["plan", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"]),
+               "--device-memory", "2MiB", "--prompts", str(prompts), "--max-new-tokens", "8", "--quick-profile"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "chosen policy: batch" in out and "predicted" in out and "| batch | k |" in out
+    assert "warm-up on 4 of the job's prompts" in out  # alpha measured on the job's own prompts
+    assert list((tmp_path / "profiles").glob("*.json"))

@@ -15,13 +15,24 @@ The life of a generate call:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
+
+from specoffload.planner import (
+    AcceptanceTracker,
+    HardwareProfile,
+    ModelCosts,
+    Policy,
+    Workload,
+    replan_k,
+    search,
+)
 
 from ..config import ConfigError, EngineConfig
 from ..engine import Engine, GenerateStats
@@ -34,11 +45,19 @@ from ..trace import Tracer
 from .executor import OpExecutor
 from .memory import machine_memory_bytes
 from .placement import ModelShape, Placement, PlacementPolicy, minimum_device_memory, place
+from .profiler import load_or_measure
 from .schedule import Op, PipelineSchedule
 from .workers import AttentionWorker, DraftWorker, PrefetchWorker, VerifierWorker, WeightPlan
 
 #: default KV length per row when neither max_seq_len nor a shorter model context says otherwise
 DEFAULT_MAX_SEQ_LEN = 4096
+#: largest k the planner considers (and online re-planning may move to)
+MAX_AUTO_K = 8
+#: batch sizes the planner considers, and the job size it plans for (prompts of max_seq_len / 2 tokens)
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+PLAN_PROMPTS = 256
+
+logger = logging.getLogger("specoffload.offload")
 
 
 @dataclass(frozen=True)
@@ -63,6 +82,7 @@ class _Batch:
     num_new: torch.Tensor | None = None  # [rows] tokens fed per row this pass
     token_mask: torch.Tensor | None = None  # [rows, T]
     pass_k: int = 0  # draft tokens verified by the current pass
+    round_k: int = 0  # draft tokens of the current draft round
     committed: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [rows, pass_k + 1, vocab]
 
@@ -87,9 +107,17 @@ class OffloadEngine(Engine):
         self.tokenizer = load_tokenizer(config.target)
         if self.draft is not None:
             self._check_vocabularies()
-        self.k = config.num_draft_tokens if self.draft is not None else 0
         cfg = self.target.config
         self.max_seq_len = min(cfg.max_position_embeddings, config.max_seq_len or DEFAULT_MAX_SEQ_LEN)
+        self.policy: Policy | None = None
+        self.profile: HardwareProfile | None = None
+        if config.planned:
+            self._plan()  # sets self.policy and a config with concrete batch size and k; may drop the draft
+        self.k = self.config.num_draft_tokens if self.draft is not None else 0
+        # The schedule emits k_max draft ops per step; online re-planning may move k anywhere in 1..k_max.
+        self.k_max = max(self.k, MAX_AUTO_K) if self.policy is not None and self.k else self.k
+        self.tracker = AcceptanceTracker(half_life=64)
+        self.replans: list[dict[str, float]] = []
         self.placement = self._place()  # PlacementError (with the minimum) if the budget is too small
         self.selected_experts = self._select_experts_mode()
         self.plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts, self.selected_experts)
@@ -99,6 +127,53 @@ class OffloadEngine(Engine):
         self.last_stats: OffloadStats | None = None
 
     # ---- construction -----------------------------------------------------------------------------------------
+    def _plan(self) -> None:
+        """Pick (batch, k) with the planner from the measured profile; see planner/search.py."""
+        cfg, tcfg = self.config, self.target.config
+        self.profile = load_or_measure(cfg, log=lambda msg: logger.info(msg))
+        target = ModelShape.from_loader("target", self.target.loader)
+        draft = ModelShape.from_loader("draft", self.draft.loader) if self.draft is not None else None
+        ctx = self.max_seq_len
+        workload = Workload(num_prompts=PLAN_PROMPTS, prompt_len=ctx / 2, new_tokens=ctx - ctx // 2)
+        batches = DEFAULT_BATCHES if cfg.max_batch_size == "auto" else (cfg.max_batch_size,)
+        if draft is None:
+            ks: tuple[int, ...] = (0,)
+        else:
+            ks = tuple(range(0, MAX_AUTO_K + 1)) if cfg.num_draft_tokens == "auto" else (cfg.num_draft_tokens,)
+        host = cfg.host_memory if cfg.host_memory is not None else machine_memory_bytes()
+        result = search(
+            self.profile, target, draft, workload, cfg.acceptance_prior, int(cfg.device_memory), int(host),
+            batches=batches, ks=ks, num_buffers=cfg.num_buffers, weights_tier=cfg.weights_tier,
+            unified_memory=torch.device(cfg.device).type == "cpu" and cfg.host_memory is None, context=ctx,
+            dtype_bytes=self.target.dtype.itemsize, top_k=tcfg.num_experts_per_tok if tcfg.num_experts else 0,
+        )
+        self.policy = result.best
+        self.plan_alternatives = result.alternatives[:5]
+        logger.info("planner: batch %d, k %d, predicted %.2f tok/s", self.policy.decode_batch, self.policy.k,
+                    self.policy.predicted_tokens_per_s)
+        if self.policy.k == 0:
+            self.draft = None  # the planner chose no speculation: the draft is not loaded
+        self.config = replace(cfg, max_batch_size=self.policy.decode_batch, num_draft_tokens=max(self.policy.k, 1))
+
+    def _maybe_replan(self) -> None:
+        """Online: every replan_interval verify rounds, re-estimate alpha and re-plan k (logged)."""
+        self._rounds += 1
+        interval = self.config.replan_interval
+        if self.policy is None or self.k_max == 0 or not interval or self._rounds % interval:
+            return
+        estimate = self.tracker.estimate()
+        if estimate is None:
+            return
+        costs = ModelCosts.from_shapes(*self._shapes()[:2], dtype_bytes=self.target.dtype.itemsize,
+                                       top_k=self.target.config.num_experts_per_tok)
+        new_k = replan_k(self.profile, costs, self.placement, self.config.max_batch_size, estimate.alpha,
+                         self.max_seq_len, ks=range(1, self.k_max + 1))
+        if new_k != self.k:
+            self.replans.append({"round": self._rounds, "alpha": estimate.alpha, "k_from": self.k, "k_to": new_k})
+            logger.info("re-plan after %d rounds: alpha %.3f -> k %d (was %d)", self._rounds, estimate.alpha,
+                        new_k, self.k)
+            self.k = new_k  # takes effect at each batch's next draft round
+
     def _place(self) -> Placement:
         target, draft, policy = self._shapes()
         cfg = self.config
@@ -174,14 +249,15 @@ class OffloadEngine(Engine):
         self._params = params
         self._waiting = deque(requests)
         self._bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
-        num_batches = 2 if self.k > 0 else 1
+        num_batches = 2 if self.k_max > 0 else 1
         self._batches = [_Batch(n) for n in range(num_batches)]
         self._waves = 0
+        self._rounds = 0
         for b in self._batches:
             self._admit(b)
         bytes_before = self._bytes_read()
         schedule = PipelineSchedule(
-            cfg.num_layers, self.plan.streamed_layers(), self.plan.num_buffers, self.k, self.plan.attention_streamed
+            cfg.num_layers, self.plan.streamed_layers(), self.plan.num_buffers, self.k_max, self.plan.attention_streamed
         )
         handlers = {
             "load": self._op_load,
@@ -314,6 +390,9 @@ class OffloadEngine(Engine):
             r.num_drafted += k
             r.num_accepted += accepted[n]
             r.commit(emitted[n][: accepted[n] + 1])
+        if k >= 1:
+            self.tracker.record_many(accepted, [k] * len(accepted))
+            self._maybe_replan()
         committed = b.committed
         self.attn.truncate(b.index, [c + a for c, a in zip(committed, accepted)])
         if self.drafter is not None and k >= 1:  # the draft cache saw committed + d_1..d_{k-1}
@@ -334,8 +413,11 @@ class OffloadEngine(Engine):
         b = self._batches[op.batch]
         if not b.rows or self.drafter is None:
             return
-        # Never draft past the longest remaining budget of the batch (those tokens could not be accepted).
-        limit = min(self.k, max(r.remaining for r in b.rows) - 1)
+        # k is fixed for a whole round (online re-planning changes it between rounds); never draft past the
+        # longest remaining budget of the batch (those tokens could not be accepted).
+        if op.token == 0:
+            b.round_k = self.k
+        limit = min(b.round_k, max(r.remaining for r in b.rows) - 1)
         if op.token >= limit:
             return
         if op.token == 0:

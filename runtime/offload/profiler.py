@@ -1,0 +1,198 @@
+"""Measure the planner's `HardwareProfile` on this machine for one model pair, and cache it by fingerprint.
+
+Every number is timed here, none is typed in: weight streaming into ring slots (from disk with O_DIRECT, or
+from the host-RAM tier), the device GEMM rate at the target's FFN shape versus rows, CPU attention time versus
+new tokens x context (least-squares fit of c0 + c1 n + c2 n ctx), the head's GEMM rate, and one draft token
+step versus rows. A profile is saved as JSON with its provenance under `~/.cache/specoffload/profiles/` and
+reused while the fingerprint (machine, CPU, cores, torch, device, models, dtype, weights tier) matches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from specoffload.planner.profile import HardwareProfile
+
+from ..config import EngineConfig
+from ..models import layers
+from ..models.model import Transformer
+from ..models.weights import PartKey
+from .streamer import WeightStreamer
+
+PROFILE_DIR = Path(os.environ.get("SPECOFFLOAD_CACHE", Path.home() / ".cache" / "specoffload")) / "profiles"
+FFN_ROWS = (1, 4, 16, 64, 256)
+DRAFT_ROWS = (1, 4, 16, 64)
+ATTENTION_POINTS = ((1, 1, 64), (4, 4, 64), (16, 4, 64), (16, 4, 512), (64, 4, 256), (4, 4, 1024), (32, 32, 32))
+
+
+def fingerprint(config: EngineConfig) -> dict[str, str | int]:
+    """What a profile depends on: when any of it changes, the profile is measured again."""
+    cpu = platform.processor()
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    return {
+        "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count() or 1, "torch": torch.__version__,
+        "device": torch.device(config.device).type, "target": Path(config.target).name,
+        "draft": Path(config.draft).name if config.draft else "", "dtype": config.dtype,
+        "weights_tier": config.weights_tier, "threads": torch.get_num_threads(),
+    }
+
+
+def profile_path(config: EngineConfig) -> Path:
+    key = hashlib.sha256(json.dumps(fingerprint(config), sort_keys=True).encode()).hexdigest()[:16]
+    return PROFILE_DIR / f"{Path(config.target).name}-{key}.json"
+
+
+def load_or_measure(config: EngineConfig, quick: bool = False, log: Callable[[str], None] | None = None
+                    ) -> HardwareProfile:
+    """The cached profile for this fingerprint, or a fresh measurement (saved for next time)."""
+    path = profile_path(config)
+    if path.exists():
+        try:
+            profile = HardwareProfile.load(path)
+            if profile.matches(fingerprint(config)):
+                return profile
+        except Exception:  # noqa: BLE001 - an unreadable cache entry is measured again
+            pass
+    if log:
+        log(f"measuring the hardware profile (cached afterwards in {path})")
+    profile = measure(config, quick=quick)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    return profile
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def measure(config: EngineConfig, quick: bool = False) -> HardwareProfile:
+    """Time every cost the planner models (module docstring). quick: fewer points and repetitions."""
+    reps = 1 if quick else 3
+    dtype, device = config.torch_dtype, torch.device(config.device)
+    target = Transformer(config.target, dtype=dtype, device=device)
+    target.pack = False  # streamed weights are used unpacked
+    cfg = target.config
+    with torch.inference_mode():
+        stream = _stream_rate(config, target, layers_to_load=2 if quick else 6)
+        ffn_key = PartKey("expert", 0, 0) if cfg.is_moe_layer(0) else PartKey("dense_mlp", 0)
+        ffn_w = target.loader.load(ffn_key)
+        mlp = ffn_w if ffn_key.kind == "expert" else ffn_w.mlp
+        params = mlp.gate.numel() + mlp.up.numel() + mlp.down.numel()
+        ffn_rates = []
+        for rows in FFN_ROWS[:3] if quick else FFN_ROWS:
+            x = torch.randn(rows, 1, cfg.hidden_size, dtype=dtype, device=device)
+            seconds = _time(lambda x=x, mlp=mlp: layers.gated_mlp(x, mlp, cfg.hidden_act), reps)
+            ffn_rates.append((rows, 2 * params * rows / seconds))
+        del ffn_w, mlp
+        attention = _attention_fit(target, reps, quick)
+        head = target.loader.load(PartKey("head"))
+        x = torch.randn(16, 1, cfg.hidden_size, dtype=dtype, device=device)
+        head_rate = 2 * head.lm_head.numel() * 16 / _time(lambda h=head: layers.head_logits(cfg, h, x), reps)
+        del head
+        draft_steps = _draft_steps(config, reps, quick) if config.draft else ((1, 1e-3),)
+    provenance = fingerprint(config) | {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
+        "tool": "specoffload.runtime.offload.profiler",
+    }
+    return HardwareProfile(
+        provenance=provenance,
+        device=device.type,
+        shared_compute=device.type == "cpu",
+        weights_tier=config.weights_tier,
+        stream_bytes_per_s=stream,
+        ffn_flops_per_s=tuple(ffn_rates),
+        attention_fit=attention,
+        draft_step_s=draft_steps,
+        head_flops_per_s=head_rate,
+        pass_overhead_s=0.0,
+    )
+
+
+def _stream_rate(config: EngineConfig, target: Transformer, layers_to_load: int) -> float:
+    """Bytes per second delivered into two ring slots, loading FFN layers as the pipeline does."""
+    cfg = target.config
+    groups = []
+    for layer in range(min(layers_to_load, cfg.num_layers)):
+        if cfg.is_moe_layer(layer):
+            groups.append([PartKey("router", layer)] + [PartKey("expert", layer, e) for e in range(cfg.num_experts)])
+        else:
+            groups.append([PartKey("dense_mlp", layer)])
+    parts = [k for g in groups for k in g]
+    probe = WeightStreamer(target.loader, 1, 1, "disk", target.device, staging_bytes=4 * 4096)
+    slot_bytes = max(probe.nbytes(g) for g in groups)
+    probe.close()
+    _drop_page_cache()
+    streamer = WeightStreamer(target.loader, slot_bytes, 2, config.weights_tier, target.device, parts=parts)
+    try:
+        t = time.perf_counter()
+        moved = 0
+        for n, group in enumerate(groups):
+            streamer.load(n % 2, group)
+            moved += streamer.nbytes(group)
+        return moved / (time.perf_counter() - t)
+    finally:
+        streamer.close()
+
+
+def _attention_fit(target: Transformer, reps: int, quick: bool) -> tuple[float, float, float]:
+    """Least-squares c0 + c1 n + c2 n ctx (seconds per layer) over (rows, tokens, context) points."""
+    target.pack = True  # resident attention weights are packed (as the engine keeps them)
+    cfg = target.config
+    rows_x, ys = [], []
+    points = ATTENTION_POINTS[:4] if quick else ATTENTION_POINTS
+    for rows, tokens, ctx in points:
+        cache = target.new_cache(rows, ctx + tokens, growable=False)
+        cache.advance(torch.full((rows,), ctx, dtype=torch.long))
+        x = torch.randn(rows, tokens, cfg.hidden_size, dtype=target.dtype, device=target.device)
+        seconds = _time(lambda x=x, cache=cache: target.attention(0, x, cache), reps)
+        n = rows * tokens
+        rows_x.append([1.0, float(n), float(n * ctx)])
+        ys.append(seconds)
+    a = torch.tensor(rows_x, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64)[:, None]
+    scale = a.abs().max(dim=0).values  # conditioning
+    coef = torch.linalg.lstsq(a / scale, y).solution[:, 0] / scale
+    return tuple(max(0.0, float(c)) for c in coef)  # type: ignore[return-value]
+
+
+def _draft_steps(config: EngineConfig, reps: int, quick: bool) -> tuple[tuple[int, float], ...]:
+    assert config.draft is not None
+    draft = Transformer(config.draft, dtype=config.torch_dtype, device=config.device)
+    draft.preload()
+    out = []
+    for rows in DRAFT_ROWS[:3] if quick else DRAFT_ROWS:
+        cache = draft.new_cache(rows, 80, growable=False)
+        cache.advance(torch.full((rows,), 64, dtype=torch.long))
+        ids = torch.ones(rows, 1, dtype=torch.long)
+        last = torch.zeros(rows, 1, dtype=torch.long)
+
+        def step(cache=cache, ids=ids, last=last) -> None:
+            draft.forward(ids, cache, num_new=torch.zeros(ids.shape[0], dtype=torch.long), output_positions=last)
+
+        out.append((rows, _time(step, reps)))
+    return tuple(out)
+
+
+def _drop_page_cache() -> None:
+    os.sync()
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")

@@ -1,0 +1,75 @@
+"""The runtime uses the planner: measured profile (cached), 'auto' batch size and k, online re-planning of k."""
+
+from __future__ import annotations
+
+import pytest
+
+from specoffload.runtime.config import ConfigError, EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.offload import profiler
+from specoffload.runtime.offload.engine import OffloadEngine
+from specoffload.runtime.sampling import SamplingParams
+
+PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(6)]
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def profile_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(profiler, "PROFILE_DIR", tmp_path / "profiles")
+    return tmp_path / "profiles"
+
+
+def test_profile_is_measured_once_then_reused(tiny_models, profile_dir, monkeypatch, single_thread):
+    config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory="1GiB")
+    first = profiler.load_or_measure(config, quick=True)
+    assert first.stream_bytes_per_s > 0 and first.attention_fit[0] >= 0 and len(first.draft_step_s) >= 2
+    assert first.matches(profiler.fingerprint(config))
+    assert list(profile_dir.glob("*.json"))
+
+    def fail(*_a, **_k):
+        raise AssertionError("measured again although a matching profile is cached")
+
+    monkeypatch.setattr(profiler, "measure", fail)
+    assert profiler.load_or_measure(config) == first
+
+
+def test_auto_policy_is_used_and_lossless(tiny_models, single_thread):
+    ref = Engine(EngineConfig(tiny_models["llama"], max_batch_size=4)).generate(PROMPTS, GREEDY)
+    config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory=1_400_000,
+                          max_seq_len=48, num_draft_tokens="auto", max_batch_size="auto")
+    engine = OffloadEngine(config)
+    assert engine.policy is not None and engine.policy.predicted_tokens_per_s > 0
+    assert engine.config.max_batch_size == engine.policy.decode_batch
+    assert engine.placement.device_bytes() <= 1_400_000
+    out = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+
+
+def test_online_replanning_raises_k_when_every_draft_is_accepted(tiny_models, single_thread, monkeypatch):
+    """A self-draft accepts everything; starting at k = 1 (the initial search is restricted to it), the observed
+    alpha of ~1 makes the online re-plan pick a larger k, and the output stays identical."""
+    from specoffload.runtime.offload import engine as engine_module
+
+    real_search = engine_module.search
+    monkeypatch.setattr(engine_module, "search", lambda *a, **kw: real_search(*a, **{**kw, "ks": (1,)}))
+    target = tiny_models["llama"]
+    ref = Engine(EngineConfig(target, max_batch_size=3)).generate(PROMPTS, GREEDY)
+    probe = OffloadEngine(EngineConfig(target, draft=target, device_memory="1GiB", max_seq_len=48,
+                                       max_batch_size=3))
+    budget = probe.minimum_device_memory()
+    engine = OffloadEngine(EngineConfig(target, draft=target, device_memory=budget, max_seq_len=48,
+                                        max_batch_size=3, num_draft_tokens="auto", acceptance_prior=0.05,
+                                        replan_interval=2))
+    k0 = engine.k
+    assert k0 == 1 and engine.k_max > 1
+    out = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    assert engine.replans, "no re-plan happened"
+    assert engine.replans[-1]["alpha"] > 0.9
+    assert engine.k > k0
+
+
+def test_auto_without_a_budget_is_a_config_error(tiny_models):
+    with pytest.raises(ConfigError, match="device_memory"):
+        EngineConfig(tiny_models["llama"], num_draft_tokens="auto")
