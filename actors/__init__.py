@@ -1,1 +1,35 @@
-"""SpecOffload Ray actors: thin wrappers over runtime classes (next issues)."""
+"""SpecOffload's Ray backend: the offloaded engine's workers as actors, one coordinator, shared-memory tensors.
+
+    from specoffload.actors import connect
+    llm = connect(EngineConfig(...))          # starts or joins Ray; launches the coordinator and four role actors
+    results = llm.generate(prompts, params)   # the same results as OffloadEngine(config).generate
+    llm.shutdown()
+
+Modules: `roles` (the worker roles: plain classes serving a runtime worker over ZeroMQ), `proxy` (the
+coordinator's stand-ins for the workers), `coordinator` (RayOffloadEngine and the Coordinator actor, restarts),
+`launcher` (the only place that applies `ray.remote`), `client` (`connect`, `EngineHandle`).
+The names below load lazily: importing this package does not import Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "connect": ".client",
+    "EngineHandle": ".client",
+    "WorkerLost": ".proxy",
+}
+
+__all__ = ["EngineHandle", "WorkerLost", "connect"]
+
+if TYPE_CHECKING:
+    from .client import EngineHandle, connect
+    from .proxy import WorkerLost
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,10 +25,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--humaneval", type=int, metavar="N", help="the first N HumanEval prompts (0: all 164)")
     p.add_argument("--output", "-o", type=Path, default=None, help="output JSONL (default: stdout)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("-k", "--num-draft-tokens", type=_int_or_auto, default=4,
-                   help="draft tokens per step, or 'auto' (planner; needs --device-memory)")
-    p.add_argument("--batch-size", type=_int_or_auto, default=16,
-                   help="max rows decoded together, or 'auto' (planner; needs --device-memory)")
+    p.add_argument("-k", "--num-draft-tokens", type=_int_or_auto, default=None,
+                   help="draft tokens per step, or 'auto' (planner; the default with --device-memory, else 4)")
+    p.add_argument("--batch-size", type=_int_or_auto, default=None,
+                   help="max rows decoded together, or 'auto' (the default with --device-memory, else 16)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

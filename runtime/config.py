@@ -24,10 +24,10 @@ class EngineConfig:
     target: HF checkpoint directory of the model whose output we reproduce.
     draft: checkpoint directory of a small model on the same vocabulary, or None for plain decoding.
     num_draft_tokens: k, tokens the draft proposes per verification step (>= 1; unused without a draft), or
-        "auto" (offloaded engines only): the planner picks k (0 = no speculation) from the measured hardware
-        profile and re-plans it online from the observed acceptance rate.
+        "auto" (offloaded engines only, and their default): the planner picks k (0 = no speculation) from the
+        measured hardware profile and re-plans it online from the observed acceptance rate.
     max_batch_size: rows decoded together; finished rows are refilled from waiting prompts; "auto" (offloaded
-        engines only): the planner picks it under the memory budget.
+        engines only, and their default): the planner picks it under the memory budget. Resident default: 16.
     num_threads: torch intra-op threads (None: leave torch's default, one per core).
 
     Offloading (the target streams its weights; see runtime/offload/). Set `device_memory` to turn it on:
@@ -52,8 +52,8 @@ class EngineConfig:
     target: str | Path
     draft: str | Path | None = None
     dtype: str = "float32"
-    num_draft_tokens: int | str = 4
-    max_batch_size: int | str = 16
+    num_draft_tokens: int | str | None = None
+    max_batch_size: int | str | None = None
     device: str = "cpu"
     num_threads: int | None = None
     device_memory: int | str | None = None
@@ -69,6 +69,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        # Defaults: the planner's choice when offloaded (device_memory set), else k = 4 and 16 rows.
+        if self.num_draft_tokens is None:
+            object.__setattr__(self, "num_draft_tokens", "auto" if self.device_memory is not None else 4)
+        if self.max_batch_size is None:
+            object.__setattr__(self, "max_batch_size", "auto" if self.device_memory is not None else 16)
         k, batch = self.num_draft_tokens, self.max_batch_size
         if k != "auto" and (not isinstance(k, int) or k < 1):
             raise ConfigError(f"num_draft_tokens (k) must be an integer >= 1 or 'auto', got {k!r}")

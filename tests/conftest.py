@@ -30,3 +30,14 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Offloaded engines plan by default and cache measured hardware profiles: keep them out of ~/.cache."""
+    from specoffload.runtime.offload import profiler
+
+    old = profiler.PROFILE_DIR
+    profiler.PROFILE_DIR = tmp_path_factory.mktemp("profiles")
+    yield
+    profiler.PROFILE_DIR = old

@@ -50,7 +50,7 @@ def test_generate_offloaded_with_trace_and_placement(tiny_models, tmp_path, caps
               "--ignore-eos", "--no-progress"]
     assert main([*common, "-o", str(tmp_path / "ref.jsonl")]) == 0
     rc = main([*common, "-o", str(out), "--draft", str(tiny_models["draft"]), "--device-memory", "1000KiB",
-               "--max-seq-len", "32", "--batch-size", "2", "--show-placement", "--trace", str(trace)])
+               "--max-seq-len", "32", "--batch-size", "2", "-k", "2", "--show-placement", "--trace", str(trace)])
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "ring buffers" in err and "busy" in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specoffload.planner import HardwareProfile
 from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.offload import profiler
@@ -53,6 +54,14 @@ def test_online_replanning_raises_k_when_every_draft_is_accepted(tiny_models, si
 
     real_search = engine_module.search
     monkeypatch.setattr(engine_module, "search", lambda *a, **kw: real_search(*a, **{**kw, "ks": (1,)}))
+    # An io-bound machine (slow stream, fast compute and draft), so that at alpha ~ 1 a longer k is clearly better
+    # (tiny models measured on a shared CPU are too noisy to decide this reliably).
+    io_bound = HardwareProfile(
+        provenance={"synthetic": True}, device="cpu", shared_compute=True, weights_tier="disk",
+        stream_bytes_per_s=1e6, ffn_flops_per_s=((1, 1e11), (256, 1e12)), attention_fit=(1e-6, 0.0, 0.0),
+        draft_step_s=((1, 1e-5), (64, 1e-4)),
+    )
+    monkeypatch.setattr(engine_module, "load_or_measure", lambda *a, **kw: io_bound)
     target = tiny_models["llama"]
     ref = Engine(EngineConfig(target, max_batch_size=3)).generate(PROMPTS, GREEDY)
     probe = OffloadEngine(EngineConfig(target, draft=target, device_memory="1GiB", max_seq_len=48,

@@ -6,6 +6,7 @@ every test that only needs "another process"; the sweep test spawns its own chil
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -342,6 +343,7 @@ def test_channel_config_derives_addresses_and_guards_remote_binding(tmp_path: Pa
         dict(transport="tcp", port=None),
         dict(transport="udp"),
         dict(socket_dir="/" + "d" * 120),
+        dict(spin_us=-1),
     ):
         with pytest.raises(ChannelConfigError):
             ChannelConfig("x", **bad)
@@ -396,6 +398,11 @@ def test_call_times_out_and_drops_the_late_reply(tmp_path: Path) -> None:
         assert client.wait(request, timeout_s=5).op_id == 2  # not the stale reply to 1
     with Client(ChannelConfig("nobody", socket_dir=str(tmp_path))) as orphan, pytest.raises(ChannelTimeout):
         orphan.call(OpRequest(3, "no server at all"), timeout_s=0.05)
+    spinning = ChannelConfig("nobody", socket_dir=str(tmp_path), spin_us=200_000)  # spins longer than the timeout
+    with Client(spinning) as orphan, pytest.raises(ChannelTimeout):
+        start = time.monotonic()
+        orphan.call(OpRequest(4, "no server, spinning"), timeout_s=0.05)
+    assert time.monotonic() - start < 0.15  # the spin is capped by the timeout
 
 
 def test_handler_errors_reach_the_caller_and_the_server_lives_on(tmp_path: Path) -> None:
@@ -408,7 +415,7 @@ def test_handler_errors_reach_the_caller_and_the_server_lives_on(tmp_path: Path)
             return torch.zeros(1)  # not a message: must not kill the server
         return OpResult(req.op_id)
 
-    with Server(cfg) as server, Client(cfg) as client:
+    with Server(cfg) as server, Client(dataclasses.replace(cfg, spin_us=100)) as client:
         for kind, expected in (("raise", "KeyError"), ("bad reply", "WireError")):
             request = client.submit(OpRequest(1, kind))
             server.serve_once(handler, timeout_s=5)

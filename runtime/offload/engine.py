@@ -36,6 +36,7 @@ from specoffload.planner import (
 
 from ..config import ConfigError, EngineConfig
 from ..engine import Engine, GenerateStats
+from ..models.errors import SpecOffloadError
 from ..models.model import Transformer
 from ..request import GenerationResult, Request
 from ..sampling import SamplingParams
@@ -253,51 +254,21 @@ class OffloadEngine(Engine):
         self._batches = [_Batch(n) for n in range(num_batches)]
         self._waves = 0
         self._rounds = 0
-        for b in self._batches:
-            self._admit(b)
+        try:
+            for n, b in enumerate(self._batches):
+                self._admit(b, share=len(self._batches) - n)
+        except SpecOffloadError as exc:
+            if not self._recover(exc):
+                raise
         bytes_before = self._bytes_read()
-        schedule = PipelineSchedule(
-            cfg.num_layers, self.plan.streamed_layers(), self.plan.num_buffers, self.k_max, self.plan.attention_streamed
-        )
-        handlers = {
-            "load": self._op_load,
-            "embed": self._op_embed,
-            "attention": self._op_attention,
-            "ffn": self._op_ffn,
-            "head": self._op_head,
-            "verify": self._op_verify,
-            "draft": self._op_draft,
-        }
-        step_ops: list[list[int]] = []
-        passes = 0
-        # Each worker sets its own torch thread count (per thread in torch's OpenMP pool): the loader converts
-        # with one thread so it does not fight the compute workers for the cores.
-        compute_threads = self.config.num_threads or torch.get_num_threads()
-        threads = {"io": 1, "cpu": compute_threads, "device": compute_threads}
-        with OpExecutor(
-            {k: _inference(f) for k, f in handlers.items()},
-            self.tracer,
-            on_thread_start=lambda resource: torch.set_num_threads(threads[resource]),
-        ) as executor:
-
-            def submit() -> None:
-                nonlocal passes
-                target = bool(self._batches[schedule.target_batch(len(step_ops))].rows)
-                ops = schedule.next_step(target=target)
-                passes += target
-                step_ops.append([op.id for op in ops])
-                executor.submit(ops)
-
-            for _ in range(2):
-                submit()
-            while True:
-                # Step s's target batch was last verified at step s - 2: wait for that, then decide step s.
-                executor.wait(step_ops[len(step_ops) - 2])
-                if not self._waiting and not any(b.rows for b in self._batches):
-                    passes -= executor.cancel_from(len(step_ops) - 1) and 0
-                    executor.wait_all()
-                    break
-                submit()
+        totals = {"steps": 0, "passes": 0}
+        while True:
+            try:
+                self._run_pipeline(totals)
+                break
+            except SpecOffloadError as exc:  # PipelineError: an op failed
+                if not self._recover(exc):
+                    raise
         self._bar.close()
         results = [self._result(r) for r in requests]
         spans = self.tracer.spans
@@ -309,23 +280,77 @@ class OffloadEngine(Engine):
             generated_tokens=sum(len(r.output) for r in requests),
             num_drafted=sum(r.num_drafted for r in requests),
             num_accepted=sum(r.num_accepted for r in requests),
-            steps=len(step_ops),
+            steps=totals["steps"],
             wall_s=time.perf_counter() - start,
             prefill_s=0.0,
             draft_s=busy["draft"],
             target_s=target_s,
             verify_s=busy["verify"],
             bytes_read=self._bytes_read() - bytes_before,
-            passes=passes,
+            passes=totals["passes"],
         )
         return results
+
+    def _run_pipeline(self, totals: dict[str, int]) -> None:
+        """Run the interleaved schedule until no request is left; adds the steps and target passes to `totals`."""
+        schedule = PipelineSchedule(
+            self.target.config.num_layers, self.plan.streamed_layers(), self.plan.num_buffers, self.k_max,
+            self.plan.attention_streamed,
+        )
+        handlers = {
+            "load": self._op_load,
+            "embed": self._op_embed,
+            "attention": self._op_attention,
+            "ffn": self._op_ffn,
+            "head": self._op_head,
+            "verify": self._op_verify,
+            "draft": self._op_draft,
+        }
+        step_ops: list[list[int]] = []
+        # Each worker sets its own torch thread count (per thread in torch's OpenMP pool): the loader converts
+        # with one thread so it does not fight the compute workers for the cores.
+        compute_threads = self.config.num_threads or torch.get_num_threads()
+        threads = {"io": 1, "cpu": compute_threads, "device": compute_threads}
+        with OpExecutor(
+            {k: _inference(f) for k, f in handlers.items()},
+            self.tracer,
+            on_thread_start=lambda resource: torch.set_num_threads(threads[resource]),
+        ) as executor:
+
+            def submit() -> None:
+                target = bool(self._batches[schedule.target_batch(len(step_ops))].rows)
+                ops = schedule.next_step(target=target)
+                totals["steps"] += 1
+                totals["passes"] += target
+                step_ops.append([op.id for op in ops])
+                executor.submit(ops)
+
+            for _ in range(2):
+                submit()
+            while True:
+                # Step s's target batch was last verified at step s - 2: wait for that, then decide step s.
+                executor.wait(step_ops[len(step_ops) - 2])
+                if not self._waiting and not any(b.rows for b in self._batches):
+                    executor.cancel_from(len(step_ops) - 1)
+                    executor.wait_all()
+                    break
+                submit()
+
+    def _recover(self, error: SpecOffloadError) -> bool:
+        """After a failed op or admission: may generation go on from the requests' committed tokens? The local
+        backend never does; the Ray backend (actors/coordinator.py) restarts a lost worker actor and says yes."""
+        return False
 
     def _bytes_read(self) -> int:
         return self.prefetch.bytes_read + self.attn.bytes_read + self.verifier.bytes_read
 
-    def _admit(self, b: _Batch) -> None:
-        """Fill an empty batch from the waiting prompts, with fresh worker caches sized for its rows."""
-        n = min(self.config.max_batch_size, len(self._waiting))
+    def _admit(self, b: _Batch, share: int = 1) -> None:
+        """Fill an empty batch from the waiting prompts, with fresh worker caches sized for its rows.
+
+        share: how many empty batches the waiting prompts are split across (at the start both batches take
+        half, so a short job still interleaves two batches instead of leaving the second one empty).
+        """
+        n = min(self.config.max_batch_size, math.ceil(len(self._waiting) / share))
         b.rows = [self._waiting.popleft() for _ in range(n)]
         b.drafts = b.p = None
         if not b.rows:

@@ -28,6 +28,7 @@ import msgpack
 import torch
 
 from ..models.errors import SpecOffloadError
+from ..sampling import SamplingParams
 from .arena import Arena, Region
 
 DTYPES: dict[str, torch.dtype] = {
@@ -49,8 +50,9 @@ class WireError(SpecOffloadError, ValueError):
     """Bytes that are not a valid message, or a message / tensor header that cannot be put on the wire."""
 
 
+Checker = Callable[[Any], Any]  # validates one value of a type hint, returns it (arrays rebuilt as tuples/lists)
 _REGISTRY: dict[str, type] = {}
-_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}  # class -> ((field name, resolved type hint), ...)
+_FIELDS: dict[type, tuple[tuple[str, Checker], ...]] = {}  # see _fields
 M = TypeVar("M")
 
 
@@ -62,8 +64,7 @@ def message(cls: type[M]) -> type[M]:
         raise TypeError(f"message tag {cls.__name__!r} is already registered")
     _REGISTRY[cls.__name__] = cls
     try:
-        for _, hint in _fields(cls):
-            _checker(hint)  # an unsupported field type fails here, not on first use
+        _fields(cls)  # an unsupported field type fails here, not on first use
     except NameError:  # a forward reference to a later class: checked on first use instead
         _FIELDS.pop(cls, None)
     except TypeError:
@@ -115,10 +116,11 @@ class TensorRef:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(self.shape))
+        if type(self.shape) is not tuple:
+            object.__setattr__(self, "shape", tuple(self.shape))
         if self.dtype not in DTYPES:
             raise WireError(f"dtype {self.dtype!r} is not allowed on the wire (allowed: {', '.join(DTYPES)})")
-        if self.offset < 0 or any(dim < 0 for dim in self.shape):
+        if self.offset < 0 or min(self.shape, default=0) < 0:
             raise WireError(f"negative offset or dimension in {self}")
 
     @property
@@ -206,11 +208,12 @@ def read_tensor(arenas: Mapping[str, Arena], ref: TensorRef) -> torch.Tensor:
         raise WireError(f"bad tensor header {ref}: {e}") from None
 
 
-def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
+def _fields(cls: type) -> tuple[tuple[str, Checker], ...]:
+    """(field name, checker of its type hint) of a message class, in field order."""
     fields = _FIELDS.get(cls)
     if fields is None:
         hints = typing.get_type_hints(cls)
-        fields = _FIELDS[cls] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+        fields = _FIELDS[cls] = tuple((f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls))
     return fields
 
 
@@ -222,8 +225,14 @@ def _pack_message(obj: Any) -> msgpack.ExtType:
     cls = type(obj)
     if not _is_message(obj):
         raise WireError(f"{cls.__name__} is not a registered message (torch tensors go through arenas)")
-    values = [_check(getattr(obj, name), hint, f"{cls.__name__}.{name}") for name, hint in _fields(cls)]
-    return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb([cls.__name__, *values], default=_pack_message))
+    values: list[Any] = [cls.__name__]
+    name = ""
+    try:
+        for name, check in _fields(cls):
+            values.append(check(getattr(obj, name)))
+    except WireError as e:
+        raise WireError(f"{cls.__name__}.{name}{e}") from None
+    return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb(values, default=_pack_message))
 
 
 def _unpack(data: bytes) -> Any:
@@ -234,16 +243,22 @@ def _unpack_message(code: int, payload: bytes) -> Any:
     if code != _EXT_MESSAGE:
         raise WireError(f"unknown msgpack extension type {code}")
     items = _unpack(payload)
-    if not isinstance(items, list) or not items or not isinstance(items[0], str):
+    if type(items) is not list or not items or type(items[0]) is not str:
         raise WireError("a message payload must be [tag, fields...]")
-    tag, values = items[0], items[1:]
+    tag = items[0]
     cls = _REGISTRY.get(tag)
     if cls is None:
         raise WireError(f"unknown message tag {tag!r}")
     fields = _fields(cls)
-    if len(values) != len(fields):
-        raise WireError(f"{tag} has {len(fields)} fields, got {len(values)}")
-    kwargs = {name: _check(v, hint, f"{tag}.{name}") for (name, hint), v in zip(fields, values)}
+    if len(items) != len(fields) + 1:
+        raise WireError(f"{tag} has {len(fields)} fields, got {len(items) - 1}")
+    kwargs = {}
+    name = ""
+    try:
+        for (name, check), value in zip(fields, items[1:]):
+            kwargs[name] = check(value)
+    except WireError as e:
+        raise WireError(f"{tag}.{name}{e}") from None
     try:
         return cls(**kwargs)
     except WireError:
@@ -252,15 +267,6 @@ def _unpack_message(code: int, payload: bytes) -> Any:
         raise WireError(f"invalid {tag}: {e}") from None
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
-    """`value` if it matches the type hint (tuples rebuilt from msgpack arrays), else WireError naming `where`."""
-    try:
-        return _checker(hint)(value)
-    except WireError as e:
-        raise WireError(f"{where}{e}") from None
-
-
-Checker = Callable[[Any], Any]
 _SCALARS = (int, float, str, bool, bytes, type(None))
 
 
@@ -358,3 +364,38 @@ def _is_plain(value: Any) -> bool:
     if type(value) in (int, float, str, bool, type(None)):
         return True
     return type(value) in (list, tuple) and all(_is_plain(v) for v in value)
+
+
+# ---- actor runtime (actors/roles.py, actors/proxy.py): a plain worker method called across processes -------------
+
+message(SamplingParams)  # decoding settings cross the wire as they are (a frozen dataclass of scalars)
+
+
+@message
+@dataclass(frozen=True)
+class WorkerCall:
+    """A call of the plain worker method `method` (runtime/offload/workers.py) on an actor role, by keyword.
+
+    tensors: tensor arguments by reference; scalars: int and int-list arguments; params: the SamplingParams
+    argument of the methods that take one. lane: which of the role's output regions receives the result tensors:
+    a lane >= 0 carries one batch's chain of hidden states (embed -> attention -> ffn -> ... -> head -> verify),
+    a lane < 0 belongs to one calling thread (results the caller copies out at once).
+    """
+
+    method: str
+    tensors: dict[str, TensorRef] = field(default_factory=dict)
+    scalars: dict[str, MetaValue] = field(default_factory=dict)
+    params: SamplingParams | None = None
+    lane: int = 0
+
+
+@message
+@dataclass(frozen=True)
+class WorkerReply:
+    """The return value of a WorkerCall, one entry per output (a method returning a tuple has several): output i is
+    tensors[i] when that is not None (in the role's output arena), else values[i]. bytes_read: bytes the call read
+    from the weights tier (the coordinator sums them)."""
+
+    tensors: tuple[TensorRef | None, ...] = ()
+    values: tuple[MetaValue, ...] = ()
+    bytes_read: int = 0

@@ -1,0 +1,293 @@
+"""Coordinator-side proxies: the plain workers' methods, executed by the role actors over ZeroMQ.
+
+A proxy has the same methods as its worker (runtime/offload/workers.py), so `OffloadEngine`'s op handlers run
+unchanged against actors. A call becomes one `WorkerCall`: tensor arguments the coordinator made (token ids,
+masks, positions, draft tokens) are written into the coordinator's own arenas (one region per calling thread and
+argument, reused: calls are synchronous); tensors that came back from a role are passed on by reference.
+
+Hidden states and logits never visit the coordinator: `embed`, `attention`, `ffn` and `head` return a
+`RemoteTensor` (a `TensorRef` into the producing role's output arena) and the next call forwards the header. The
+output region is picked by the chain's `Lane`: `embed` takes a free lane and every later result of that pass
+reuses it, so two batches' passes in flight never overwrite each other; a lane returns to the pool when the last
+handle of its chain is garbage-collected (after `verify` consumed the logits). Small results (lengths, draft
+tokens and probabilities) are copied out at once.
+
+Sockets are not thread-safe and the executor calls proxies from its io / cpu / device threads: each proxy keeps
+one DEALER socket per thread. A call waits in short polls and checks in between that the role's process is
+alive: a dead one raises `WorkerLost` naming the role, which the coordinator turns into a restart and a replay.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specoffload.runtime.models.errors import SpecOffloadError
+from specoffload.runtime.sampling import SamplingParams
+from specoffload.runtime.transport.channel import ChannelTimeout, Client
+from specoffload.runtime.transport.codec import TensorRef, WorkerCall, WorkerReply
+
+from .roles import RoleInfo, ShmTensors, pid_alive
+
+Tensor = torch.Tensor
+
+#: seconds between liveness checks while a call waits for its reply
+POLL_S = 0.1
+#: a call that gets no reply for this long although its role is alive counts as lost (a hung worker)
+CALL_TIMEOUT_S = 600.0
+
+
+class WorkerLost(SpecOffloadError):
+    """A role actor died (or stopped answering) during a call; the coordinator restarts it and replays."""
+
+    def __init__(self, role: str, reason: str) -> None:
+        super().__init__(f"the {role} worker actor was lost: {reason}")
+        self.role = role
+
+
+class Lane:
+    """One output lane of a pass's chain of hidden states; returns to its pool when the last handle is freed."""
+
+    __slots__ = ("id", "__weakref__")
+
+    def __init__(self, lane_id: int, pool: LanePool) -> None:
+        self.id = lane_id
+        weakref.finalize(self, pool.release, lane_id)
+
+
+class LanePool:
+    """Lanes 0, 1, 2, ...: the lowest free one is handed out (at most one per pass in flight is taken)."""
+
+    def __init__(self) -> None:
+        self._free: list[int] = []
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Lane:
+        with self._lock:
+            if self._free:
+                lane_id = heapq.heappop(self._free)
+            else:
+                lane_id, self._next = self._next, self._next + 1
+        return Lane(lane_id, self)
+
+    def release(self, lane_id: int) -> None:
+        with self._lock:
+            heapq.heappush(self._free, lane_id)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self._next - len(self._free)
+
+
+@dataclass(frozen=True, eq=False)
+class RemoteTensor:
+    """A tensor left in a role's output arena: forwarded to the next role by header, never copied."""
+
+    ref: TensorRef
+    lane: Lane
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.ref.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ref.torch_dtype
+
+
+class RoleProxy:
+    """Calls one role's worker methods; see the module docstring. `rebind` after the role was set up again."""
+
+    def __init__(self, info: RoleInfo, shm: ShmTensors, lanes: LanePool, poll_s: float = POLL_S,
+                 timeout_s: float = CALL_TIMEOUT_S) -> None:
+        self.info = info
+        self.shm, self.lanes = shm, lanes
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.bytes_read = 0  # bytes the role read from the weights tier, summed over replies
+        self.calls = 0
+        self._clients: dict[int, Client] = {}  # thread ident -> its socket
+        self._thread_lanes: dict[str, int] = {}  # thread name -> negative lane for copied-out results
+        self._lock = threading.Lock()
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+    def alive(self) -> bool:
+        return pid_alive(self.info.pid)
+
+    def rebind(self, info: RoleInfo) -> None:
+        self.close()
+        self.info = info
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+    def call(self, method: str, lane: Lane | None = None, **args: Any) -> tuple[Any, ...]:
+        """Run `method(**args)` in the role. Tensor outputs: RemoteTensor on `lane`, or (lane None) local copies."""
+        thread = threading.current_thread().name
+        tensors: dict[str, TensorRef] = {}
+        scalars: dict[str, Any] = {}
+        params = None
+        for name, value in args.items():
+            if isinstance(value, RemoteTensor):
+                tensors[name] = value.ref
+            elif isinstance(value, Tensor):
+                tensors[name] = self.shm.write((thread, name), value)
+            elif isinstance(value, SamplingParams):
+                params = value
+            else:
+                scalars[name] = list(value) if isinstance(value, (list, tuple)) else value
+        lane_id = lane.id if lane is not None else self._thread_lane(thread)
+        reply = self._roundtrip(WorkerCall(method, tensors, scalars, params, lane_id))
+        self.bytes_read += reply.bytes_read
+        self.calls += 1
+        outputs: list[Any] = []
+        for ref, value in zip(reply.tensors, reply.values):
+            if ref is None:
+                outputs.append(value)
+            elif lane is not None:
+                outputs.append(RemoteTensor(ref, lane))
+            else:
+                outputs.append(self.shm.read(ref).clone())
+        return tuple(outputs)
+
+    def _roundtrip(self, msg: WorkerCall) -> WorkerReply:
+        client = self._client()
+        request = client.submit(msg, timeout_s=self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                reply = client.wait(request, self.poll_s)
+            except ChannelTimeout:
+                if not self.alive():
+                    raise WorkerLost(self.role, f"process {self.info.pid} died during {msg.method}") from None
+                if time.monotonic() > deadline:
+                    raise WorkerLost(self.role, f"no reply to {msg.method} in {self.timeout_s:.0f} s") from None
+                client._pending.add(request)  # Client.wait abandons a request on timeout: keep waiting for it
+                continue
+            if not isinstance(reply, WorkerReply):
+                raise SpecOffloadError(f"{self.role}: unexpected reply {type(reply).__name__} to {msg.method}")
+            return reply
+
+    def _client(self) -> Client:
+        ident = threading.get_ident()
+        client = self._clients.get(ident)
+        if client is None:
+            with self._lock:
+                live = {t.ident for t in threading.enumerate()}
+                for gone in [i for i in self._clients if i not in live]:  # sockets of finished executor threads
+                    self._clients.pop(gone).close()
+                client = self._clients[ident] = Client(self.info.channel)
+        return client
+
+    def _thread_lane(self, thread: str) -> int:
+        with self._lock:
+            return self._thread_lanes.setdefault(thread, -1 - len(self._thread_lanes))
+
+
+def _chain(value: RemoteTensor | Tensor, lanes: LanePool) -> Lane:
+    """The lane of the chain a hidden state belongs to (a fresh one for a local tensor)."""
+    return value.lane if isinstance(value, RemoteTensor) else lanes.acquire()
+
+
+class PrefetchProxy(RoleProxy):
+    """PrefetchWorker's methods, in the prefetch actor."""
+
+    def load(self, layer: int, slot: int) -> None:
+        self.call("load", layer=layer, slot=slot)
+
+
+class AttentionProxy(RoleProxy):
+    """AttentionWorker's methods, in the attention actor."""
+
+    def reset(self, batch: int, rows: int, capacity: int) -> None:
+        self.call("reset", batch=batch, rows=rows, capacity=capacity)
+
+    def drop(self, batch: int) -> None:
+        self.call("drop", batch=batch)
+
+    def lengths(self, batch: int) -> list[int]:
+        return self.call("lengths", batch=batch)[0]
+
+    def advance(self, batch: int, num_new: Sequence[int]) -> None:
+        self.call("advance", batch=batch, num_new=list(num_new))
+
+    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
+        self.call("truncate", batch=batch, lengths=list(lengths))
+
+    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
+        self.call("select_rows", batch=batch, keep=list(keep))
+
+    def embed(self, ids: Tensor) -> RemoteTensor:
+        """ids [rows, T] -> hidden [rows, T, H], left in the actor; starts a new lane."""
+        return self.call("embed", self.lanes.acquire(), ids=ids)[0]
+
+    def attention(self, batch: int, layer: int, slot: int, hidden: RemoteTensor | Tensor) -> RemoteTensor:
+        return self.call("attention", _chain(hidden, self.lanes), batch=batch, layer=layer, slot=slot,
+                         hidden=hidden)[0]
+
+
+class VerifierProxy(RoleProxy):
+    """VerifierWorker's methods, in the verifier actor."""
+
+    def seed(self, batch: int, seed: int | None) -> None:
+        self.call("seed", batch=batch, seed=seed)
+
+    def ffn(self, layer: int, slot: int, hidden: RemoteTensor | Tensor, token_mask: Tensor | None) -> RemoteTensor:
+        return self.call("ffn", _chain(hidden, self.lanes), layer=layer, slot=slot, hidden=hidden,
+                         token_mask=token_mask)[0]
+
+    def head(self, slot: int, hidden: RemoteTensor | Tensor, positions: Tensor) -> RemoteTensor:
+        """hidden [rows, T, H], positions [rows, P] -> logits [rows, P, vocab], left in the actor for verify."""
+        return self.call("head", _chain(hidden, self.lanes), slot=slot, hidden=hidden, positions=positions)[0]
+
+    def verify(self, batch: int, logits: RemoteTensor | Tensor, drafts: Tensor, p: Tensor | None,
+               params: SamplingParams) -> tuple[list[int], list[list[int]]]:
+        accepted, emitted = self.call("verify", batch=batch, logits=logits, drafts=drafts, p=p, params=params)
+        return accepted, emitted
+
+
+class DraftProxy(RoleProxy):
+    """DraftWorker's methods, in the draft actor."""
+
+    def reset(self, batch: int, rows: int, capacity: int, seed: int | None = None) -> None:
+        self.call("reset", batch=batch, rows=rows, capacity=capacity, seed=seed)
+
+    def drop(self, batch: int) -> None:
+        self.call("drop", batch=batch)
+
+    def lengths(self, batch: int) -> list[int]:
+        return self.call("lengths", batch=batch)[0]
+
+    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
+        self.call("truncate", batch=batch, lengths=list(lengths))
+
+    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
+        self.call("select_rows", batch=batch, keep=list(keep))
+
+    def propose(self, batch: int, ids: Tensor, num_new: Tensor,
+                params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+        """ids [rows, T], num_new [rows] -> (token [rows], probs [rows, vocab] or None when greedy), copied here."""
+        token, probs = self.call("propose", batch=batch, ids=ids, num_new=num_new, params=params)
+        return token, probs
+
+
+PROXIES: dict[str, type[RoleProxy]] = {
+    "prefetch": PrefetchProxy,
+    "attention": AttentionProxy,
+    "verifier": VerifierProxy,
+    "draft": DraftProxy,
+}

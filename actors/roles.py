@@ -1,0 +1,339 @@
+"""The four worker roles as actor classes: thin wrappers that serve a plain worker (runtime/offload/workers.py).
+
+    PrefetchRole   PrefetchWorker   owns the ring slots (shared-memory arenas) and streams weights into them
+    AttentionRole  AttentionWorker  attaches the slots; embedding + attention over its host KV caches
+    VerifierRole   VerifierWorker   attaches the slots; FFN / experts / head and verification
+    DraftRole      DraftWorker      the resident draft model and its KV caches
+
+A role is a plain class (actors/launcher.py makes it a Ray actor; tests can run one in-process). Its Ray methods
+are control only: `setup` builds the worker and starts a ZeroMQ server thread, `pid`, `ping`, `address`,
+`shutdown`. The hot path never goes through Ray: the server thread answers `WorkerCall` messages (msgpack over an
+ipc:// socket derived from the role's pid) by calling the worker method with zero-copy views of the tensor
+arguments, writes tensor results into its own output arenas and replies with their `TensorRef`s.
+
+Shared memory (`ShmTensors`, used by the roles and by the coordinator's proxies): each process writes tensors only
+into arenas it owns, one arena per output key, reused call after call and replaced by a larger one when a result
+outgrows it; it reads other processes' tensors by attaching their arenas on first sight. Arena files carry the
+owner's pid: `setup` sweeps the files (and ipc sockets) of dead owners, e.g. the previous incarnation of a role
+that was killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.offload.workers import (
+    AttentionWorker,
+    DraftWorker,
+    PrefetchWorker,
+    VerifierWorker,
+    WeightPlan,
+)
+from specoffload.runtime.transport.arena import SHM_DIR, Arena, Region, sweep_dead_arenas
+from specoffload.runtime.transport.channel import ChannelConfig, Server
+from specoffload.runtime.transport.codec import TensorRef, WorkerCall, WorkerReply, read_tensor, tensor_view
+
+logger = logging.getLogger("specoffload.actors")
+
+#: the job tag of every arena the actor runtime creates (see transport/arena.py ArenaName)
+ARENA_TAG = "actors"
+_MIN_ARENA = 64 << 10
+_PAGE = 4096
+
+
+class ShmTensors:
+    """The shared-memory tensors of one process: own output arenas by key, and other processes' arenas attached.
+
+    `write(key, tensor)` copies into the arena of `key` (created, or replaced by one twice as large, when the
+    tensor does not fit) and returns its header; the previous tensor under that key is overwritten, so a key
+    must not be reused while a reader may still look at it. `read(ref)` is a zero-copy view of any arena.
+    Thread-safe.
+    """
+
+    def __init__(self, prefix: str, tag: str = ARENA_TAG) -> None:
+        self.prefix, self.tag = prefix, tag
+        self._own: dict[Hashable, Arena] = {}
+        self._by_name: dict[str, Arena] = {}  # own and attached arenas by file name
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def write(self, key: Hashable, tensor: torch.Tensor) -> TensorRef:
+        nbytes = tensor.numel() * tensor.element_size()
+        arena = self._own.get(key)
+        if arena is None or arena.nbytes < nbytes:
+            arena = self._replace(key, nbytes)
+        ref, view = tensor_view(arena, Region(0, arena.nbytes), tensor.dtype, tuple(tensor.shape))
+        view.copy_(tensor)
+        return ref
+
+    def read(self, ref: TensorRef) -> torch.Tensor:
+        if ref.arena not in self._by_name:
+            self._attach(ref.arena)
+        return read_tensor(self._by_name, ref)
+
+    @property
+    def paths(self) -> list[Path]:
+        """Files of the arenas this process owns."""
+        return [arena.path for arena in self._own.values()]
+
+    def close(self) -> None:
+        """Unlink the own arenas and unmap everything (views handed out stay valid until freed)."""
+        with self._lock:
+            for arena in self._by_name.values():
+                arena.close()
+            self._own.clear()
+            self._by_name.clear()
+
+    def _replace(self, key: Hashable, nbytes: int) -> Arena:
+        with self._lock:
+            old = self._own.get(key)
+            size = max(nbytes, 2 * old.nbytes if old is not None else 0, _MIN_ARENA)
+            arena = Arena.create(f"{self.prefix}.{self._count}", -(-size // _PAGE) * _PAGE, self.tag)
+            self._count += 1
+            if old is not None:
+                del self._by_name[old.name]
+                old.close()  # unlinks; a reader that attached it keeps its mapping until it prunes it
+            self._own[key] = self._by_name[arena.name] = arena
+            return arena
+
+    def _attach(self, name: str) -> None:
+        with self._lock:
+            if name in self._by_name:
+                return
+            for old in [a for a in self._by_name.values() if not a.owner and not a.path.exists()]:
+                del self._by_name[old.name]  # replaced or owner gone: drop the stale mapping
+                old.close()
+            self._by_name[name] = Arena.attach(SHM_DIR / name)
+
+
+def sweep_dead_sockets(socket_dir: str | Path) -> list[Path]:
+    """Remove ipc socket files `specoffload-{pid}-{name}.sock` whose pid is gone (a killed role leaves its own)."""
+    removed = []
+    for path in Path(socket_dir).glob("specoffload-*-*.sock"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Is process `pid` running? A zombie (killed, not yet reaped) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+@dataclass(frozen=True)
+class RoleInfo:
+    """What the coordinator needs to reach a role after `setup`: its pid, its socket, the slot arenas it shares."""
+
+    role: str
+    pid: int
+    channel: ChannelConfig
+    slot_paths: tuple[str, ...] = ()
+
+
+class Role:
+    """Base of the role actors: a worker built by `setup`, served on a ZeroMQ socket by a thread.
+
+    threads: torch intra-op threads of this process, set explicitly whatever OMP_NUM_THREADS Ray derived from
+    the actor's (fractional) CPU share. The constructor is cheap (an actor can start while the coordinator still
+    places the model); the weight plan comes with `setup`. Subclasses name their role and its wire methods, and
+    build the worker.
+    """
+
+    role: ClassVar[str]
+    methods: ClassVar[frozenset[str]]
+
+    def __init__(self, config: EngineConfig, threads: int = 1) -> None:
+        self.config, self.threads = config, threads
+        self.plan: WeightPlan | None = None
+        torch.set_num_threads(threads)
+        self.worker: Any = None
+        self.info: RoleInfo | None = None
+        self._slot_paths: tuple[str, ...] | None = None
+        self._slots: list[Arena] = []
+        self._shm: ShmTensors | None = None
+        self._server: Server | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- control (Ray methods) -------------------------------------------------------------------------------
+    def pid(self) -> int:
+        return os.getpid()
+
+    def ping(self) -> str:
+        return self.role
+
+    def address(self) -> str | None:
+        return self.info.channel.address if self.info is not None else None
+
+    def setup(self, plan: WeightPlan, slot_paths: Sequence[str] = ()) -> RoleInfo:
+        """(Re)build the worker for `plan` over the given slot arenas and (re)start the server; returns where to
+        reach it.
+
+        Called once after launch and again after any role of the group was lost: a worker whose plan and slots did
+        not change only drops its per-batch state (KV caches, generators): the coordinator replays from its own.
+        """
+        self._stop_server()
+        if plan != self.plan:
+            self._close_worker()
+            self._close_slots()
+            self.plan = plan
+        channel = ChannelConfig(self.role)
+        if self._shm is None:  # first setup in this process: clean up after dead processes of earlier runs
+            sweep_dead_arenas()
+            sweep_dead_sockets(str(channel.socket_dir))
+            self._shm = ShmTensors(self.role)
+        slot_paths = self._own_slots() if self.owns_slots else tuple(slot_paths)
+        if self.worker is None or slot_paths != self._slot_paths:
+            self._close_worker()
+            if not self.owns_slots:
+                self._close_slots()
+                self._slots = [Arena.attach(path) for path in slot_paths]
+            self.worker = self._build([arena.data for arena in self._slots] or None)
+            self._slot_paths = slot_paths
+        else:
+            self._reset()
+        self._server = Server(channel)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._serve, name=f"specoffload-{self.role}-server", daemon=True)
+        self._thread.start()
+        self.info = RoleInfo(self.role, os.getpid(), channel, slot_paths)
+        return self.info
+
+    def shutdown(self) -> None:
+        """Stop serving, close the worker and unlink every arena this process owns."""
+        self._stop_server()
+        self._close_worker()
+        self._close_slots()
+        if self._shm is not None:
+            self._shm.close()
+        self._shm = None
+
+    # ---- the hot path (server thread) --------------------------------------------------------------------------
+    def handle(self, call: WorkerCall) -> WorkerReply:
+        """Run one worker method: tensor arguments are views of their arenas, tensor results go to this role's
+        output arena of (method, lane, output index)."""
+        if call.method not in self.methods:
+            raise ValueError(f"the {self.role} role has no method {call.method!r} (has: {sorted(self.methods)})")
+        assert self._shm is not None and self.worker is not None, "setup() first"
+        kwargs: dict[str, Any] = {name: self._shm.read(ref) for name, ref in call.tensors.items()}
+        kwargs.update(call.scalars)
+        if call.params is not None:
+            kwargs["params"] = call.params
+        before = self.worker.bytes_read if hasattr(self.worker, "bytes_read") else 0
+        with torch.inference_mode():
+            result = getattr(self.worker, call.method)(**kwargs)
+            outputs = result if isinstance(result, tuple) else (result,)
+            tensors = tuple(
+                self._shm.write((call.method, call.lane, i), out) if isinstance(out, torch.Tensor) else None
+                for i, out in enumerate(outputs)
+            )
+        values = tuple(None if isinstance(out, torch.Tensor) else out for out in outputs)
+        after = self.worker.bytes_read if hasattr(self.worker, "bytes_read") else 0
+        return WorkerReply(tensors, values, after - before)
+
+    def _serve(self) -> None:
+        torch.set_num_threads(self.threads)  # per thread in torch's OpenMP pool
+        assert self._server is not None
+        self._server.serve_forever(self.handle, self._stop)
+
+    # ---- per role ---------------------------------------------------------------------------------------------
+    owns_slots: ClassVar[bool] = False
+
+    def _build(self, slots: list[torch.Tensor] | None) -> Any:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        """Drop the worker's per-batch state (the coordinator re-creates it)."""
+        for name in ("caches", "generators"):
+            getattr(self.worker, name, {}).clear()
+
+    def _own_slots(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+    def _stop_server(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def _close_worker(self) -> None:
+        if self.worker is not None and hasattr(self.worker, "close"):
+            self.worker.close()
+        self.worker = None
+        self._slot_paths = None
+
+    def _close_slots(self) -> None:
+        """Unmap the slot arenas (the prefetch role, their owner, also unlinks them)."""
+        for arena in self._slots:
+            arena.close()
+        self._slots = []
+
+
+class PrefetchRole(Role):
+    """io: owns the ring slots, one shared-memory arena per slot, and streams layer weights into them."""
+
+    role = "prefetch"
+    methods = frozenset({"load"})
+    owns_slots = True
+
+    def _own_slots(self) -> tuple[str, ...]:
+        plan = self.plan
+        if not self._slots and plan is not None and plan.streamed:
+            self._slots = [Arena.create(f"slot{i}", plan.slot_bytes, ARENA_TAG) for i in range(plan.num_buffers)]
+        return tuple(str(arena.path) for arena in self._slots)
+
+    def _build(self, slots: list[torch.Tensor] | None) -> PrefetchWorker:
+        return PrefetchWorker(self.config, self.plan, slots)
+
+
+class AttentionRole(Role):
+    """cpu: the target's embedding and attention, over the slots the prefetch role fills."""
+
+    role = "attention"
+    methods = frozenset({"reset", "drop", "lengths", "advance", "truncate", "select_rows", "embed", "attention"})
+
+    def _build(self, slots: list[torch.Tensor] | None) -> AttentionWorker:
+        return AttentionWorker(self.config, self.plan, slots)
+
+
+class VerifierRole(Role):
+    """device: the target's FFN / experts / head over the shared slots, and verification."""
+
+    role = "verifier"
+    methods = frozenset({"seed", "ffn", "head", "verify"})
+
+    def _build(self, slots: list[torch.Tensor] | None) -> VerifierWorker:
+        return VerifierWorker(self.config, self.plan, slots)
+
+
+class DraftRole(Role):
+    """device: the resident draft model and its KV caches."""
+
+    role = "draft"
+    methods = frozenset({"reset", "drop", "lengths", "truncate", "select_rows", "propose"})
+
+    def _build(self, slots: list[torch.Tensor] | None) -> DraftWorker:
+        return DraftWorker(self.config)
+
+
+ROLES: dict[str, type[Role]] = {cls.role: cls for cls in (PrefetchRole, AttentionRole, VerifierRole, DraftRole)}

@@ -1,0 +1,158 @@
+"""Integration: `ray start --head` (token authentication, dashboard on), `ray job submit` of a script that drives
+the Ray backend through `connect()`, the job SUCCEEDED and its rows equal the local backend's; the cluster this
+test started is stopped (only its own processes: never `ray stop`, which ends every Ray on the machine).
+
+The cluster uses free ports for everything and its own temp dir, so it does not collide with a local cluster
+this session (or anyone else on the machine) runs. Needs `ray[default]` (the Jobs API lives in the dashboard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.offload.engine import OffloadEngine
+from specoffload.runtime.sampling import SamplingParams
+
+BIN = Path(sys.executable).parent
+PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(5)]
+NEW_TOKENS = 8
+PORTS = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "ray-client-server-port",
+         "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port")
+
+JOB = """
+import json, sys
+from specoffload.actors import connect
+from specoffload.runtime import EngineConfig, SamplingParams
+
+config = EngineConfig(**json.loads(sys.argv[1]))
+with connect(config) as llm:  # the job's driver joins the cluster the job runs on
+    results = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_new_tokens=int(sys.argv[3]), ignore_eos=True))
+    recoveries = llm.stats()["recoveries"]
+with open(sys.argv[4], "w") as f:
+    for r in results:
+        f.write(json.dumps({"index": r.index, "token_ids": r.token_ids, "recoveries": recoveries}) + "\\n")
+"""
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session `sid`: everything `ray start` spawned, workers included."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):  # fields: state, ppid, pgrp, session
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
+    """A Ray head started here with token auth on; yields (dashboard address, environment for the CLI)."""
+    tmp = Path(tempfile.mkdtemp(prefix="so-ray-", dir="/tmp"))  # short: Ray's socket paths live under it
+    token = tmp / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PATH": f"{BIN}:{env.get('PATH', '')}"}
+    ports = {name: _free_port() for name in PORTS}
+    args = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--object-store-memory=100000000",
+            f"--temp-dir={tmp / 'ray'}", "--disable-usage-stats", "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1", *[f"--{name}={port}" for name, port in ports.items()]]
+    with open(tmp / "head.log", "w") as log:
+        head = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{ports['dashboard-port']}"
+    try:
+        deadline = time.monotonic() + 90
+        while not _dashboard_up(address):
+            assert head.poll() is None, f"ray start exited: {(tmp / 'head.log').read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "the dashboard did not come up in 90 s"
+            time.sleep(0.5)
+        yield address, env
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+        for pid in _session_processes(head.pid):  # anything left of this cluster only
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dashboard_up(address: str) -> bool:
+    try:
+        urllib.request.urlopen(f"{address}/api/version", timeout=2)
+    except urllib.error.HTTPError:  # 401: up, and asking for the token
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _ray(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "ray"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cluster_refuses_the_cli_without_its_token(ray_head):
+    address, env = ray_head
+    no_token = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    refused = _ray(no_token, "job", "list", f"--address={address}", timeout=60)
+    assert refused.returncode != 0 and "auth" in (refused.stdout + refused.stderr).lower()
+    assert _ray(env, "job", "list", f"--address={address}", timeout=60).returncode == 0
+
+
+def test_job_submit_runs_the_ray_backend_to_success(ray_head, tiny_models, tmp_path):
+    address, env = ray_head
+    config = dict(target=str(tiny_models["llama"]), draft=str(tiny_models["qwen2_draft"]), max_batch_size=3,
+                  max_seq_len=48, num_draft_tokens=3, num_threads=1, device_memory="1GiB")
+    old = torch.get_num_threads()
+    try:
+        budget = OffloadEngine(EngineConfig(**config)).minimum_device_memory()
+        config["device_memory"] = budget
+        local = OffloadEngine(EngineConfig(**config))
+        expected = [r.token_ids for r in local.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS,
+                                                                                   ignore_eos=True))]
+    finally:
+        torch.set_num_threads(old)
+    script, out = tmp_path / "job.py", tmp_path / "out.jsonl"
+    script.write_text(JOB)
+    job_id = f"specoffload-test-{secrets.token_hex(4)}"
+    submit = _ray(env, "job", "submit", f"--address={address}", f"--submission-id={job_id}", "--",
+                  sys.executable, str(script), json.dumps(config), json.dumps(PROMPTS), str(NEW_TOKENS), str(out))
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    token = Path(env["RAY_AUTH_TOKEN_PATH"]).read_text()
+    request = urllib.request.Request(f"{address}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:  # the Jobs REST API, with the cluster's token
+        job = json.load(response)
+    assert job["status"] == "SUCCEEDED", job
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["index"] for row in rows] == list(range(len(PROMPTS)))
+    assert [row["token_ids"] for row in rows] == expected
+    assert all(len(row["token_ids"]) == NEW_TOKENS and row["recoveries"] == 0 for row in rows)
