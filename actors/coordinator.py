@@ -41,7 +41,7 @@ from specoffload.runtime.transport.arena import sweep_dead_arenas
 
 from .launcher import ActorResources, current_node_id, launch, plan_resources
 from .proxy import PROXIES, LanePool, RoleProxy, WorkerLost
-from .roles import ROLES, RoleInfo, ShmTensors, pid_alive
+from .roles import ROLES, RoleInfo, ShmTensors, normal_priority, pid_alive
 
 logger = logging.getLogger("specoffload.actors")
 
@@ -221,6 +221,7 @@ class Coordinator:
                  max_restarts: int = 3) -> None:
         self.resources = resources or plan_resources(config)  # here: threads from this node's cores
         torch.set_num_threads(self.resources["coordinator"].threads)
+        normal_priority()  # the executor threads (and the roles they wait for) are the engine, not background work
         self.config, self.max_restarts = config, max_restarts
         self.engine: RayOffloadEngine | None = None
 

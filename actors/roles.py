@@ -126,6 +126,20 @@ def sweep_dead_sockets(socket_dir: str | Path) -> list[Path]:
     return removed
 
 
+def normal_priority() -> bool:
+    """Run this thread (and threads it starts later) at niceness 0 if allowed; returns whether it does.
+
+    Ray starts worker processes at niceness 15 (its `worker_niceness`), so that its daemons stay responsive. The
+    role actors are the engine itself: at 15 every Ray daemon, and anything else on the machine, preempts them in
+    the middle of a layer. Lowering niceness needs CAP_SYS_NICE (root); without it the role stays at Ray's level.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)  # Linux: the calling thread; new threads inherit it
+    except PermissionError:
+        return False
+    return os.getpriority(os.PRIO_PROCESS, 0) == 0
+
+
 def pid_alive(pid: int) -> bool:
     """Is process `pid` running? A zombie (killed, not yet reaped) counts as dead."""
     try:
@@ -161,6 +175,7 @@ class Role:
     def __init__(self, config: EngineConfig, threads: int = 1) -> None:
         self.config, self.threads = config, threads
         self.plan: WeightPlan | None = None
+        self.normal_priority = normal_priority()
         torch.set_num_threads(threads)
         self.worker: Any = None
         self.info: RoleInfo | None = None

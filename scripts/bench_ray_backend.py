@@ -7,8 +7,9 @@ HumanEval prompts cut to `--prompt-tokens`, greedy, EOS ignored. Each backend ru
 both loaded at once): build, one warm-up generate, then `--reps` timed generates (page cache dropped before each;
 the Ray time is the client's `generate` call, Ray round trip included). Outputs must be identical token for
 token. Reports per backend the median wall time, min-max, tok/s, peak RSS summed over its processes, and the
-Ray overhead = median(ray) / median(local) - 1 (goal: <= 10%). `--passive` also runs both with
-OMP_WAIT_POLICY=PASSIVE (idle OpenMP threads sleep instead of spinning: matters when several processes compute).
+Ray overhead = median(ray) / median(local) - 1 (goal: <= 10%). The machine is shared and its speed drifts, so
+backends alternate in `--rounds` rounds, ABBA order (local, ray, ray, local, ...), medians over all reps, with
+the 1-minute load average logged per block. `--passive` also runs both with OMP_WAIT_POLICY=PASSIVE.
 Writes docs/perf/ray_backend.json and the ray_backend section of docs/perf/README.md.
 
     python scripts/bench_ray_backend.py            # ~10 minutes on 2 cores
@@ -111,7 +112,7 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def run(backend: str, args: argparse.Namespace, passive: bool) -> dict:
-    """One backend in a fresh process."""
+    """One block: one backend in a fresh process."""
     env = dict(os.environ)
     if passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"  # the Ray actors inherit it from the raylet this process starts
@@ -119,9 +120,23 @@ def run(backend: str, args: argparse.Namespace, passive: bool) -> dict:
         cmd = [sys.executable, __file__, "--worker", backend, "--result", out.name, "--budget", args.budget,
                "--prompts", str(args.prompts), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
                str(args.new_tokens), "--batch", str(args.batch), "-k", str(args.k), "--reps", str(args.reps)]
+        load = os.getloadavg()[0]
         subprocess.run(cmd, env=env, check=True)
         row = json.loads(Path(out.name).read_text())
     row["omp_wait_policy"] = "PASSIVE" if passive else "default"
+    row["load_before_after"] = [load, os.getloadavg()[0]]
+    return row
+
+
+def merge(blocks: list[dict]) -> dict:
+    """One backend's blocks (rounds) as one row: all reps together."""
+    row = dict(blocks[0])
+    for key in ("wall_s", "engine_wall_s"):
+        row[key] = [x for b in blocks for x in b[key]]
+    row["build_s"] = statistics.median(b["build_s"] for b in blocks)
+    row["peak_rss_bytes"] = max(b["peak_rss_bytes"] for b in blocks)
+    row["blocks"] = [{k: b[k] for k in ("wall_s", "load_before_after")} for b in blocks]
+    assert all(b["tokens"] == row["tokens"] for b in blocks), "outputs differ between rounds"
     return row
 
 
@@ -146,7 +161,7 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} ({os.cpu_count()} threads)", "torch": torch.__version__,
         "budget": args.budget, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens, "batch": args.batch, "k": args.k, "reps": args.reps,
+        "new_tokens": args.new_tokens, "batch": args.batch, "k": args.k, "reps": args.reps, "rounds": args.rounds,
     }
     PERF.mkdir(parents=True, exist_ok=True)
     results = [{k: v for k, v in r.items() if k != "tokens"} | summarize(r) for r in rows]
@@ -157,8 +172,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         f"Run {meta['date']} on {meta['machine']}, torch {meta['torch']}; Qwen2.5-Coder 1.5B target streamed from "
         f"disk under {args.budget} + 0.5B draft, {args.prompts} HumanEval prompts cut to {args.prompt_tokens} "
         f"tokens, {args.new_tokens} new tokens (EOS ignored), batch {args.batch}, k={args.k}, greedy; "
-        f"{args.reps} timed reps per backend after a warm-up, each backend in a fresh process. Outputs identical "
-        "token for token.",
+        f"{args.rounds} rounds x {args.reps} timed reps per backend (ABBA order, each block a fresh process after "
+        "a warm-up generate). Outputs identical token for token.",
         "",
         "| backend | OMP_WAIT_POLICY | wall median (s) | min–max | tok/s | peak RSS (GB, all processes) | start (s) |",
         "|---|---|---|---|---|---|---|",
@@ -168,10 +183,15 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
             lines.append(f"| {name} | {policy} | {s['median_s']:.2f} | {s['min_s']:.2f}–{s['max_s']:.2f} | "
                          f"{s['tok_s']:.2f} | {row['peak_rss_bytes'] / 1e9:.2f} | {row['build_s']:.1f} |")
     lines.append("")
-    for policy, *_, overhead in pairs:
+    for policy, local, ray, _, _, overhead in pairs:
         verdict = "meets" if overhead <= 0.10 else "misses"
+        per_round = ", ".join(
+            f"{statistics.median(r['wall_s']) / statistics.median(lo['wall_s']) * 100 - 100:+.1f}%"
+            for lo, r in zip(local["blocks"], ray["blocks"])
+        )
+        loads = ", ".join(f"{b['load_before_after'][0]:.1f}" for b in local["blocks"] + ray["blocks"])
         lines.append(f"- Ray overhead ({policy}): **{overhead * 100:+.1f}%** of the local wall time ({verdict} the "
-                     "<= 10% goal).")
+                     f"<= 10% goal); per round {per_round}; 1-min load average before each block: {loads}.")
     lines += [
         "- The Ray time is measured at the client (`EngineHandle.generate`: one Ray call in, results out); "
         "per op the coordinator sends a msgpack header over a ZeroMQ ipc socket and the tensors stay in "
@@ -197,9 +217,10 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("-k", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3, help="timed generates per block")
+    ap.add_argument("--rounds", type=int, default=2, help="blocks per backend, alternating ABBA")
     ap.add_argument("--passive", action="store_true", help="also run both with OMP_WAIT_POLICY=PASSIVE")
-    ap.add_argument("--quick", action="store_true", help="8 prompts, 2 reps")
+    ap.add_argument("--quick", action="store_true", help="8 prompts, 2 reps, 1 round")
     ap.add_argument("--worker", choices=["local", "ray"], help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -207,12 +228,15 @@ def main() -> int:
         Path(args.result).write_text(json.dumps(worker(args)))
         return 0
     if args.quick:
-        args.prompts, args.reps = 8, 2
+        args.prompts, args.reps, args.rounds = 8, 2, 1
     rows = []
     for passive in (False, True) if args.passive else (False,):
-        for backend in ("local", "ray"):
-            print(f"{backend} (OMP_WAIT_POLICY {'PASSIVE' if passive else 'default'})", flush=True)
-            rows.append(run(backend, args, passive))
+        blocks: dict[str, list[dict]] = {"local": [], "ray": []}
+        for r in range(args.rounds):
+            for backend in ("local", "ray") if r % 2 == 0 else ("ray", "local"):
+                print(f"round {r}: {backend} (OMP_WAIT_POLICY {'PASSIVE' if passive else 'default'})", flush=True)
+                blocks[backend].append(run(backend, args, passive))
+        rows += [merge(blocks["local"]), merge(blocks["ray"])]
     report(args, rows)
     return 0
 
