@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +22,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompts", type=Path, help=".jsonl ({'prompt': ...} or {'token_ids': [...]}) or .txt file")
     src.add_argument("--humaneval", type=int, metavar="N", help="the first N HumanEval prompts (0: all 164)")
     p.add_argument("--output", "-o", type=Path, default=None, help="output JSONL (default: stdout)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows already in --output and generate only the missing prompts")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--chunk-size", type=int, default=256,
+                   help="prompts per chunk; each finished chunk is appended to --output and fsynced (default 256)")
+    p.add_argument("--backend", default="local", choices=["local", "ray"],
+                   help="local: one process; ray: the Ray actor runtime (needs --device-memory)")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray to join with --backend ray (default: RAY_ADDRESS, e.g. inside `ray job submit`, "
+                        "else a local Ray)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("-k", "--num-draft-tokens", type=_int_or_auto, default=None,
                    help="draft tokens per step, or 'auto' (planner; the default with --device-memory, else 4)")
@@ -136,23 +144,83 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_jsonl(records: list[dict], output: Path | None) -> None:
-    """Write atomically: a crash mid-write never leaves a truncated output file."""
-    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    if output is None:
-        sys.stdout.write(lines)
-        return
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(lines)
-    os.replace(tmp, output)
+class _LocalBackend:
+    """The in-process engine behind the chunk loop (resident Engine, or OffloadEngine with --device-memory)."""
+
+    def __init__(self, config: EngineConfig, args: argparse.Namespace) -> None:
+        from .engine import Engine  # heavy import (torch, transformers) only when needed
+        from .offload.engine import OffloadEngine
+
+        self.engine = OffloadEngine(config) if config.offloaded else Engine(config)
+        self.offloaded = isinstance(self.engine, OffloadEngine)
+        self.progress = not args.no_progress
+        self.bytes_read = self.passes = 0
+        if args.show_placement and self.offloaded:
+            print(self.engine.describe_placement(), file=sys.stderr)
+
+    def generate(self, prompts: list, params: SamplingParams) -> list:
+        results = self.engine.generate(prompts, params, progress=self.progress)
+        if self.offloaded:
+            self.bytes_read += self.engine.last_stats.bytes_read
+            self.passes += self.engine.last_stats.passes
+        return results
+
+    def report(self, args: argparse.Namespace) -> None:
+        if not self.offloaded:
+            return
+        engine = self.engine
+        if engine.policy is not None:
+            print(f"planner: batch {engine.config.max_batch_size}, k {engine.k}"
+                  f" (re-planned {len(engine.replans)} times)", file=sys.stderr)
+        print(f"weights read: {self.bytes_read / 1e9:.2f} GB in {self.passes} streamed passes", file=sys.stderr)
+        if args.trace is not None:
+            path = engine.tracer.save_chrome_trace(args.trace)
+            print(engine.tracer.breakdown().table(), file=sys.stderr)
+            print(f"trace: {path} (open in https://ui.perfetto.dev)", file=sys.stderr)
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+class _RayBackend:
+    """The Ray actor runtime (`specoffload.actors.connect`) behind the same chunk loop."""
+
+    def __init__(self, config: EngineConfig, args: argparse.Namespace) -> None:
+        if not config.offloaded:
+            raise ValueError("--backend ray runs the offloaded engine: give --device-memory")
+        if args.trace is not None:
+            raise ValueError("--trace is recorded by the local backend only; drop it or use --backend local")
+        # The one place the runtime reaches into actors/ (and so Ray): only when asked for, at call time.
+        from specoffload.actors import connect
+
+        self.handle = connect(config, args.ray_address)
+        self.bytes_read = self.passes = self.recoveries = 0
+        if args.show_placement:
+            print(self.handle.placement, file=sys.stderr)
+
+    def generate(self, prompts: list, params: SamplingParams) -> list:
+        results = self.handle.generate(prompts, params)
+        s = self.handle.stats()
+        self.bytes_read += int(s.get("bytes_read", 0))
+        self.passes += int(s.get("passes", 0))
+        self.recoveries += int(s.get("recoveries", 0))
+        return results
+
+    def report(self, args: argparse.Namespace) -> None:
+        print(f"weights read: {self.bytes_read / 1e9:.2f} GB in {self.passes} streamed passes; "
+              f"{self.recoveries} recoveries from lost actors", file=sys.stderr)
+
+    def close(self) -> None:
+        self.handle.shutdown()
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine import Engine  # heavy import (torch, transformers) only when needed
-    from .offload.engine import OffloadEngine
+    from .outputs import JsonlSink
 
+    if args.chunk_size < 1:
+        raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
     prompts = read_prompts_file(args.prompts) if args.prompts else humaneval_prompts(args.humaneval or None)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -177,41 +245,61 @@ def _generate(args: argparse.Namespace) -> int:
         expert_loading=args.expert_loading,
         trace=args.trace is not None,
     )
-    engine = OffloadEngine(config) if config.offloaded else Engine(config)
-    if args.show_placement and isinstance(engine, OffloadEngine):
-        print(engine.describe_placement(), file=sys.stderr)
-    results = engine.generate(prompts, params, progress=not args.no_progress)
-    records = [
-        {
-            "index": r.index,
-            "prompt": prompts[r.index] if isinstance(prompts[r.index], str) else None,
-            "text": r.text,
-            "token_ids": r.token_ids,
-            "finish_reason": r.finish_reason,
-            "num_drafted": r.num_drafted,
-            "num_accepted": r.num_accepted,
-        }
-        for r in results
-    ]
-    _write_jsonl(records, args.output)
-    s = engine.last_stats
-    assert s is not None
-    summary = (
-        f"{s.num_prompts} prompts, {s.generated_tokens} new tokens in {s.wall_s:.1f} s: "
-        f"{s.tokens_per_s:.1f} tokens/s"
-    )
-    if isinstance(engine, OffloadEngine) and engine.policy is not None:
-        print(f"planner: batch {engine.config.max_batch_size}, k {engine.k}"
-              f" (re-planned {len(engine.replans)} times)", file=sys.stderr)
-    if args.draft:
-        summary += f", acceptance {s.acceptance_rate:.2f} ({s.num_accepted}/{s.num_drafted} draft tokens)"
-    print(summary, file=sys.stderr)
-    if isinstance(engine, OffloadEngine):
-        print(f"weights read: {s.bytes_read / 1e9:.2f} GB in {s.passes} streamed passes", file=sys.stderr)
-        if args.trace is not None:
-            path = engine.tracer.save_chrome_trace(args.trace)
-            print(engine.tracer.breakdown().table(), file=sys.stderr)
-            print(f"trace: {path} (open in https://ui.perfetto.dev)", file=sys.stderr)
+    with JsonlSink(args.output, resume=args.resume, overwrite=args.overwrite) as sink:
+        sink.check_matches(prompts)
+        # Chunks are cut on input indices and a chunk is redone whole, with its own seed: a batch's rows share a
+        # random stream, so only whole chunks reproduce what an uninterrupted run writes.
+        size = args.chunk_size
+        partial = {i for c in {i // size for i in sink.done} for i in range(c * size, min((c + 1) * size, len(prompts)))
+                   if i not in sink.done}
+        if partial:
+            redo = {i for i in sink.done if i // size in {j // size for j in partial}}
+            print(f"resuming {args.output}: {len(redo)} row(s) of unfinished chunks will be generated again",
+                  file=sys.stderr)
+            sink.forget(redo)
+        todo = [i for i in range(len(prompts)) if i not in sink.done]
+        if sink.done:
+            print(f"resuming {args.output}: {len(sink.done)} of {len(prompts)} prompts already done", file=sys.stderr)
+        if not todo:
+            print("nothing to do: every prompt has a row", file=sys.stderr)
+            return 0
+        backend = _RayBackend(config, args) if args.backend == "ray" else _LocalBackend(config, args)
+        tokens = drafted = accepted = 0
+        start = time.perf_counter()
+        try:
+            chunks: dict[int, list[int]] = {}
+            for i in todo:
+                chunks.setdefault(i // size, []).append(i)
+            for number, (c, indices) in enumerate(sorted(chunks.items()), 1):
+                chunk_params = params if params.seed is None else replace(params, seed=params.seed + c)
+                results = backend.generate([prompts[i] for i in indices], chunk_params)
+                rows = []
+                for r in sorted(results, key=lambda r: r.index):
+                    index = indices[r.index]
+                    rows.append({
+                        "index": index,
+                        "prompt": prompts[index] if isinstance(prompts[index], str) else None,
+                        "text": r.text,
+                        "token_ids": r.token_ids,
+                        "finish_reason": r.finish_reason,
+                        "num_drafted": r.num_drafted,
+                        "num_accepted": r.num_accepted,
+                    })
+                    tokens += len(r.token_ids)
+                    drafted += r.num_drafted
+                    accepted += r.num_accepted
+                sink.write(rows)
+                if len(chunks) > 1 and not args.no_progress:
+                    print(f"chunk {number}/{len(chunks)}: {len(rows)} rows written", file=sys.stderr)
+            wall = time.perf_counter() - start
+            rate = tokens / max(wall, 1e-9)
+            summary = f"{len(todo)} prompts, {tokens} new tokens in {wall:.1f} s: {rate:.1f} tokens/s"
+            if args.draft:
+                summary += f", acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens)"
+            backend.report(args)
+            print(summary, file=sys.stderr)
+        finally:
+            backend.close()
     return 0
 
 
@@ -226,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "plan":
             return _plan(args)
-    except (SpecOffloadError, PromptFileError, ValueError, FileNotFoundError) as e:
+    except (SpecOffloadError, PromptFileError, ValueError, FileNotFoundError, OSError) as e:
         print(f"specoffload: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

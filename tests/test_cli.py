@@ -81,3 +81,60 @@ def test_plan_prints_policy_table_and_alternatives(tiny_models, tmp_path, capsys
     assert "chosen policy: batch" in out and "predicted" in out and "| batch | k |" in out
     assert "warm-up on 4 of the job's prompts" in out  # alpha measured on the job's own prompts
     assert list((tmp_path / "profiles").glob("*.json"))
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_an_interrupted_output_is_resumed_to_the_same_rows(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "corpus.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": [3 + i, 8, 2 * i + 1]}) + "\n" for i in range(5)))
+    out = tmp_path / "out.jsonl"
+    # Sampled, so the check also covers the per-chunk seed: where a run stops does not change any row.
+    cli = ["generate", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"]), "--prompts",
+           str(prompts), "-o", str(out), "--max-new-tokens", "5", "--ignore-eos", "--no-progress", "-k", "2",
+           "--temperature", "1.0", "--seed", "7", "--chunk-size", "2"]
+    assert main(cli) == 0
+    full = _rows(out)
+    assert [r["index"] for r in full] == list(range(5))
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:3]) + lines[3][:7])  # killed while writing the second chunk
+    capsys.readouterr()
+    assert main([*cli, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "1 row(s) of unfinished chunks" in err and "2 of 5 prompts already done" in err
+    assert _rows(out) == full  # rows 0-1 kept; chunk {2, 3} and chunk {4} generated again, with their own seeds
+    assert main([*cli, "--resume"]) == 0
+    assert "nothing to do" in capsys.readouterr().err
+    assert _rows(out) == full
+
+
+def test_an_existing_output_is_never_clobbered_silently(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [5, 6]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"index": 0, "token_ids": [1]}\n')
+    cli = ["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts), "-o", str(out),
+           "--max-new-tokens", "3", "--no-progress"]
+    assert main(cli) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--resume" in err and "Traceback" not in err
+    assert out.read_text() == '{"index": 0, "token_ids": [1]}\n'
+    assert main([*cli, "--overwrite"]) == 0
+    assert len(_rows(out)[0]["token_ids"]) >= 1 and _rows(out)[0]["token_ids"] != [1]
+    out.write_text('{"index": 4, "token_ids": [1]}\n')  # written for a longer input
+    assert main([*cli, "--resume"]) == 2
+    assert "another input" in capsys.readouterr().err
+    out.write_text("not a row\n")
+    assert main([*cli, "--resume"]) == 2
+    assert "cannot resume" in capsys.readouterr().err
+
+
+def test_ray_backend_needs_an_offloaded_config(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [5, 6]}) + "\n")
+    rc = main(["generate", "--backend", "ray", "--target", str(tiny_models["llama"]), "--prompts", str(prompts),
+               "--no-progress"])
+    assert rc == 2
+    assert "--device-memory" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""Integration: `ray start --head` (token authentication, dashboard on), `ray job submit` of a script that drives
-the Ray backend through `connect()`, the job SUCCEEDED and its rows equal the local backend's; the cluster this
+"""Integration: `ray start --head` (token authentication, dashboard on), `ray job submit -- specoffload generate
+--backend ray` on a tiny corpus, the job SUCCEEDED and its rows equal the local backend's; an interrupted output is
+completed by a resubmission with --resume; a user mistake fails the job with one line. The cluster this
 test started is stopped (only its own processes: never `ray stop`, which ends every Ray on the machine).
 
 The cluster uses free ports for everything and its own temp dir, so it does not collide with a local cluster
@@ -35,20 +36,6 @@ PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(5)]
 NEW_TOKENS = 8
 PORTS = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "ray-client-server-port",
          "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port")
-
-JOB = """
-import json, sys
-from specoffload.actors import connect
-from specoffload.runtime import EngineConfig, SamplingParams
-
-config = EngineConfig(**json.loads(sys.argv[1]))
-with connect(config) as llm:  # the job's driver joins the cluster the job runs on
-    results = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_new_tokens=int(sys.argv[3]), ignore_eos=True))
-    recoveries = llm.stats()["recoveries"]
-with open(sys.argv[4], "w") as f:
-    for r in results:
-        f.write(json.dumps({"index": r.index, "token_ids": r.token_ids, "recoveries": recoveries}) + "\\n")
-"""
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +115,20 @@ def test_cluster_refuses_the_cli_without_its_token(ray_head):
     assert _ray(env, "job", "list", f"--address={address}", timeout=60).returncode == 0
 
 
-def test_job_submit_runs_the_ray_backend_to_success(ray_head, tiny_models, tmp_path):
+def _submit(env: dict[str, str], address: str, *cli: str) -> dict:
+    """`ray job submit -- specoffload ...`, waited for; returns the job's record from the Jobs REST API."""
+    job_id = f"specoffload-test-{secrets.token_hex(4)}"
+    submit = _ray(env, "job", "submit", f"--address={address}", f"--submission-id={job_id}", "--",
+                  str(BIN / "specoffload"), *cli)
+    token = Path(env["RAY_AUTH_TOKEN_PATH"]).read_text()
+    request = urllib.request.Request(f"{address}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:  # the Jobs REST API, with the cluster's token
+        job = json.load(response)
+    job["cli_output"] = submit.stdout[-3000:] + submit.stderr[-3000:]
+    return job
+
+
+def test_job_submit_runs_the_cli_on_the_ray_backend_and_resumes(ray_head, tiny_models, tmp_path):
     address, env = ray_head
     config = dict(target=str(tiny_models["llama"]), draft=str(tiny_models["qwen2_draft"]), max_batch_size=3,
                   max_seq_len=48, num_draft_tokens=3, num_threads=1, device_memory="1GiB")
@@ -141,18 +141,29 @@ def test_job_submit_runs_the_ray_backend_to_success(ray_head, tiny_models, tmp_p
                                                                                    ignore_eos=True))]
     finally:
         torch.set_num_threads(old)
-    script, out = tmp_path / "job.py", tmp_path / "out.jsonl"
-    script.write_text(JOB)
-    job_id = f"specoffload-test-{secrets.token_hex(4)}"
-    submit = _ray(env, "job", "submit", f"--address={address}", f"--submission-id={job_id}", "--",
-                  sys.executable, str(script), json.dumps(config), json.dumps(PROMPTS), str(NEW_TOKENS), str(out))
-    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
-    token = Path(env["RAY_AUTH_TOKEN_PATH"]).read_text()
-    request = urllib.request.Request(f"{address}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=30) as response:  # the Jobs REST API, with the cluster's token
-        job = json.load(response)
+    prompts, out = tmp_path / "corpus.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in PROMPTS))
+    cli = ["generate", "--backend", "ray", "--target", config["target"], "--draft", config["draft"],
+           "--prompts", str(prompts), "-o", str(out), "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
+           "--batch-size", "3", "--max-seq-len", "48", "-k", "3", "--threads", "1", "--device-memory", str(budget),
+           "--chunk-size", "2", "--no-progress"]
+    job = _submit(env, address, *cli)
     assert job["status"] == "SUCCEEDED", job
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["index"] for row in rows] == list(range(len(PROMPTS)))
     assert [row["token_ids"] for row in rows] == expected
-    assert all(len(row["token_ids"]) == NEW_TOKENS and row["recoveries"] == 0 for row in rows)
+
+    # An interrupted job (two rows and a half-written third): a resubmission with --resume completes it.
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    job = _submit(env, address, *cli, "--resume")
+    assert job["status"] == "SUCCEEDED", job
+    assert "2 of 5 prompts already done" in job["cli_output"]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["index"] for row in rows] == list(range(len(PROMPTS)))  # nothing lost, nothing twice
+    assert [row["token_ids"] for row in rows] == expected
+
+    # A user mistake fails the job with one clear line, not a traceback.
+    job = _submit(env, address, *cli)  # the output exists and neither --resume nor --overwrite is given
+    assert job["status"] == "FAILED"
+    assert "already exists" in job["cli_output"] and "Traceback" not in job["cli_output"]
