@@ -13,5 +13,5 @@ draft="$("$venv/bin/python" "$root/scripts/get_models.py" --print-path draft)"
 out="${SPECOFFLOAD_DEMO_OUT:-$root/demo-output.jsonl}"
 if [ "$#" -eq 0 ]; then set -- --humaneval 8; fi
 "$venv/bin/specoffload" generate --target "$target" --draft "$draft" -k 4 --batch-size 16 \
-  --max-new-tokens 48 --output "$out" "$@"
+  --max-new-tokens 48 --output "$out" --overwrite "$@"
 echo "completions written to $out"
