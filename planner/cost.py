@@ -7,6 +7,7 @@ tokens for the other batch. L layers; the head is pseudo-layer L. Per pass, with
     load_j  = streamed bytes of slot group j / stream_bytes_per_s           (0 when layer j is resident)
     attn_j  = attention_seconds(n, context)                                  [cpu]
     ffn_j   = F_dense_j * n / rate(n) + F_exp_j * n / rate(max(1, n * top_k / E))    [device]
+              (rate: the resident, packed-layout GEMM rate when layer j is resident and the profile has one)
     head    = F_head * n / head_rate(n)                                      [device]
     draft   = k * draft_seconds(B)                                           [device]
     o       = pass_overhead_s                                                (embed + verify)
@@ -311,8 +312,9 @@ def _pass(
     attn = profile.attention_seconds(fed, context)
     layers = []
     for j in range(target.num_layers):
-        ffn = profile.ffn_seconds(costs.dense_flops(j) * fed, fed)
-        ffn += profile.ffn_seconds(costs.expert_flops(j) * fed, expert_rows)
+        resident = j not in loads  # resident weights use the packed-layout GEMM rate where one was measured
+        ffn = profile.ffn_seconds(costs.dense_flops(j) * fed, fed, resident)
+        ffn += profile.ffn_seconds(costs.expert_flops(j) * fed, expert_rows, resident)
         streams_attention = placement.tiers.get(PartKey("attention", j), "device") != "device"
         layers.append(ChainLink(attn, ffn, loads.get(j), pre_waits=streams_attention))
     head = profile.head_seconds(costs.head_flops * head_rows, head_rows)

@@ -5,8 +5,9 @@ the hardware (or the models, dtype, torch version) changes: `matches(fingerprint
 
 Three resources (schedule.py): "io" delivers streamed weights into ring slots at `stream_bytes_per_s`; "cpu"
 runs the target's attention against the host KV cache (`attention_fit`); "device" runs the target's FFN / head
-GEMMs (`ffn_flops_per_s`, `head_flops_per_s`) and the draft (`draft_step_s`). On a CPU-only machine "cpu" and
-"device" are the same cores: `shared_compute` (their busy times add, cost.py).
+GEMMs (`ffn_flops_per_s` for streamed weights, `resident_ffn_flops_per_s` for resident ones, which the runtime
+keeps in oneDNN's packed layout on a CPU; `head_flops_per_s`) and the draft (`draft_step_s`). On a CPU-only
+machine "cpu" and "device" are the same cores: `shared_compute` (their busy times add, cost.py).
 
 Interpolation (all clamp below the first point):
     ffn rate(rows)    piecewise linear in log(rows) between measured points, constant outside them;
@@ -50,6 +51,8 @@ class HardwareProfile:
     attention_fit: tuple[float, float, float]  # s/layer = c0 + c1 * new_tokens + c2 * new_tokens * context
     draft_step_s: tuple[tuple[int, float], ...]  # (rows, seconds) of one draft token step (whole draft model)
     head_flops_per_s: float | None = None  # None: the ffn rate at the head's rows
+    # (rows, FLOP/s) of the same GEMM on weights kept resident (packed layout on CPU); None: as ffn_flops_per_s
+    resident_ffn_flops_per_s: tuple[tuple[int, float], ...] | None = None
     pass_overhead_s: float = 0.0  # fixed per target pass (embed, verify, bookkeeping)
 
     def __post_init__(self) -> None:
@@ -67,6 +70,9 @@ class HardwareProfile:
         _positive("stream_bytes_per_s", self.stream_bytes_per_s)
         object.__setattr__(self, "ffn_flops_per_s", _points("ffn_flops_per_s", self.ffn_flops_per_s))
         object.__setattr__(self, "draft_step_s", _points("draft_step_s", self.draft_step_s))
+        if self.resident_ffn_flops_per_s is not None:
+            object.__setattr__(self, "resident_ffn_flops_per_s",
+                               _points("resident_ffn_flops_per_s", self.resident_ffn_flops_per_s))
         fit = tuple(float(c) for c in self.attention_fit)
         if len(fit) != 3 or not all(math.isfinite(c) and c >= 0 for c in fit):
             raise ProfileError(f"attention_fit must be 3 finite coefficients >= 0 (c0, c1, c2), got {fit}")
@@ -78,18 +84,21 @@ class HardwareProfile:
 
     # --- costs ---------------------------------------------------------------------------------------------------
 
-    def ffn_rate(self, rows: float) -> float:
-        """Device GEMM FLOP/s at `rows` rows: linear in log(rows) between points, clamped outside them."""
+    def ffn_rate(self, rows: float, resident: bool = False) -> float:
+        """Device GEMM FLOP/s at `rows` rows: linear in log(rows) between points, clamped outside them.
+
+        resident: the rate on weights kept resident (`resident_ffn_flops_per_s` when measured)."""
         _check_rows(rows)
-        xs = [math.log(r) for r, _ in self.ffn_flops_per_s]
-        ys = [y for _, y in self.ffn_flops_per_s]
+        points = self.resident_ffn_flops_per_s if resident and self.resident_ffn_flops_per_s else self.ffn_flops_per_s
+        xs = [math.log(r) for r, _ in points]
+        ys = [y for _, y in points]
         return _interpolate(xs, ys, math.log(rows), extrapolate=False)
 
-    def ffn_seconds(self, flops: float, rows: float) -> float:
+    def ffn_seconds(self, flops: float, rows: float, resident: bool = False) -> float:
         """Seconds for `flops` FLOPs of FFN GEMMs with `rows` rows per weight matrix: flops / rate(rows)."""
         if flops < 0:
             raise ValueError(f"flops must be >= 0, got {flops}")
-        return flops / self.ffn_rate(rows) if flops else 0.0
+        return flops / self.ffn_rate(rows, resident) if flops else 0.0
 
     def head_seconds(self, flops: float, rows: float) -> float:
         """Seconds of the LM head: flops / head_flops_per_s, or the ffn rate at `rows` when not measured."""
@@ -131,6 +140,8 @@ class HardwareProfile:
             "attention_fit": list(self.attention_fit),
             "draft_step_s": [list(p) for p in self.draft_step_s],
             "head_flops_per_s": self.head_flops_per_s,
+            "resident_ffn_flops_per_s": (None if self.resident_ffn_flops_per_s is None
+                                         else [list(p) for p in self.resident_ffn_flops_per_s]),
             "pass_overhead_s": self.pass_overhead_s,
         }
 
@@ -150,6 +161,7 @@ class HardwareProfile:
             return cls(
                 **{name: data[name] for name in names},
                 head_flops_per_s=data.get("head_flops_per_s"),
+                resident_ffn_flops_per_s=data.get("resident_ffn_flops_per_s"),
                 pass_overhead_s=float(data.get("pass_overhead_s", 0.0)),
             )
         except (TypeError, ValueError) as exc:  # ProfileError is a ValueError: re-raised with the same message

@@ -495,3 +495,19 @@ def test_paper_scale_profile_and_prediction_are_up_to_date() -> None:
         assert (fresh[name]["decode_batch"], fresh[name]["k"]) == (stored[name]["decode_batch"], stored[name]["k"])
         assert fresh[name]["tokens_per_s"] == pytest.approx(stored[name]["tokens_per_s"], rel=1e-9)
     assert fresh["best_with_speculation"]["memory"]["device_footprint"] <= predict.DEVICE_MEMORY
+
+
+def test_resident_layers_use_the_resident_gemm_rate() -> None:
+    streamed = manual_placement((0, 1))  # layers 2 and 3 resident
+    plain = make_profile(stream_bytes_per_s=8000.0, ffn_flops_per_s=((1, 800.0),))
+    packed = make_profile(stream_bytes_per_s=8000.0, ffn_flops_per_s=((1, 800.0),),
+                          resident_ffn_flops_per_s=((1, 1600.0),))
+    a = estimate_step(plain, COSTS, streamed, batch=1, k=0, alpha=0.5, context=8)
+    b = estimate_step(packed, COSTS, streamed, batch=1, k=0, alpha=0.5, context=8)
+    assert a.t_ffn == pytest.approx(4 * 1.0)  # 800 FLOPs per layer at 800 FLOP/s
+    assert b.t_ffn == pytest.approx(2 * 1.0 + 2 * 0.5)  # the two resident layers at twice the rate
+    assert packed.ffn_rate(1) == 800.0 and packed.ffn_rate(1, resident=True) == 1600.0
+    assert plain.ffn_rate(1, resident=True) == 800.0  # not measured: the streamed rate
+    assert HardwareProfile.from_json(packed.to_json()) == packed
+    with pytest.raises(ProfileError, match="resident_ffn_flops_per_s"):
+        make_profile(resident_ffn_flops_per_s=((1, -1.0),))

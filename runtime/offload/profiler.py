@@ -26,6 +26,7 @@ from specoffload.planner.profile import HardwareProfile
 
 from ..config import EngineConfig
 from ..models import layers
+from ..models.linear import can_pack, pack_weights
 from ..models.model import Transformer
 from ..models.weights import PartKey
 from .streamer import WeightStreamer
@@ -33,6 +34,7 @@ from .streamer import WeightStreamer
 PROFILE_DIR = Path(os.environ.get("SPECOFFLOAD_CACHE", Path.home() / ".cache" / "specoffload")) / "profiles"
 FFN_ROWS = (1, 4, 16, 64, 256)
 DRAFT_ROWS = (1, 4, 16, 64)
+PROFILER_VERSION = 2  # 2: resident (packed) GEMM rates; bumping it re-measures every cached profile
 ATTENTION_POINTS = ((1, 1, 64), (4, 4, 64), (16, 4, 64), (16, 4, 512), (64, 4, 256), (4, 4, 1024), (32, 32, 32))
 
 
@@ -47,6 +49,7 @@ def fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "device": torch.device(config.device).type, "target": Path(config.target).name,
         "draft": Path(config.draft).name if config.draft else "", "dtype": config.dtype,
         "weights_tier": config.weights_tier, "threads": torch.get_num_threads(),
+        "profiler": PROFILER_VERSION,
     }
 
 
@@ -97,14 +100,21 @@ def measure(config: EngineConfig, quick: bool = False) -> HardwareProfile:
         ffn_w = target.loader.load(ffn_key)
         mlp = ffn_w if ffn_key.kind == "expert" else ffn_w.mlp
         params = mlp.gate.numel() + mlp.up.numel() + mlp.down.numel()
-        ffn_rates = []
+        packs = can_pack(dtype, device)
+        # Streamed weights are used as read (unpacked); resident ones are kept packed (models/linear.py).
+        packed = pack_weights(mlp) if packs else None
+        ffn_rates, resident_rates = [], []
         for rows in FFN_ROWS[:3] if quick else FFN_ROWS:
             x = torch.randn(rows, 1, cfg.hidden_size, dtype=dtype, device=device)
             seconds = _time(lambda x=x, mlp=mlp: layers.gated_mlp(x, mlp, cfg.hidden_act), reps)
             ffn_rates.append((rows, 2 * params * rows / seconds))
-        del ffn_w, mlp
+            if packed is not None:
+                seconds = _time(lambda x=x, mlp=packed: layers.gated_mlp(x, mlp, cfg.hidden_act), reps)
+                resident_rates.append((rows, 2 * params * rows / seconds))
+        del ffn_w, mlp, packed
         attention = _attention_fit(target, reps, quick)
         head = target.loader.load(PartKey("head"))
+        head = pack_weights(head) if packs else head  # the head is placed resident first (placement.py)
         x = torch.randn(16, 1, cfg.hidden_size, dtype=dtype, device=device)
         head_rate = 2 * head.lm_head.numel() * 16 / _time(lambda h=head: layers.head_logits(cfg, h, x), reps)
         del head
@@ -123,6 +133,7 @@ def measure(config: EngineConfig, quick: bool = False) -> HardwareProfile:
         attention_fit=attention,
         draft_step_s=draft_steps,
         head_flops_per_s=head_rate,
+        resident_ffn_flops_per_s=tuple(resident_rates) or None,
         pass_overhead_s=0.0,
     )
 
