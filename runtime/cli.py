@@ -250,10 +250,9 @@ def _generate(args: argparse.Namespace) -> int:
         # Chunks are cut on input indices and a chunk is redone whole, with its own seed: a batch's rows share a
         # random stream, so only whole chunks reproduce what an uninterrupted run writes.
         size = args.chunk_size
-        partial = {i for c in {i // size for i in sink.done} for i in range(c * size, min((c + 1) * size, len(prompts)))
-                   if i not in sink.done}
-        if partial:
-            redo = {i for i in sink.done if i // size in {j // size for j in partial}}
+        unfinished = {i // size for i in range(len(prompts)) if i not in sink.done}
+        redo = {i for i in sink.done if i // size in unfinished}
+        if redo:
             print(f"resuming {args.output}: {len(redo)} row(s) of unfinished chunks will be generated again",
                   file=sys.stderr)
             sink.forget(redo)

@@ -26,11 +26,9 @@ class JsonlSink:
     file. With neither, an existing non-empty file is an error: a finished run's output is never clobbered silently.
     """
 
-    def __init__(self, path: Path | None, *, resume: bool = False, overwrite: bool = False,
-                 stream: TextIO | None = None) -> None:
+    def __init__(self, path: Path | None, *, resume: bool = False, overwrite: bool = False) -> None:
         self.path = path
         self.done: dict[int, dict[str, Any]] = {}
-        self._stream = stream
         self._file: TextIO | None = None
         if path is None:
             return
@@ -93,9 +91,8 @@ class JsonlSink:
         """Append rows as one write, flushed and fsynced: after this returns they survive a crash."""
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         if self._file is None:
-            stream = self._stream or sys.stdout
-            stream.write(text)
-            stream.flush()
+            sys.stdout.write(text)
+            sys.stdout.flush()
             return
         self._file.write(text)
         self._file.flush()

@@ -152,6 +152,8 @@ def test_job_submit_runs_the_cli_on_the_ray_backend_and_resumes(ray_head, tiny_m
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["index"] for row in rows] == list(range(len(PROMPTS)))
     assert [row["token_ids"] for row in rows] == expected
+    assert all(len(row["token_ids"]) == NEW_TOKENS for row in rows)
+    assert "0 recoveries from lost actors" in job["cli_output"]
 
     # An interrupted job (two rows and a half-written third): a resubmission with --resume completes it.
     lines = out.read_text().splitlines(keepends=True)
