@@ -23,10 +23,12 @@ from specoffload.runtime.engine import Prompt
 from specoffload.runtime.request import GenerationResult
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.arena import sweep_dead_arenas
+from specoffload.runtime.transport.procs import pid_alive
+from specoffload.runtime.transport.shm import sweep_dead_sockets
 
 from .coordinator import Coordinator
 from .launcher import launch, plan_resources
-from .roles import RoleInfo, pid_alive, sweep_dead_sockets
+from .roles import RoleInfo
 
 
 class EngineHandle:

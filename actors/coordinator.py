@@ -30,18 +30,20 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.config import EngineConfig
-from specoffload.runtime.models.errors import SpecOffloadError
 from specoffload.runtime.offload.engine import OffloadEngine, _Batch
 from specoffload.runtime.offload.schedule import Op
 from specoffload.runtime.offload.workers import WeightPlan
 from specoffload.runtime.request import GenerationResult
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.arena import sweep_dead_arenas
+from specoffload.runtime.transport.procs import pid_alive
+from specoffload.runtime.transport.shm import ShmTensors
 
 from .launcher import ActorResources, current_node_id, launch, plan_resources
 from .proxy import PROXIES, LanePool, RoleProxy, WorkerLost
-from .roles import ROLES, RoleInfo, ShmTensors, normal_priority, pid_alive
+from .roles import ROLES, RoleInfo, normal_priority
 
 logger = logging.getLogger("specoffload.actors")
 

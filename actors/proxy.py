@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 
-from specoffload.runtime.models.errors import SpecOffloadError
+from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.channel import ChannelTimeout, Client
 from specoffload.runtime.transport.codec import TensorRef, WorkerCall, WorkerReply
+from specoffload.runtime.transport.procs import pid_alive
+from specoffload.runtime.transport.shm import ShmTensors
 
-from .roles import RoleInfo, ShmTensors, pid_alive
+from .roles import RoleInfo
 
 Tensor = torch.Tensor
 

@@ -21,7 +21,7 @@ import torch
 
 from specoffload.actors.coordinator import RayOffloadEngine
 from specoffload.actors.proxy import LanePool, RemoteTensor
-from specoffload.actors.roles import ROLES, AttentionRole, RoleInfo, ShmTensors, pid_alive
+from specoffload.actors.roles import ROLES, AttentionRole, RoleInfo
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.offload.engine import OffloadEngine
 from specoffload.runtime.offload.workers import WeightPlan
@@ -29,6 +29,8 @@ from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.arena import SHM_DIR, ArenaName
 from specoffload.runtime.transport.channel import ChannelConfig, Client, RemoteError
 from specoffload.runtime.transport.codec import TensorRef, WorkerCall
+from specoffload.runtime.transport.procs import pid_alive
+from specoffload.runtime.transport.shm import ShmTensors
 
 PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)

@@ -9,6 +9,9 @@ over ZeroMQ (`channel`). The consumer maps the same arena and reads a zero-copy 
                 owners' files
     codec.py    @message wire dataclasses, encode/decode (msgpack, strict), write_tensor/read_tensor
     channel.py  ChannelConfig (addresses derived from name + pid), Server/Client (ROUTER/DEALER), Pusher/Puller
+    shm.py      ShmTensors: a process's own output arenas by key plus the arenas it attached; sweep of dead
+                processes' ipc sockets
+    procs.py    pid_alive (a zombie counts as dead), the one liveness test of every sweep and watchdog
 
 Like the rest of `runtime/`, this package never imports Ray.
 """

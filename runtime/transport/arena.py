@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ..models.errors import SpecOffloadError
+from specoffload.planner.errors import SpecOffloadError
+
+from .procs import pid_alive
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "specoffload-"
@@ -271,27 +273,17 @@ class Arena:
 def sweep_dead_arenas(prefix: str = PREFIX, shm_dir: Path = SHM_DIR) -> list[Path]:
     """Remove our /dev/shm files whose owner pid is not alive; returns the removed paths.
 
-    Liveness is `os.kill(pid, 0)`: a pid reused by an unrelated process keeps its file (harmless), and an owner
-    that is dead but not yet reaped (a zombie) still counts as alive. Pids are only meaningful inside one pid
+    Liveness is `procs.pid_alive`: a pid reused by an unrelated process keeps its file (harmless), and an owner
+    that is dead but not yet reaped (a zombie) counts as dead. Pids are only meaningful inside one pid
     namespace: containers that share /dev/shm must not share a job tag.
     """
     removed = []
     for entry in sorted(shm_dir.iterdir()):
         name = ArenaName.parse(entry.name) if entry.name.startswith(prefix) else None
-        if name is not None and not _pid_alive(name.pid):
+        if name is not None and not pid_alive(name.pid):
             entry.unlink(missing_ok=True)
             removed.append(entry)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
 
 
 _swept_in_pid: int | None = None

@@ -1,0 +1,19 @@
+"""Process liveness, the one definition every sweep and watchdog of the runtime uses."""
+
+from __future__ import annotations
+
+
+def pid_alive(pid: int) -> bool:
+    """Is process `pid` running (in this pid namespace)? A zombie (killed, not yet reaped) counts as dead.
+
+    Reads /proc/{pid}/stat rather than `os.kill(pid, 0)`: a killed child that its parent has not reaped yet still
+    answers the signal probe, but its files are orphaned all the same.
+    """
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
