@@ -10,34 +10,29 @@ prompts with the same number of new tokens (EOS ignored), greedy:
 for float32 and bfloat16. The machine's roofline (memory bandwidth, matmul throughput) is measured in
 the same run. Writes docs/perf/generate.json and the table in docs/perf/README.md.
 
-    python scripts/bench_generate.py            # full run (tens of minutes on 2 cores)
-    python scripts/bench_generate.py --quick    # a few minutes
+    python -m scripts.bench_generate            # full run (tens of minutes on 2 cores)
+    python -m scripts.bench_generate --quick    # a few minutes
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import transformers  # noqa: E402
-from get_models import model_dir  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from specoffload.runtime import Engine, EngineConfig, SamplingParams  # noqa: E402
-from specoffload.runtime.models.linear import linear  # noqa: E402
-from specoffload.runtime.prompts import humaneval_prompts  # noqa: E402
+from scripts.common import PERF, median_spread, utc_now, write_json
+from scripts.get_models import model_dir
+from scripts.readme_section import write_section
+from specoffload.runtime import Engine, EngineConfig, SamplingParams
+from specoffload.runtime.models.linear import linear
+from specoffload.runtime.prompts import humaneval_prompts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -138,7 +133,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "perf" / "generate.json")
+    ap.add_argument("--out", type=Path, default=PERF / "generate.json")
     args = ap.parse_args()
     reps = args.reps or (2 if args.quick else 3)
     big = args.batch or (4 if args.quick else 16)
@@ -190,11 +185,11 @@ def main() -> None:
         for (system, label, batch), tps in times.items():
             out = outputs[(system, label, batch)]
             ref = ref1 if batch == 1 else refb
+            median, low, high = median_spread(tps)
             rows.append({
                 "dtype": dtype, "system": system, "mode": label, "batch": batch,
                 "k": args.k if label == "assisted" else 0,
-                "tokens_per_s_median": statistics.median(tps), "tokens_per_s_min": min(tps),
-                "tokens_per_s_max": max(tps), "reps": len(tps),
+                "tokens_per_s_median": median, "tokens_per_s_min": low, "tokens_per_s_max": high, "reps": len(tps),
                 "acceptance": accept.get((system, label, batch)),
                 "identical_to_transformers_greedy": agreement(out, ref),
                 "identical_to_ours_no_draft": agreement(out, ours_plain[batch]),
@@ -204,7 +199,7 @@ def main() -> None:
         gc.collect()
     result = {
         "benchmark": "bench_generate",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cores": torch.get_num_threads(), "torch": torch.__version__,
                     "transformers": transformers.__version__},
@@ -213,11 +208,10 @@ def main() -> None:
         "roofline": roof,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     table = render_table(result)
     print(table)
-    write_readme_section(args.out.parent / "README.md", args.out.stem, table)
+    write_section(args.out.parent / "README.md", args.out.stem, table)
 
 
 def render_table(result: dict) -> str:
@@ -247,19 +241,6 @@ def render_table(result: dict) -> str:
             f"{r['identical_to_transformers_greedy']:.2f} | {r['identical_to_ours_no_draft']:.2f} |"
         )
     return "\n".join(lines)
-
-
-def write_readme_section(readme: Path, name: str, body: str) -> None:
-    """Replace the block between <!-- name:begin --> and <!-- name:end --> (append it if absent)."""
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    text = readme.read_text() if readme.exists() else "# Performance results\n"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text:
-        pre, rest = text.split(begin, 1)
-        text = pre + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n## {name}\n\n{block}\n"
-    readme.write_text(text)
 
 
 if __name__ == "__main__":

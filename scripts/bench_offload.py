@@ -17,47 +17,32 @@ O_DIRECT. Reports tok/s (median, min-max over reps), the batch, bytes read per g
 efficiency (max resource busy / wall) and the per-resource breakdown of the best (3) run, and saves a Chrome
 trace of one of its steps. Writes docs/perf/offload.json and a section of docs/perf/README.md.
 
-    python scripts/bench_offload.py            # ~30-40 minutes on 2 cores
-    python scripts/bench_offload.py --quick    # a few minutes
+    python -m scripts.bench_offload            # ~30-40 minutes on 2 cores
+    python -m scripts.bench_offload --quick    # a few minutes
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
-import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from get_models import model_dir  # noqa: E402
-
-from specoffload.runtime import EngineConfig, SamplingParams  # noqa: E402
-from specoffload.runtime.offload.direct_io import AlignedBuffer, DirectReader  # noqa: E402
-from specoffload.runtime.offload.engine import OffloadEngine  # noqa: E402
-from specoffload.runtime.offload.memory import format_bytes, parse_bytes  # noqa: E402
-from specoffload.runtime.offload.placement import PlacementError  # noqa: E402
-from specoffload.runtime.prompts import humaneval_prompts  # noqa: E402
-
-PERF = ROOT / "docs" / "perf"
-
-
-def drop_caches() -> None:
-    """Flush the page cache (root only); otherwise our O_DIRECT reads are cold anyway."""
-    os.sync()
-    with contextlib.suppress(OSError):
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+from scripts.common import PERF, drop_caches, median_spread, utc_now, write_json
+from scripts.get_models import model_dir
+from scripts.readme_section import write_section
+from specoffload.runtime import EngineConfig, SamplingParams
+from specoffload.runtime.offload.direct_io import AlignedBuffer, DirectReader
+from specoffload.runtime.offload.engine import OffloadEngine
+from specoffload.runtime.offload.memory import format_bytes, parse_bytes
+from specoffload.runtime.offload.placement import PlacementError
+from specoffload.runtime.prompts import humaneval_prompts
 
 
 def roofline(checkpoint: Path) -> dict[str, float]:
@@ -121,10 +106,10 @@ def run_ours(label: str, cls: type, config: EngineConfig, prompts: list[list[int
         tokens = [r.token_ids for r in results]
         print(f"  {label} batch {config.max_batch_size}: {s.tokens_per_s:.2f} tok/s, {s.passes} passes, "
               f"acceptance {runs[-1]['acceptance']}, efficiency {table.overlap_efficiency:.2f}", flush=True)
-    tok = [r["tok_s"] for r in runs]
+    median, low, high = median_spread(r["tok_s"] for r in runs)
     row = {
         "system": label, "batch": config.max_batch_size, "fits": True, "runs": runs, "tokens": tokens,
-        "tok_s_median": statistics.median(tok), "tok_s_min": min(tok), "tok_s_max": max(tok),
+        "tok_s_median": median, "tok_s_min": low, "tok_s_max": high,
         "bytes_per_token": statistics.median(r["bytes_read"] / r["generated"] for r in runs),
         "overlap_efficiency": statistics.median(r["overlap_efficiency"] for r in runs),
         "acceptance": runs[-1]["acceptance"], "placement": engine.placement.to_dict(),
@@ -146,7 +131,7 @@ def run_ours(label: str, cls: type, config: EngineConfig, prompts: list[list[int
 
 def run_hf(target: Path, budget: int, prompts: list[list[int]], new_tokens: int, batches: list[int]) -> list[dict]:
     """accelerate disk offload at each batch (one batch of prompts each), every step reading from disk."""
-    from hf_disk_offload import generate_hf, load_hf_disk_offload
+    from scripts.hf_disk_offload import generate_hf, load_hf_disk_offload
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="hf-offload-") as folder:
@@ -243,7 +228,7 @@ def report(args: argparse.Namespace, budget: int, roof: dict, rows: list[dict]) 
     if b2 and b4:
         ratios["(4)/(2)"] = b4["tok_s_median"] / b2["tok_s_median"]
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
+        "date": utc_now(), "machine": platform.machine(),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "budget_bytes": budget,
         "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "k": args.k,
         "reps": args.reps, "quick": args.quick, "roofline": roof,
@@ -255,8 +240,7 @@ def report(args: argparse.Namespace, budget: int, roof: dict, rows: list[dict]) 
         step_table = b3["_tracer"].breakdown(window=b3["_window"]).table()
         trace_note = f"Trace of step {b3['trace_window_step']} of the best (3) run: `{trace_path.name}` (Perfetto)."
     clean = [{k: v for k, v in r.items() if not k.startswith("_") and k != "tokens"} for r in rows]
-    PERF.mkdir(parents=True, exist_ok=True)
-    (PERF / f"{args.out}.json").write_text(json.dumps({"meta": meta, "ratios": ratios, "rows": clean}, indent=1))
+    write_json(PERF / f"{args.out}.json", {"meta": meta, "ratios": ratios, "rows": clean})
     lines = [
         f"Run {meta['date']} on {meta['machine']} ({meta['threads']} threads), torch {meta['torch']}; budget "
         f"{format_bytes(budget)} for everything the engine holds; {args.prompts} HumanEval prompts cut to "
@@ -289,14 +273,7 @@ def report(args: argparse.Namespace, budget: int, roof: dict, rows: list[dict]) 
     if trace_note:
         lines += ["", trace_note, "", step_table]
     section = "\n".join(lines)
-    readme = PERF / "README.md"
-    text = readme.read_text() if readme.exists() else "# Performance results\n"
-    begin, end = f"<!-- {args.out}:begin -->", f"<!-- {args.out}:end -->"
-    if begin in text:
-        text = text[: text.index(begin)] + begin + "\n" + section + "\n" + text[text.index(end):]
-    else:
-        text += f"\n## {args.out} (`scripts/bench_offload.py`)\n\n{begin}\n{section}\n{end}\n"
-    readme.write_text(text)
+    write_section(PERF / "README.md", args.out, section, heading=f"{args.out} (`scripts/bench_offload.py`)")
     print(section)
 
 

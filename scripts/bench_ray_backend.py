@@ -12,8 +12,8 @@ backends alternate in `--rounds` rounds, ABBA order (local, ray, ray, local, ...
 the 1-minute load average logged per block. `--passive` also runs both with OMP_WAIT_POLICY=PASSIVE.
 Writes docs/perf/ray_backend.json and the ray_backend section of docs/perf/README.md.
 
-    python scripts/bench_ray_backend.py            # ~10 minutes on 2 cores
-    python scripts/bench_ray_backend.py --quick    # 8 prompts, 2 reps
+    python -m scripts.bench_ray_backend            # ~10 minutes on 2 cores
+    python -m scripts.bench_ray_backend --quick    # 8 prompts, 2 reps
 """
 
 from __future__ import annotations
@@ -29,20 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PERF = ROOT / "docs" / "perf"
+from scripts.common import PERF, ROOT, drop_caches, median_spread, utc_now, write_json
+from scripts.readme_section import write_section
+
 MARK = "ray_backend"
-
-
-def drop_caches() -> None:
-    """Flush the page cache (root only); our streamed reads use O_DIRECT anyway."""
-    os.sync()
-    with contextlib.suppress(OSError):
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-
 
 def peak_rss(pids: list[int]) -> int:
     """Sum of the processes' peak resident set sizes (VmHWM), bytes."""
@@ -57,10 +49,9 @@ def peak_rss(pids: list[int]) -> int:
 
 def worker(args: argparse.Namespace) -> dict:
     """Run one backend in this process; returns its measurements."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from get_models import model_dir
     from transformers import AutoTokenizer
 
+    from scripts.get_models import model_dir
     from specoffload.runtime import EngineConfig, SamplingParams
     from specoffload.runtime.prompts import humaneval_prompts
 
@@ -117,11 +108,12 @@ def run(backend: str, args: argparse.Namespace, passive: bool) -> dict:
     if passive:
         env["OMP_WAIT_POLICY"] = "PASSIVE"  # the Ray actors inherit it from the raylet this process starts
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, __file__, "--worker", backend, "--result", out.name, "--budget", args.budget,
-               "--prompts", str(args.prompts), "--prompt-tokens", str(args.prompt_tokens), "--new-tokens",
-               str(args.new_tokens), "--batch", str(args.batch), "-k", str(args.k), "--reps", str(args.reps)]
+        cmd = [sys.executable, "-m", "scripts.bench_ray_backend", "--worker", backend, "--result", out.name,
+               "--budget", args.budget, "--prompts", str(args.prompts), "--prompt-tokens", str(args.prompt_tokens),
+               "--new-tokens", str(args.new_tokens), "--batch", str(args.batch), "-k", str(args.k),
+               "--reps", str(args.reps)]
         load = os.getloadavg()[0]
-        subprocess.run(cmd, env=env, check=True)
+        subprocess.run(cmd, env=env, check=True, cwd=ROOT)
         row = json.loads(Path(out.name).read_text())
     row["omp_wait_policy"] = "PASSIVE" if passive else "default"
     row["load_before_after"] = [load, os.getloadavg()[0]]
@@ -141,9 +133,8 @@ def merge(blocks: list[dict]) -> dict:
 
 
 def summarize(row: dict) -> dict:
-    walls = row["wall_s"]
-    med = statistics.median(walls)
-    return {"median_s": med, "min_s": min(walls), "max_s": max(walls), "tok_s": row["generated_tokens"] / med}
+    med, low, high = median_spread(row["wall_s"])
+    return {"median_s": med, "min_s": low, "max_s": high, "tok_s": row["generated_tokens"] / med}
 
 
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
@@ -158,16 +149,14 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     import torch
 
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "machine": f"{platform.machine()} ({os.cpu_count()} threads)", "torch": torch.__version__,
         "budget": args.budget, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens, "batch": args.batch, "k": args.k, "reps": args.reps, "rounds": args.rounds,
     }
-    PERF.mkdir(parents=True, exist_ok=True)
     results = [{k: v for k, v in r.items() if k != "tokens"} | summarize(r) for r in rows]
     overheads = {policy: overhead for policy, *_, overhead in pairs}
-    (PERF / f"{MARK}.json").write_text(json.dumps({"meta": meta, "results": results, "overhead": overheads},
-                                                  indent=2) + "\n")
+    write_json(PERF / f"{MARK}.json", {"meta": meta, "results": results, "overhead": overheads})
     lines = [
         f"Run {meta['date']} on {meta['machine']}, torch {meta['torch']}; Qwen2.5-Coder 1.5B target streamed from "
         f"disk under {args.budget} + 0.5B draft, {args.prompts} HumanEval prompts cut to {args.prompt_tokens} "
@@ -198,14 +187,7 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
         "/dev/shm arenas. Start = building the engine (Ray: ray.init excluded, coordinator + 4 actors).",
     ]
     section = "\n".join(lines)
-    readme = PERF / "README.md"
-    text = readme.read_text() if readme.exists() else "# Benchmarks\n"
-    begin, end = f"<!-- {MARK}:begin -->", f"<!-- {MARK}:end -->"
-    if begin in text:
-        text = text[: text.index(begin)] + begin + "\n" + section + "\n" + text[text.index(end):]
-    else:
-        text += f"\n## {MARK} (`scripts/bench_ray_backend.py`)\n\n{begin}\n{section}\n{end}\n"
-    readme.write_text(text)
+    write_section(PERF / "README.md", MARK, section, heading=f"{MARK} (`scripts/bench_ray_backend.py`)")
     print(section)
 
 

@@ -15,15 +15,14 @@ ipc and of an empty Ray actor call. Every process runs one torch thread; systems
 repetition; medians and min-max across repetitions. Writes docs/perf/transport.json and the transport section
 of docs/perf/README.md.
 
-    python scripts/bench_transport.py             # about a minute on 2 cores, Ray start included
-    python scripts/bench_transport.py --no-ray    # shm and memcpy only
+    python -m scripts.bench_transport             # about a minute on 2 cores, Ray start included
+    python -m scripts.bench_transport --no-ray    # shm and memcpy only
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import os
 import platform
@@ -31,13 +30,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 
+from scripts.common import PERF, median_spread, utc_now, write_json
+from scripts.readme_section import write_section
 from specoffload.runtime.offload.memory import parse_bytes
 from specoffload.runtime.transport.arena import Arena, Region
 from specoffload.runtime.transport.channel import ChannelConfig, Client, Server
@@ -51,7 +51,6 @@ from specoffload.runtime.transport.codec import (
     write_tensor,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 SHM_SYSTEMS = ("shm: copy in, view", "shm: copy in, copy out", "shm: zero-copy")
 RAY_SYSTEMS = ("ray: put tensor", "ray: put numpy")
 SPIN_US = 150
@@ -151,7 +150,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--latency-calls", type=int, default=2000, help="header round trips per repetition")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray rows")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "perf")
+    parser.add_argument("--out", type=Path, default=PERF)
     args = parser.parse_args()
     sizes = [parse_bytes(s.strip()) for s in args.sizes.split(",")]
     load_before = os.getloadavg()[0]  # a busy machine shows here: other jobs distort every row
@@ -199,11 +198,10 @@ def main() -> None:
         if ray is not None:
             ray.shutdown()
     result["run"] = run_info(args, sizes, ray_auth, load_before)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "transport.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out / "transport.json", result)
     table = markdown(result)
     print(table)
-    write_readme_section(args.out / "README.md", table)
+    write_section(args.out / "README.md", "transport", table, heading="transport (`scripts/bench_transport.py`)")
 
 
 def verify(client: Client, ray: Any, actor: Any, arena: Arena, regions: dict, sources: dict) -> None:
@@ -265,16 +263,16 @@ def summarize(times: dict, latency: dict) -> dict:
     memcpy = {n: statistics.median(ts) for (name, n), ts in times.items() if name == "memcpy"}
     rows = []
     for (name, n), ts in times.items():
-        gbps = sorted(n / t / 1e9 for t in ts)
+        gbps, gbps_min, gbps_max = median_spread(n / t / 1e9 for t in ts)
         rows.append(
             {
                 "system": name,
                 "bytes": n,
                 "seconds": ts,
                 "us_median": statistics.median(ts) * 1e6,
-                "gb_per_s_median": statistics.median(gbps),
-                "gb_per_s_min": gbps[0],
-                "gb_per_s_max": gbps[-1],
+                "gb_per_s_median": gbps,
+                "gb_per_s_min": gbps_min,
+                "gb_per_s_max": gbps_max,
                 "vs_memcpy": memcpy[n] / statistics.median(ts),
             }
         )
@@ -301,7 +299,7 @@ def run_info(args: argparse.Namespace, sizes: list[int], ray_auth: str, load_bef
     except ImportError:
         ray_version = None
     return {
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": utc_now(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "torch_threads_per_process": 1,
@@ -393,19 +391,6 @@ def conclusions(result: dict) -> list[str]:
         "so it tops out near half of memcpy. vs memcpy > 1 for zero-copy: no bytes move at all."
     )
     return out
-
-
-def write_readme_section(readme: Path, body: str) -> None:
-    """Replace the block between the transport markers, or append the section with its heading."""
-    begin, end = "<!-- transport:begin -->", "<!-- transport:end -->"
-    text = readme.read_text() if readme.exists() else "# Performance results\n"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text and end in text:
-        pre, rest = text.split(begin, 1)
-        text = pre + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n## transport (`scripts/bench_transport.py`)\n\n{block}\n"
-    readme.write_text(text)
 
 
 if __name__ == "__main__":

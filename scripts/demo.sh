@@ -7,9 +7,11 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup_venv.sh" dev models
 venv="${SPECOFFLOAD_VENV:-$root/.venv}"
-"$venv/bin/python" "$root/scripts/get_models.py"
-target="$("$venv/bin/python" "$root/scripts/get_models.py" --print-path target)"
-draft="$("$venv/bin/python" "$root/scripts/get_models.py" --print-path draft)"
+# scripts/ is a package run from the repository root; the subshell keeps our directory for the paths in "$@".
+get_models() { (cd "$root" && "$venv/bin/python" -m scripts.get_models "$@"); }
+get_models
+target="$(get_models --print-path target)"
+draft="$(get_models --print-path draft)"
 out="${SPECOFFLOAD_DEMO_OUT:-$root/demo-output.jsonl}"
 if [ "$#" -eq 0 ]; then set -- --humaneval 8; fi
 "$venv/bin/specoffload" generate --target "$target" --draft "$draft" -k 4 --batch-size 16 \

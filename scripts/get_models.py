@@ -15,7 +15,7 @@ carries a ``provenance.json``; a directory whose provenance matches is reused as
 
 Usage::
 
-    python scripts/get_models.py [--only target|draft] [--cache DIR] [--keep-gguf]
+    python -m scripts.get_models [--only target|draft] [--cache DIR] [--keep-gguf]
 
 Importable: ``ensure_models(cache=None) -> {"target": Path, "draft": Path}`` and
 ``model_dir(name, cache=None) -> Path`` (no download).

@@ -48,7 +48,7 @@ load). Greedy tokens equal those of the same model loaded fully in RAM and are t
 
 CLI smoke check (offload folder under /tmp, removed at the end)::
 
-    python scripts/hf_disk_offload.py --max-memory 2GiB --batch 4 --max-new-tokens 8 --prompts 4 [--check-ram]
+    python -m scripts.hf_disk_offload --max-memory 2GiB --batch 4 --max-new-tokens 8 --prompts 4 [--check-ram]
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -75,7 +74,8 @@ from accelerate.utils import convert_file_size_to_int
 from accelerate.utils.offload import OffloadedWeightsLoader
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-ROOT = Path(__file__).resolve().parent.parent
+from scripts.common import drop_caches
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -200,8 +200,8 @@ def drop_page_cache(paths: Iterable[str | Path], *, global_drop: bool = False) -
 
     Per file: ``fdatasync`` (dirty pages cannot be dropped) then ``posix_fadvise(POSIX_FADV_DONTNEED)``. Pages
     still mapped by a live mmap (in any process) stay cached. ``global_drop=True`` also writes 1 to
-    ``/proc/sys/vm/drop_caches`` when writable (root) - off by default because it evicts every process's
-    cache on a shared machine; failures are ignored.
+    ``/proc/sys/vm/drop_caches`` when writable (root; ``common.drop_caches``) - off by default because it evicts
+    every process's cache on a shared machine; failures are ignored.
     """
     _evict(paths, global_drop)
 
@@ -217,9 +217,7 @@ def _evict(paths: Iterable[str | Path], global_drop: bool = False) -> None:
             finally:
                 os.close(fd)
     if global_drop:
-        with contextlib.suppress(OSError):
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        drop_caches()
 
 
 def resident_bytes(path: str | Path) -> int | None:
@@ -339,8 +337,7 @@ def _rss_gb() -> float:
 
 def main() -> None:
     """Load with disk offload, generate, print throughput and placement; optionally compare with an in-RAM load."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from get_models import model_dir as default_model_dir
+    from scripts.get_models import model_dir as default_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=None, help="checkpoint (default: the target model)")

@@ -3,7 +3,7 @@
 All models share one 512-token vocabulary (bos 1, eos 2) so any of them can draft for any other. Weights are
 N(0, 0.2) so greedy decoding does not collapse onto one token. Seeds are fixed: same output every run.
 
-    python scripts/make_tiny_models.py OUT_DIR [NAME ...]
+    python -m scripts.make_tiny_models OUT_DIR [NAME ...]
 """
 
 from __future__ import annotations

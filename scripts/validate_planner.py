@@ -12,39 +12,34 @@ and report the pick's measured throughput / the grid's best (goal >= 0.9) and th
 measured| / measured (goal <= 20%). Writes docs/perf/planner_validation.json, a plot of predicted vs measured
 (docs/perf/planner_validation.png) and a section of docs/perf/README.md.
 
-    python scripts/validate_planner.py            # ~20 minutes on 2 cores
-    python scripts/validate_planner.py --quick    # a smaller grid
+    python -m scripts.validate_planner            # ~20 minutes on 2 cores
+    python -m scripts.validate_planner --quick    # a smaller grid
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+import torch
 
-import torch  # noqa: E402
-from get_models import model_dir  # noqa: E402
-
-from specoffload.planner import Workload, estimate_workload, search  # noqa: E402
-from specoffload.planner.cost import ModelCosts  # noqa: E402
-from specoffload.runtime import EngineConfig, SamplingParams  # noqa: E402
-from specoffload.runtime.models.model import Transformer  # noqa: E402
-from specoffload.runtime.offload.engine import OffloadEngine  # noqa: E402
-from specoffload.runtime.offload.memory import format_bytes, machine_memory_bytes, parse_bytes  # noqa: E402
-from specoffload.runtime.offload.placement import ModelShape, PlacementError, PlacementPolicy, place  # noqa: E402
-from specoffload.runtime.offload.profiler import load_or_measure  # noqa: E402
-from specoffload.runtime.prompts import humaneval_prompts  # noqa: E402
-
-PERF = ROOT / "docs" / "perf"
+from scripts.common import PERF, utc_now, write_json
+from scripts.get_models import model_dir
+from scripts.readme_section import write_section
+from specoffload.planner import Workload, estimate_workload, search
+from specoffload.planner.cost import ModelCosts
+from specoffload.runtime import EngineConfig, SamplingParams
+from specoffload.runtime.models.model import Transformer
+from specoffload.runtime.offload.engine import OffloadEngine
+from specoffload.runtime.offload.memory import format_bytes, machine_memory_bytes, parse_bytes
+from specoffload.runtime.offload.placement import ModelShape, PlacementError, PlacementPolicy, place
+from specoffload.runtime.offload.profiler import load_or_measure
+from specoffload.runtime.prompts import humaneval_prompts
 
 
 def measure_alpha(base: EngineConfig, prompts: list[list[int]], new_tokens: int) -> float:
@@ -165,11 +160,10 @@ def main() -> int:
     prompts = [tok.encode(p)[: args.prompt_tokens] for p in humaneval_prompts(args.prompts)]
     budgets = {"disk": parse_bytes(args.disk_budget), "ram": parse_bytes(args.ram_budget)}
     settings = [run_setting(name, budgets[name], args, prompts) for name in args.settings.split(",")]
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+    meta = {"date": utc_now(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "batches": args.batches, "ks": args.ks, "quick": args.quick}
-    PERF.mkdir(parents=True, exist_ok=True)
-    (PERF / "planner_validation.json").write_text(json.dumps({"meta": meta, "settings": settings}, indent=1))
+    write_json(PERF / "planner_validation.json", {"meta": meta, "settings": settings})
     has_plot = plot(settings, PERF / "planner_validation.png")
     lines = [f"Run {meta['date']}, torch {meta['torch']} ({meta['threads']} threads); {args.prompts} HumanEval "
              f"prompts cut to {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy; grid batch "
@@ -191,14 +185,8 @@ def main() -> int:
     if has_plot:
         lines += ["", "![predicted vs measured](planner_validation.png)"]
     section = "\n".join(lines)
-    readme = PERF / "README.md"
-    text = readme.read_text()
-    begin, end = "<!-- planner_validation:begin -->", "<!-- planner_validation:end -->"
-    if begin in text:
-        text = text[: text.index(begin)] + begin + "\n" + section + "\n" + text[text.index(end):]
-    else:
-        text += f"\n## planner validation (`scripts/validate_planner.py`)\n\n{begin}\n{section}\n{end}\n"
-    readme.write_text(text)
+    write_section(PERF / "README.md", "planner_validation", section,
+                  heading="planner validation (`scripts/validate_planner.py`)")
     print(section)
     return 0
 

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> checkpoint dir: mixtral(_fused), qwen2_moe(_fused, _windowed), llama(_sharded, _tied),
     qwen2_draft, mistral. All share a 512-token vocabulary with bos 1 and eos 2."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    from make_tiny_models import make_tiny_models  # imports transformers: only when a test needs models
+    from scripts.make_tiny_models import make_tiny_models  # imports transformers: only when a test needs models
 
     return make_tiny_models(tmp_path_factory.mktemp("tiny_models"))
 

@@ -3,32 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from scripts import get_models as gm
 from specoffload.runtime.prompts import PromptFileError, humaneval_prompts, read_prompts_file
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_get_models():
-    """Import scripts/get_models.py by path (scripts/ is not a package)."""
-    if "get_models" in sys.modules:
-        return sys.modules["get_models"]
-    spec = importlib.util.spec_from_file_location("get_models", ROOT / "scripts" / "get_models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["get_models"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-gm = _load_get_models()
-
 
 # --------------------------------------------------------------------------- read_prompts_file
 

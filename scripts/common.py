@@ -1,0 +1,51 @@
+"""What the benchmark scripts share: where results go, the page-cache drop, the result file, median and spread.
+
+Only code that was the same in several scripts lives here. The scripts' rooflines and machine descriptions
+stay with them: they measure and record different things (memory bandwidth and GEMM rates per dtype in
+bench_generate, cold O_DIRECT disk reads in bench_offload; each JSON keeps its own keys).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+PERF = ROOT / "docs" / "perf"  # benchmark results: JSON per benchmark, sections of its README.md
+
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_caches() -> None:
+    """Flush dirty pages, then drop the whole page cache (needs root; silently skipped without it).
+
+    Benchmarks call it before each timed run so a warm cache cannot flatter a disk read. Our engine's
+    streamed reads use O_DIRECT and are cold either way; baselines reading through the page cache need
+    a per-file eviction as well (``posix_fadvise``, see hf_disk_offload.py), which works without root.
+    """
+    os.sync()
+    with contextlib.suppress(OSError):
+        DROP_CACHES.write_text("1\n")
+
+
+def utc_now() -> str:
+    """The current UTC time as ISO 8601 to the second, e.g. ``2026-12-03T05:12:05+00:00``."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json(path: Path, data: object) -> Path:
+    """Write ``data`` as indented JSON with a final newline, creating the folder; returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def median_spread(values: Iterable[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the repetitions' values: what every benchmark table reports."""
+    xs = list(values)
+    return statistics.median(xs), min(xs), max(xs)
