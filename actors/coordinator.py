@@ -30,8 +30,8 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.models.errors import SpecOffloadError
 from specoffload.runtime.offload.engine import OffloadEngine, _Batch
 from specoffload.runtime.offload.schedule import Op
 from specoffload.runtime.offload.workers import WeightPlan

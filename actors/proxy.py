@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from specoffload.planner.errors import SpecOffloadError
+from specoffload.runtime.models.errors import SpecOffloadError
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.channel import ChannelTimeout, Client
 from specoffload.runtime.transport.codec import TensorRef, WorkerCall, WorkerReply

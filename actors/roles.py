@@ -116,7 +116,7 @@ class Role:
             self.plan = plan
         channel = ChannelConfig(self.role)
         if self._shm is None:  # first setup in this process: clean up after dead processes of earlier runs
-            sweep_dead_arenas()
+            sweep_dead_arenas(ARENA_TAG)
             sweep_dead_sockets(str(channel.socket_dir))
             self._shm = ShmTensors(self.role)
         slot_paths = self._own_slots() if self.owns_slots else tuple(slot_paths)

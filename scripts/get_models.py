@@ -11,14 +11,17 @@ with transformers and saves a Hugging Face safetensors checkpoint into a user ca
     <cache>/qwen2.5-coder-0.5b-instruct/   (draft)
 
 ``<cache>`` is ``$SPECOFFLOAD_CACHE`` if set, else ``~/.cache/specoffload/models``. Every checkpoint
-carries a ``provenance.json``; a directory whose provenance matches is reused as is.
+carries a ``provenance.json``, which also records the SHA-256 of its safetensors files; a directory whose
+provenance matches is reused once its files match those hashes (``model_dir`` checks them too, before a
+script uses the directory). ``SPECOFFLOAD_SKIP_HASH_CHECK=1`` (or ``--skip-hash-check``) skips that check
+for speed, and says so: a modified or corrupt checkpoint is then used as it is.
 
 Usage::
 
-    python -m scripts.get_models [--only target|draft] [--cache DIR] [--keep-gguf]
+    python -m scripts.get_models [--only target|draft] [--cache DIR] [--keep-gguf] [--skip-hash-check]
 
 Importable: ``ensure_models(cache=None) -> {"target": Path, "draft": Path}`` and
-``model_dir(name, cache=None) -> Path`` (no download).
+``model_dir(name, cache=None) -> Path`` (no download; checks the hashes of a converted checkpoint).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ CHUNK = 8 << 20  # streaming block size (8 MiB)
 DTYPE = "float16"  # dtype of the saved checkpoints (see convert_gguf for why not bfloat16)
 DTYPES = ("float16", "bfloat16", "float32")
 PROVENANCE = "provenance.json"
+HASHES = "safetensors_sha256"  # provenance key: {file name: hex SHA-256} of the checkpoint's safetensors files
+SKIP_HASH_ENV = "SPECOFFLOAD_SKIP_HASH_CHECK"
 LICENSE = "Apache-2.0"
 # Room for the conversion: a 16-bit checkpoint is ~3x the Q4 GGUF; float32 twice that.
 CONVERT_FACTOR = {"float16": 4.0, "bfloat16": 4.0, "float32": 7.0}
@@ -56,6 +61,10 @@ class GetModelsError(RuntimeError):
 
 class ShaMismatchError(GetModelsError):
     """The assembled GGUF does not have the expected SHA-256."""
+
+
+class CheckpointHashError(GetModelsError):
+    """A converted checkpoint's safetensors files differ from the SHA-256 recorded at its conversion."""
 
 
 @dataclass(frozen=True)
@@ -109,11 +118,21 @@ def default_cache() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specoffload" / "models"
 
 
-def model_dir(name: str, cache: str | os.PathLike[str] | None = None) -> Path:
-    """Checkpoint directory for ``name`` ("target", "draft" or a directory name); no download."""
+def model_dir(name: str, cache: str | os.PathLike[str] | None = None, verify: bool = True) -> Path:
+    """Checkpoint directory for ``name`` ("target", "draft" or a directory name); no download.
+
+    With ``verify``, a directory that holds a converted checkpoint (a ``provenance.json``) is checked against its
+    recorded SHA-256 first (see ``verify_checkpoint``); raises CheckpointHashError if it differs.
+    """
     root = Path(cache).expanduser() if cache is not None else default_cache()
     spec = SPECS.get(name)
-    return root / (spec.name if spec else name)
+    path = root / (spec.name if spec else name)
+    if verify and (path / PROVENANCE).is_file():
+        try:
+            verify_checkpoint(path)
+        except CheckpointHashError as err:
+            raise CheckpointHashError(f"{err}; run python -m scripts.get_models to convert it again") from None
+    return path
 
 
 def work_dir(spec: ModelSpec, cache: Path) -> Path:
@@ -382,7 +401,7 @@ def provenance_matches(directory: Path, spec: ModelSpec, dtype: str = DTYPE) -> 
 
 
 def write_provenance(directory: Path, spec: ModelSpec, extra: dict[str, object], dtype: str = DTYPE) -> None:
-    """Write ``provenance.json`` into ``directory``."""
+    """Write ``provenance.json`` into ``directory``, with the SHA-256 of its safetensors files."""
     import transformers
 
     record = expected_provenance(spec, dtype) | {
@@ -390,19 +409,93 @@ def write_provenance(directory: Path, spec: ModelSpec, extra: dict[str, object],
         "converted_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "transformers_version": transformers.__version__,
         "converter": "transformers AutoModelForCausalLM.from_pretrained(gguf_file=...) -> save_pretrained",
-    } | extra
+    } | extra | {HASHES: checkpoint_hashes(directory)}
     (directory / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- checkpoint hashes
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The files the hash check covers: the checkpoint's safetensors files and their index, if any."""
+    return sorted([*directory.glob("*.safetensors"), *directory.glob("*.safetensors.index.json")])
+
+
+def checkpoint_hashes(directory: Path, progress: bool = False) -> dict[str, str]:
+    """{file name: hex SHA-256} of ``checkpoint_files(directory)``."""
+    return {path.name: sha256_file(path, progress) for path in checkpoint_files(directory)}
+
+
+def skip_hash_check() -> bool:
+    """Whether ``$SPECOFFLOAD_SKIP_HASH_CHECK`` asks to skip the checkpoint hash check."""
+    return os.environ.get(SKIP_HASH_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def verify_checkpoint(directory: Path, skip: bool | None = None, progress: bool = False) -> None:
+    """Check a converted checkpoint's safetensors files against the SHA-256 in its ``provenance.json``.
+
+    The files are trusted from their hashes, not from the provenance alone: a file changed, added or removed
+    since the conversion raises CheckpointHashError naming it. A checkpoint converted before hashes were recorded
+    is hashed once now and its hashes recorded (trusting its files as they are), with a note. ``skip`` (default:
+    ``$SPECOFFLOAD_SKIP_HASH_CHECK`` set) skips the check and prints what is not checked.
+    """
+    record_path = directory / PROVENANCE
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError) as err:
+        raise GetModelsError(f"cannot read {record_path}: {err}") from None
+    files = checkpoint_files(directory)
+    if skip_hash_check() if skip is None else skip:
+        size = sum(path.stat().st_size for path in files)
+        print(f"[hash] {directory}: NOT checking the SHA-256 of its {len(files)} safetensors files "
+              f"({size / 2**30:.2f} GiB; {SKIP_HASH_ENV} or --skip-hash-check): a modified or corrupt checkpoint "
+              "would be used as it is", file=sys.stderr)
+        return
+    actual = {path.name: sha256_file(path, progress) for path in files}
+    recorded = record.get(HASHES)
+    if not isinstance(recorded, dict):
+        _write_json_atomic(record_path, record | {HASHES: actual})
+        print(f"[hash] {directory}: converted before hashes were recorded; recorded the SHA-256 of its "
+              f"{len(actual)} safetensors files as they are now", file=sys.stderr)
+        return
+    changed = sorted(name for name in recorded.keys() | actual.keys() if recorded.get(name) != actual.get(name))
+    if changed:
+        details = ", ".join(
+            f"{name} {'not recorded' if name not in recorded else 'changed' if name in actual else 'missing'}"
+            for name in changed[:4]
+        )
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise CheckpointHashError(
+            f"checkpoint {directory} does not match the SHA-256 recorded at its conversion: {details}{more}"
+        )
+
+
+def _write_json_atomic(path: Path, record: dict[str, object]) -> None:
+    """Replace ``path`` with ``record`` as indented JSON (written to a temporary file, then renamed), keeping its
+    modification time: ``main`` reads a new one as "just converted"."""
+    before = path.stat()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.utime(tmp, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- orchestration
 
 
-def ensure_model(spec: ModelSpec, cache: Path, keep_gguf: bool = False, dtype: str = DTYPE) -> Path:
-    """Make sure ``spec``'s converted checkpoint is in ``cache``; return its directory."""
-    final = model_dir(spec.role, cache)
+def ensure_model(spec: ModelSpec, cache: Path, keep_gguf: bool = False, dtype: str = DTYPE,
+                 skip_hash: bool | None = None) -> Path:
+    """Make sure ``spec``'s converted checkpoint is in ``cache`` (and matches its recorded hashes, unless
+    ``skip_hash``; None: ``$SPECOFFLOAD_SKIP_HASH_CHECK``); return its directory."""
+    final = model_dir(spec.role, cache, verify=False)
     if provenance_matches(final, spec, dtype):
-        print(f"[{spec.role}] up to date: {final}")
-        return final
+        try:
+            verify_checkpoint(final, skip_hash, progress=True)
+        except CheckpointHashError as err:
+            print(f"[{spec.role}] {err}; converting it again")
+        else:
+            print(f"[{spec.role}] up to date: {final}")
+            return final
     gguf = fetch_gguf(spec, cache)
     check_disk_space(cache, int(gguf.stat().st_size * CONVERT_FACTOR[dtype]))
     t0 = time.monotonic()
@@ -445,11 +538,12 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def ensure_models(cache: str | os.PathLike[str] | None = None, keep_gguf: bool = False,
-                  only: Iterable[str] = ("target", "draft"), dtype: str = DTYPE) -> dict[str, Path]:
+                  only: Iterable[str] = ("target", "draft"), dtype: str = DTYPE,
+                  skip_hash: bool | None = None) -> dict[str, Path]:
     """Fetch/convert the models named in ``only`` (default both); return {"target": dir, "draft": dir}."""
     root = Path(cache).expanduser() if cache is not None else default_cache()
     root.mkdir(parents=True, exist_ok=True)
-    return {role: ensure_model(SPECS[role], root, keep_gguf, dtype) for role in only}
+    return {role: ensure_model(SPECS[role], root, keep_gguf, dtype, skip_hash) for role in only}
 
 
 # --------------------------------------------------------------------------- checks
@@ -491,14 +585,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=DTYPES, default=DTYPE, help=f"checkpoint dtype (default {DTYPE})")
     ap.add_argument("--no-check", action="store_true", help="skip the generation and vocabulary checks")
     ap.add_argument("--print-path", choices=sorted(SPECS), help="print one model's directory and exit (no download)")
+    ap.add_argument("--skip-hash-check", action="store_true",
+                    help=f"do not check the converted checkpoints' SHA-256 (faster; also {SKIP_HASH_ENV}=1)")
     args = ap.parse_args(argv)
     if args.print_path:
-        print(model_dir(args.print_path, args.cache))
+        print(model_dir(args.print_path, args.cache, verify=False))
         return 0
     only = [args.only] if args.only else ["target", "draft"]
     started = time.time()
     try:
-        dirs = ensure_models(args.cache, keep_gguf=args.keep_gguf, only=only, dtype=args.dtype)
+        dirs = ensure_models(args.cache, keep_gguf=args.keep_gguf, only=only, dtype=args.dtype,
+                             skip_hash=args.skip_hash_check or None)
         # The checks load the models with transformers (~1 min): run them only after a fresh conversion.
         fresh = any((d / "provenance.json").stat().st_mtime >= started for d in dirs.values())
         if fresh and not args.no_check:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specoffload.runtime.models.checkpoint import Checkpoint
+from specoffload.runtime.models.checkpoint import MAX_HEADER_BYTES, Checkpoint
 from specoffload.runtime.models.config import ModelConfig
 from specoffload.runtime.models.errors import CheckpointError, SpecOffloadError, UnsupportedModelError
 from specoffload.runtime.models.model import Transformer
@@ -110,3 +111,64 @@ def test_missing_tensor_is_named(llama_copy: Path) -> None:
     with pytest.raises(CheckpointError, match="'lm_head.weight' not found") as info:
         model.forward(torch.tensor([[1, 2]]), model.new_cache(1, 4))
     assert str(llama_copy) in str(info.value)
+
+
+def write_safetensors(directory: Path, header: object, data: bytes = bytes(64)) -> Path:
+    """A single-file checkpoint with a hand-written header (the 8-byte length, the JSON, then `data`)."""
+    directory.mkdir(exist_ok=True)
+    raw = json.dumps(header).encode()
+    file = directory / "model.safetensors"
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return file
+
+
+F32x2 = {"dtype": "F32", "shape": [2]}  # 8 bytes of data
+EMPTY = {"dtype": "F32", "shape": [0]}
+
+
+@pytest.mark.parametrize(
+    ("header", "match"),
+    [
+        pytest.param({"a": F32x2 | {"data_offsets": [-8, 0]}}, "negative", id="negative-offset"),
+        pytest.param({"a": F32x2 | {"data_offsets": [8, 0]}}, "reversed", id="reversed-offsets"),
+        pytest.param({"a": F32x2 | {"data_offsets": [0, 8]}, "b": F32x2 | {"data_offsets": [4, 12]}}, "overlap",
+                     id="overlapping"),
+        pytest.param({"a": F32x2 | {"data_offsets": [0, 8]}, "b": EMPTY | {"data_offsets": [4, 4]}}, "overlap",
+                     id="empty-inside-another"),
+        pytest.param({"a": {"dtype": "XX", "shape": [2], "data_offsets": [0, 8]}}, "dtype 'XX'", id="unknown-dtype"),
+        pytest.param({"a": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, "shape", id="float-dim"),
+        pytest.param({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, "shape", id="negative-dim"),
+        pytest.param({"a": F32x2 | {"data_offsets": [0, 8, 16]}}, "two integers", id="three-offsets"),
+        pytest.param({"a": F32x2 | {"data_offsets": [0, 4]}}, "needs 8", id="wrong-size"),
+        pytest.param({"a": F32x2 | {"data_offsets": [100, 108]}}, "truncated", id="past-the-end"),
+        pytest.param({"a": "F32"}, "no entry object", id="entry-not-an-object"),
+        pytest.param(["a"], "not a JSON object", id="header-not-an-object"),
+    ],
+)
+def test_every_header_entry_is_validated_at_open(tmp_path: Path, header: object, match: str) -> None:
+    """Offsets reach `file_of`, whose byte ranges are read directly (bypassing safetensors): a negative offset
+    used to stream header bytes as weights."""
+    file = write_safetensors(tmp_path / "ckpt", header)
+    with pytest.raises(CheckpointError, match=match) as info:
+        Checkpoint(tmp_path / "ckpt")
+    assert str(file) in str(info.value)
+
+
+def test_a_valid_hand_written_header_opens(tmp_path: Path) -> None:
+    data = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    header = {"__metadata__": {"format": "pt"}, "a": F32x2 | {"data_offsets": [0, 8]},
+              "b": F32x2 | {"data_offsets": [8, 16]}, "e": EMPTY | {"data_offsets": [16, 16]}}
+    write_safetensors(tmp_path / "ckpt", header, data)
+    ckpt = Checkpoint(tmp_path / "ckpt")
+    assert ckpt.get("b").tolist() == [2.0, 3.0] and ckpt.file_of("b").length == 8
+
+
+def test_a_huge_header_length_is_refused_before_reading(tmp_path: Path) -> None:
+    """Bounded by the file size alone, a corrupt length made Checkpoint read (and parse) gigabytes."""
+    file = tmp_path / "ckpt" / "model.safetensors"
+    file.parent.mkdir()
+    with file.open("wb") as f:
+        f.write(struct.pack("<Q", MAX_HEADER_BYTES + 1))
+        f.truncate(MAX_HEADER_BYTES + 64)  # sparse: no disk used
+    with pytest.raises(CheckpointError, match=f"over the {MAX_HEADER_BYTES}-byte limit"):
+        Checkpoint(tmp_path / "ckpt")

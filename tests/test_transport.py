@@ -34,6 +34,7 @@ from specoffload.runtime.transport.arena import (
     ArenaName,
     FirstFitAllocator,
     Region,
+    pid_namespace,
     sweep_dead_arenas,
 )
 from specoffload.runtime.transport.channel import (
@@ -79,11 +80,14 @@ def _our_shm_files(*pids: int) -> set[str]:
 
 
 def test_arena_name_is_derived_from_prefix_pid_and_tag() -> None:
-    name = ArenaName("kv", 1234, "jobA")
-    assert name.path == Path("/dev/shm/specoffload-jobA-1234-kv")
+    name = ArenaName("kv", 1234, "jobA", ns=4026531836, nonce="0123abcd")
+    assert name.path == Path("/dev/shm/specoffload-jobA-4026531836-1234-kv-0123abcd")
     assert ArenaName.parse(name.filename) == name
-    assert ArenaName.parse("specoffload-job-0-kv") is None  # pid 0 is never ours
+    assert ArenaName.parse("specoffload-job-1-0-kv-0123abcd") is None  # pid 0 is never ours
     assert ArenaName.parse("sem.mp-123") is None
+    assert ArenaName.parse(name.filename + "\n") is None
+    fresh = [ArenaName("kv", 1234) for _ in range(2)]
+    assert fresh[0].ns == fresh[1].ns == pid_namespace() and fresh[0].nonce != fresh[1].nonce  # unguessable
     with pytest.raises(ValueError):
         ArenaName("k-v", 1234)  # a dash would make the name ambiguous to parse
 
@@ -121,7 +125,7 @@ def _attach_and_write(path: str, offset: int) -> tuple[list[int], bool]:
 
 def test_arena_is_shared_across_processes(other_process: ProcessPoolExecutor) -> None:
     arena = Arena.create("shared", 4096, owner_tag="test")
-    assert arena.path.name == f"specoffload-test-{os.getpid()}-shared"
+    assert arena.path.name.startswith(f"specoffload-test-{pid_namespace()}-{os.getpid()}-shared-")
     assert arena.path.stat().st_mode & 0o777 == 0o600
     arena.view(0, torch.uint8, (4,)).copy_(torch.tensor([7, 8, 9, 10], dtype=torch.uint8))
     region = arena.alloc(16)
@@ -143,8 +147,8 @@ def test_arena_is_shared_across_processes(other_process: ProcessPoolExecutor) ->
 
 def test_arena_rejects_misuse() -> None:
     with Arena.create("misuse", 256) as arena:
-        with pytest.raises(ArenaError):
-            Arena.create("misuse", 256)  # same name twice in one process
+        with Arena.create("misuse", 256) as again:  # the same prefix twice: two arenas (random names)
+            assert again.path != arena.path
         with pytest.raises(ValueError):
             arena.view(2, torch.float32, (1,))  # misaligned
         with pytest.raises(ValueError):

@@ -1,8 +1,10 @@
 """`Checkpoint`: lazy, validated access to the tensors of a Hugging Face safetensors checkpoint directory.
 
-Construction reads only the safetensors headers (a few KB per file) and checks them against the file sizes, so
-a truncated or corrupt download fails at open time with the file named, not in the middle of a run. Tensor data
-is read on `get`. `file_of` gives the byte range of a tensor (or of one row of its first dimension, e.g. one
+Construction reads only the safetensors headers (a few KB per file, at most `MAX_HEADER_BYTES`) and checks every
+entry (known dtype, integer shape, byte range inside the file's data and overlapping no other tensor's, size
+matching dtype x shape), so a truncated or corrupt file fails at open time with the file named, not in the middle
+of a run, and the byte ranges `file_of` hands to direct reads are exactly the tensors' data. Tensor data is read on
+`get`. `file_of` gives the byte range of a tensor (or of one row of its first dimension, e.g. one
 expert of a fused `[experts, ...]` tensor) inside its file, for direct reads that bypass safetensors.
 """
 
@@ -22,6 +24,8 @@ from .errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+#: the largest safetensors JSON header read (the safetensors library's own limit)
+MAX_HEADER_BYTES = 100_000_000
 
 _ITEMSIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -185,6 +189,11 @@ def _read_header(file: Path) -> dict[str, _Entry]:
             if len(prefix) < 8:
                 raise CheckpointError(f"truncated or corrupt safetensors file {file}: {size} bytes")
             (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"corrupt safetensors file {file}: its header claims {header_len} bytes, "
+                    f"over the {MAX_HEADER_BYTES}-byte limit"
+                )
             if header_len > size - 8:
                 raise CheckpointError(
                     f"truncated or corrupt safetensors file {file}: header of {header_len} bytes "
@@ -195,23 +204,41 @@ def _read_header(file: Path) -> dict[str, _Entry]:
         raise CheckpointError(f"cannot read {file}: {exc}") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"corrupt safetensors header in {file}: {exc}") from exc
+    if type(header) is not dict:
+        raise CheckpointError(f"corrupt safetensors header in {file}: not a JSON object")
     data_start = 8 + header_len
-    entries: dict[str, _Entry] = {}
-    try:
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
-            shape = tuple(int(d) for d in info["shape"])
-            dtype = info["dtype"]
-            if end - begin != math.prod(shape) * _ITEMSIZE.get(dtype, 0) and dtype in _ITEMSIZE:
-                raise CheckpointError(f"corrupt safetensors header in {file}: bad size for tensor {name!r}")
-            entries[name] = _Entry(file, dtype, shape, data_start + begin, end - begin)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"corrupt safetensors header in {file}: {exc}") from exc
-    data_end = max((e.offset + e.length for e in entries.values()), default=data_start)
+    entries = {name: _entry(file, name, info, data_start) for name, info in header.items() if name != "__metadata__"}
+    spans = sorted((e.offset, e.offset + e.length, name) for name, e in entries.items())
+    for (_, end, before), (begin, _, name) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"corrupt safetensors header in {file}: tensors {before!r} and {name!r} overlap")
+    data_end = max((end for _, end, _ in spans), default=data_start)
     if data_end > size:
         raise CheckpointError(
             f"truncated safetensors file {file}: tensor data ends at byte {data_end} but the file has {size} bytes"
         )
     return entries
+
+
+def _entry(file: Path, name: str, info: Any, data_start: int) -> _Entry:
+    """One validated header entry: known dtype, non-negative integer shape, data range [begin, end) with
+    0 <= begin <= end and end - begin = numel x itemsize (the file's size is checked by the caller)."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"corrupt safetensors header in {file}: tensor {name!r:.80} {what}")
+
+    if type(info) is not dict:
+        raise bad("has no entry object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _ITEMSIZE:
+        raise bad(f"has dtype {dtype!r:.40}, which this runtime cannot read (known: {', '.join(_ITEMSIZE)})")
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"has shape {shape!r:.80}, not a list of non-negative integers")
+    if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+        raise bad(f"has data_offsets {offsets!r:.80}, not two integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise bad(f"has data_offsets [{begin}, {end}]: negative or reversed")
+    if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
+        raise bad(f"has {end - begin} bytes of data, but {dtype} x {shape} needs {math.prod(shape) * _ITEMSIZE[dtype]}")
+    return _Entry(file, dtype, tuple(shape), data_start + begin, end - begin)

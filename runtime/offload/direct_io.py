@@ -86,6 +86,8 @@ class DirectReader:
         """
         if buf_offset % ALIGN:
             raise ValueError(f"buf_offset must be a multiple of {ALIGN}, got {buf_offset}")
+        if offset < 0 or length < 0:
+            raise ValueError(f"cannot read {length} bytes at offset {offset} of {path}")
         start = align_down(offset)
         span = align_up(offset + length) - start
         if buf_offset + span > buf.nbytes:

@@ -1,11 +1,17 @@
 """Shared-memory arenas with exactly one owner.
 
-An arena is a file under /dev/shm named `specoffload-{tag}-{pid}-{name}` (see `ArenaName`), mapped into every
-process that uses it as one flat uint8 tensor. The creating process owns it: only the owner allocates regions,
-and its `close()` (or its weakref finalizer, which also runs at interpreter exit) unlinks the file. Other
+An arena is a file under /dev/shm named `specoffload-{tag}-{pidns}-{pid}-{name}-{nonce}` (see `ArenaName`), mapped
+into every process that uses it as one flat uint8 tensor. The creating process owns it: only the owner allocates
+regions, and its `close()` (or its weakref finalizer, which also runs at interpreter exit) unlinks the file. Other
 processes `attach` by path and only unmap. A process killed before it could clean up leaves its file behind;
 `sweep_dead_arenas` removes the files whose owner pid is gone, and every process that creates arenas runs it
-once before its first `Arena.create`.
+once per tag before its first `Arena.create` of that tag.
+
+/dev/shm is shared by every user of the machine, and by containers started with --ipc=host (each with its own pid
+namespace). So the sweep only touches files of this user (by the file's owner, not its name) and of this pid
+namespace (the namespace is in the name: a pid means nothing outside it), and skips whatever it may not remove;
+names carry a random nonce, so nobody can squat the name an arena is about to take; files are created 0600 with
+O_EXCL | O_NOFOLLOW, and `attach` maps only regular files this user owns.
 
 Mappings are released by reference counting, never explicitly: `close()` drops the arena's reference, and a
 view handed out earlier keeps its pages mapped until it is freed, so a stale view reads stale data but never
@@ -16,23 +22,28 @@ from __future__ import annotations
 
 import bisect
 import errno
+import functools
 import mmap
 import os
 import re
+import secrets
+import stat
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from specoffload.planner.errors import SpecOffloadError
-
+from ..models.errors import SpecOffloadError
 from .procs import pid_alive
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "specoffload-"
 _PART = r"[A-Za-z0-9_.]+"
-_NAME_RE = re.compile(rf"^{PREFIX}(?P<tag>{_PART})-(?P<pid>[0-9]+)-(?P<name>{_PART})$")
+_NAME_RE = re.compile(
+    rf"{PREFIX}(?P<tag>{_PART})-(?P<ns>[0-9]+)-(?P<pid>[0-9]+)-(?P<name>{_PART})-(?P<nonce>[0-9a-f]{{8,32}})"
+)
+_CREATE_ATTEMPTS = 4  # fresh nonces tried when a name is taken (by chance, or by someone squatting /dev/shm)
 _CUDA_HOST_REGISTER_PORTABLE = 1
 
 
@@ -44,18 +55,38 @@ class ArenaFullError(ArenaError):
     """No free region of the requested size is left in the arena: it was sized too small for the workload."""
 
 
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 where /proc does not say): pids mean something only inside it."""
+    return _pid_namespace(os.getpid())
+
+
+@functools.cache
+def _pid_namespace(_pid: int) -> int:  # keyed by pid: a forked child may live in another namespace
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _new_nonce() -> str:
+    return secrets.token_hex(4)
+
+
 @dataclass(frozen=True)
 class ArenaName:
-    """The /dev/shm file name of an arena: `specoffload-{tag}-{pid}-{prefix}`.
+    """The /dev/shm file name of an arena: `specoffload-{tag}-{ns}-{pid}-{prefix}-{nonce}`.
 
-    prefix: what the arena holds ("kv", "weights", ...); tag: the job it belongs to; pid: the owner's pid, which
-    `sweep_dead_arenas` reads back to decide whether the file is orphaned. Parts use [A-Za-z0-9_.] only, so the
-    name parses back unambiguously.
+    prefix: what the arena holds ("kv", "weights", ...); tag: the job it belongs to; ns: the owner's pid namespace
+    and pid: the owner's pid, which `sweep_dead_arenas` reads back to decide whether the file is orphaned (only
+    within its own namespace); nonce: random hex, so the name cannot be guessed (and squatted) in advance. Parts use
+    [A-Za-z0-9_.] only, so the name parses back unambiguously.
     """
 
     prefix: str
     pid: int
     tag: str = "job"
+    ns: int = field(default_factory=pid_namespace)
+    nonce: str = field(default_factory=lambda: _new_nonce())  # looked up per call (tests replace it)
 
     def __post_init__(self) -> None:
         for part, value in (("prefix", self.prefix), ("tag", self.tag)):
@@ -63,10 +94,12 @@ class ArenaName:
                 raise ValueError(f"arena {part} {value!r} must match {_PART}")
         if self.pid <= 0:
             raise ValueError(f"arena pid must be positive, got {self.pid}")
+        if self.ns < 0 or not re.fullmatch(r"[0-9a-f]{8,32}", self.nonce):
+            raise ValueError(f"bad arena namespace {self.ns} or nonce {self.nonce!r}")
 
     @property
     def filename(self) -> str:
-        return f"{PREFIX}{self.tag}-{self.pid}-{self.prefix}"
+        return f"{PREFIX}{self.tag}-{self.ns}-{self.pid}-{self.prefix}-{self.nonce}"
 
     @property
     def path(self) -> Path:
@@ -74,11 +107,11 @@ class ArenaName:
 
     @classmethod
     def parse(cls, filename: str) -> ArenaName | None:
-        """The name a file of ours carries, or None for anything else in /dev/shm."""
-        m = _NAME_RE.match(filename)
+        """The name a file of ours carries, or None for anything else in /dev/shm (paths, other formats)."""
+        m = _NAME_RE.fullmatch(filename)
         if m is None or int(m["pid"]) <= 0:
             return None
-        return cls(m["name"], int(m["pid"]), m["tag"])
+        return cls(m["name"], int(m["pid"]), m["tag"], int(m["ns"]), m["nonce"])
 
 
 @dataclass(frozen=True)
@@ -155,12 +188,9 @@ class Arena:
         """Create and own a new arena of `nbytes` bytes, backed by memory reserved up front."""
         if nbytes <= 0:
             raise ValueError(f"arena size must be positive, got {nbytes}")
-        _sweep_once()
-        path = ArenaName(name_prefix, os.getpid(), owner_tag or "job").path
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise ArenaError(f"arena {path} already exists (created twice in this process?)") from None
+        tag = owner_tag or "job"
+        _sweep_once(tag)
+        fd, path = _create_file(name_prefix, tag)
         try:
             _reserve(fd, nbytes, path)
             mm = mmap.mmap(fd, nbytes)
@@ -175,12 +205,19 @@ class Arena:
     def attach(cls, path: str | Path) -> Arena:
         """Map an existing arena read/write without owning it: `close()` only unmaps."""
         path = Path(path)
-        try:
-            fd = os.open(path, os.O_RDWR)  # never O_CREAT: attaching must not resurrect an unlinked arena
+        try:  # never O_CREAT: attaching must not resurrect an unlinked arena; never through a symlink
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise ArenaError(f"arena {path} does not exist (its owner closed it or died)") from None
+        except OSError as e:
+            raise ArenaError(f"cannot attach arena {path}: {e.strerror}") from None
         try:
-            nbytes = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ArenaError(f"arena {path} is not a regular file")
+            if st.st_uid != os.geteuid():
+                raise ArenaError(f"arena {path} belongs to uid {st.st_uid}, not to this user: refusing to map it")
+            nbytes = st.st_size
             if nbytes == 0:
                 raise ArenaError(f"arena {path} is empty")
             mm = mmap.mmap(fd, nbytes)
@@ -270,30 +307,63 @@ class Arena:
         return self._allocator
 
 
-def sweep_dead_arenas(prefix: str = PREFIX, shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Remove our /dev/shm files whose owner pid is not alive; returns the removed paths.
+def sweep_dead_arenas(tag: str | None = None, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove the arena files of job `tag` (None: of every job) whose owner pid is not alive; returns their paths.
 
-    Liveness is `procs.pid_alive`: a pid reused by an unrelated process keeps its file (harmless), and an owner
-    that is dead but not yet reaped (a zombie) counts as dead. Pids are only meaningful inside one pid
-    namespace: containers that share /dev/shm must not share a job tag.
+    Only files this user owns, named in this process's pid namespace, are candidates (a pid read from another
+    namespace says nothing about liveness here), and a file that cannot be removed is skipped: the sweep never
+    raises. Liveness is `procs.pid_alive`: a pid reused by an unrelated process keeps its file (harmless), and an
+    owner that is dead but not yet reaped (a zombie) counts as dead.
     """
     removed = []
-    for entry in sorted(shm_dir.iterdir()):
-        name = ArenaName.parse(entry.name) if entry.name.startswith(prefix) else None
-        if name is not None and not pid_alive(name.pid):
-            entry.unlink(missing_ok=True)
-            removed.append(entry)
+    try:
+        entries = sorted(os.listdir(shm_dir))
+    except OSError:
+        return removed
+    uid, ns = os.geteuid(), pid_namespace()
+    for filename in entries:
+        name = ArenaName.parse(filename)
+        if name is None or name.ns != ns or (tag is not None and name.tag != tag) or pid_alive(name.pid):
+            continue
+        path = Path(shm_dir) / filename
+        try:
+            st = os.lstat(path)
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+                continue
+            os.unlink(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        removed.append(path)
     return removed
 
 
-_swept_in_pid: int | None = None
+_swept: set[tuple[int, str]] = set()  # (pid, tag) pairs whose sweep ran
 
 
-def _sweep_once() -> None:
-    global _swept_in_pid
-    if _swept_in_pid != os.getpid():
-        _swept_in_pid = os.getpid()
-        sweep_dead_arenas()
+def _sweep_once(tag: str) -> None:
+    if (os.getpid(), tag) not in _swept:
+        _swept.add((os.getpid(), tag))
+        sweep_dead_arenas(tag)
+
+
+def _create_file(prefix: str, tag: str) -> tuple[int, Path]:
+    """Create a new arena file (0600, never through a symlink) under a fresh random name; returns (fd, path)."""
+    for _ in range(_CREATE_ATTEMPTS):
+        path = ArenaName(prefix, os.getpid(), tag).path
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ArenaError(f"cannot create arena {path}: {e.strerror}") from None
+    try:
+        owner = f"uid {os.lstat(path).st_uid}"
+    except OSError:
+        owner = "an unknown user"
+    raise ArenaError(
+        f"arena name {path} is taken (owned by {owner}) after {_CREATE_ATTEMPTS} random names: "
+        f"someone is filling {SHM_DIR} with names like ours"
+    )
 
 
 def _reserve(fd: int, nbytes: int, path: Path) -> None:

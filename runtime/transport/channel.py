@@ -10,6 +10,11 @@ Pusher (PUSH, connects) / Puller (PULL, binds): one-way dispatch, e.g. a stream 
 
 Sockets are not thread-safe: one socket object per thread. All sockets close with linger 0, and a binding
 socket removes its ipc file on close.
+
+What arrives on a socket is untrusted input: every socket refuses frames over `max_message_bytes` (ZeroMQ drops
+the peer that sends one), a server answers any request it cannot decode with ErrorReply and serves on, an ipc
+socket file is made owner-only (0600) right after bind, and a socket only binds over, or connects to, an ipc
+file this user owns.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 import math
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +34,7 @@ from typing import Any, Literal, Protocol, TypeVar
 import zmq
 
 from ..models.errors import SpecOffloadError
-from .codec import ErrorReply, WireError, decode, encode
+from .codec import MAX_MESSAGE_BYTES, ErrorReply, WireError, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +77,8 @@ class ChannelConfig:
     spin_us: a Client busy-polls this long for its reply before sleeping in poll: up to that much CPU per call,
         for one sleep/wake-up less when the reply comes fast (docs/perf/README.md, transport). Servers and
         pullers always sleep: an idle worker burns nothing.
+    max_message_bytes: the largest frame the socket accepts (ZeroMQ's MAXMSGSIZE); a peer sending a larger one
+        is disconnected.
     """
 
     name: str
@@ -81,6 +89,7 @@ class ChannelConfig:
     allow_remote: bool = False
     socket_dir: str | None = None
     spin_us: int = 0
+    max_message_bytes: int = MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
         if self.pid is None:
@@ -89,6 +98,8 @@ class ChannelConfig:
             object.__setattr__(self, "socket_dir", os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
         if self.spin_us < 0:
             raise ChannelConfigError(f"spin_us must be >= 0, got {self.spin_us}")
+        if self.max_message_bytes <= 0:
+            raise ChannelConfigError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
         if not self.name or not all(c.isalnum() or c in "_." for c in self.name):
             raise ChannelConfigError(f"channel name {self.name!r} must be non-empty [A-Za-z0-9_.]")
         if self.transport == "ipc":
@@ -125,13 +136,18 @@ class _Socket:
     def __init__(self, config: ChannelConfig, kind: int, bind: bool) -> None:
         self.config = config
         self._bound = bind
-        if bind and config.socket_path is not None:
+        if config.socket_path is not None and bind:
             _claim_ipc_path(config.socket_path)
+        elif config.socket_path is not None:
+            _check_ipc_owner(config.socket_path)
         self._sock = zmq.Context.instance().socket(kind)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         try:
             self._sock.bind(config.address) if bind else self._sock.connect(config.address)
-        except zmq.ZMQError as e:
+            if bind and config.socket_path is not None:
+                os.chmod(config.socket_path, 0o600)  # explicit, whatever the umask
+        except (zmq.ZMQError, OSError) as e:
             self._sock.close(linger=0)
             raise ChannelError(f"cannot {'bind' if bind else 'connect'} {config.address}: {e}") from None
 
@@ -190,8 +206,12 @@ class Server(_Socket):
         frames = self._recv(timeout_s)
         if frames is None:
             return False
-        if len(frames) != 3 or len(frames[1]) != _ID_BYTES:
+        if len(frames) < 2 or len(frames[1]) != _ID_BYTES:
             logger.warning("%s: dropped a request with %d frames (not a Client?)", self.config.name, len(frames))
+            return True
+        if len(frames) != 3:  # correlatable, so answered: the sender learns what was wrong
+            data = encode(ErrorReply(f"WireError: a request is 1 payload frame after its id, got {len(frames) - 2}"))
+            self._send([frames[0], frames[1], data], 1.0, "client not reading")
             return True
         peer, request_id, payload = frames
         try:
@@ -287,11 +307,24 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _check_ipc_owner(path: Path) -> None:
+    """Refuse an ipc socket file that another user owns (or that is not a socket): its server is not ours."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return  # not bound yet: ZeroMQ connects once it appears (and a server binds only over its own files)
+    if st.st_uid != os.geteuid():
+        raise ChannelError(f"ipc socket {path} belongs to uid {st.st_uid}, not to this user: refusing to use it")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ChannelError(f"{path} is not a socket: refusing to use it")
+
+
 def _claim_ipc_path(path: Path) -> None:
-    """Refuse an ipc path a live server listens on; remove one left by a dead server (zmq would silently steal
-    a live one)."""
-    if not path.exists():
+    """Refuse an ipc path a live server listens on, or another user's file; remove one left by a dead server of
+    ours (zmq would silently steal a live one)."""
+    if not os.path.lexists(path):
         return
+    _check_ipc_owner(path)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))

@@ -6,7 +6,10 @@ the tag being the class name; messages nest (the `TensorRef`s inside an `OpReque
 against the type hints on both sides, so a message the peer cannot decode fails at `encode` already.
 
 Decoding is strict: anything but one registered message (unknown tags or extension types, wrong field counts or
-types, trailing bytes, a pickle) raises `WireError`. Allowed field types: int, float, str, bool, bytes, None,
+types, trailing bytes, a pickle) raises `WireError`. Decoding is also bounded, since the bytes come from a socket:
+a message over `MAX_MESSAGE_BYTES` is refused before it is unpacked, messages nest at most `MAX_NESTING` deep (each
+level is another msgpack unpack on the C stack: a few hundred levels in under 1 KB used to crash the process) and
+plain lists in `MetaValue`s at most `MAX_LIST_DEPTH` deep. Allowed field types: int, float, str, bool, bytes, None,
 tuple[X, ...], list[X], dict[str, X], unions of them, other messages, and `MetaValue` (scalars and lists).
 
 Tensors never go on the wire: `write_tensor` copies one into a shared-memory arena and returns its `TensorRef`
@@ -42,6 +45,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _EXT_MESSAGE = 1
+#: the largest encoded message a peer may send (ZeroMQ sockets refuse larger frames too, see channel.py)
+MAX_MESSAGE_BYTES = 64 << 20
+#: how deep messages may nest in messages (WorkerCall -> TensorRef is 2)
+MAX_NESTING = 8
+#: how deep plain lists may nest in a MetaValue
+MAX_LIST_DEPTH = 16
 
 MetaValue = int | float | str | bool | list | None  # `list`: nested lists of these scalars
 
@@ -87,8 +96,10 @@ def encode(msg: Any) -> bytes:
 
 def decode(data: bytes) -> Any:
     """The message in `data`; raises WireError for anything else."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
-        msg = _unpack(data)
+        msg = _unpack(data, 0)
     except WireError:
         raise
     except Exception as e:  # msgpack raises a zoo of types on garbage (ExtraData, FormatError, StackError, ...)
@@ -235,14 +246,21 @@ def _pack_message(obj: Any) -> msgpack.ExtType:
     return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb(values, default=_pack_message))
 
 
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, ext_hook=_unpack_message, raw=False, strict_map_key=True, use_list=True)
+def _unpack(data: bytes, depth: int) -> Any:
+    """Unpack `data`, found `depth` messages deep; a message inside is unpacked one level deeper."""
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        return _unpack_message(code, payload, depth + 1)
+
+    return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=True, use_list=True)
 
 
-def _unpack_message(code: int, payload: bytes) -> Any:
+def _unpack_message(code: int, payload: bytes, depth: int) -> Any:
     if code != _EXT_MESSAGE:
         raise WireError(f"unknown msgpack extension type {code}")
-    items = _unpack(payload)
+    if depth > MAX_NESTING:
+        raise WireError(f"messages nested more than {MAX_NESTING} deep")
+    items = _unpack(payload, depth)
     if type(items) is not list or not items or type(items[0]) is not str:
         raise WireError("a message payload must be [tag, fields...]")
     tag = items[0]
@@ -360,10 +378,10 @@ def _checker(hint: Any) -> Checker:
     raise TypeError(f"type hint {hint!r} is not supported on the wire")
 
 
-def _is_plain(value: Any) -> bool:
+def _is_plain(value: Any, depth: int = 0) -> bool:
     if type(value) in (int, float, str, bool, type(None)):
         return True
-    return type(value) in (list, tuple) and all(_is_plain(v) for v in value)
+    return type(value) in (list, tuple) and depth < MAX_LIST_DEPTH and all(_is_plain(v, depth + 1) for v in value)
 
 
 # ---- actor runtime (actors/roles.py, actors/proxy.py): a plain worker method called across processes -------------
