@@ -2,11 +2,12 @@
 
     from specoffload.actors import connect
     llm = connect(EngineConfig(...))          # starts or joins Ray; launches the coordinator and four role actors
-    results = llm.generate(prompts, params)   # the same results as OffloadEngine(config).generate
+    results = llm.generate(prompts, params)   # the same results as Engine(config).generate
     llm.shutdown()
 
 Modules: `roles` (the worker roles: plain classes serving a runtime worker over ZeroMQ), `proxy` (the
-coordinator's stand-ins for the workers), `coordinator` (RayOffloadEngine and the Coordinator actor, restarts),
+coordinator's stand-ins, generated from the worker classes), `coordinator` (`RoleGroup`, `RoleWorkers`: the
+engine's worker factory and recovery, and the Coordinator actor), `backend` (the CLI's `ray` backend),
 `launcher` (the only place that applies `ray.remote`), `client` (`connect`, `EngineHandle`).
 The names below load lazily: importing this package does not import Ray.
 """

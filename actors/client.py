@@ -62,7 +62,7 @@ class EngineHandle:
 
     def roles(self) -> dict[str, RoleInfo]:
         """Each role's pid, socket and shared slot arenas."""
-        return _get(self._coordinator.roles.remote())
+        return _get(self._coordinator.role_infos.remote())
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop the role actors and the coordinator (their shared memory is unlinked); disconnect from a Ray this

@@ -1,20 +1,21 @@
-"""The coordinator: `OffloadEngine`'s schedule over role actors, and the Coordinator actor that hosts it.
+"""The coordinator: the runtime's `Engine` over role actors, and the Coordinator actor that hosts it.
 
-`RayOffloadEngine` is `OffloadEngine` with its four workers replaced by proxies of role actors (`RoleGroup`
-launches them on this node and sets them up); the op handlers, the schedule and verification are unchanged.
+Nothing here subclasses the engine: `RoleGroup` launches the role actors on this node and sets them up;
+`RoleWorkers` is the engine's `WorkerFactory` (proxies of the roles, generated from the worker classes) and its
+`Recovery`. The pipeline, the schedule and verification are the local backend's, unchanged.
 
 Fault tolerance. The coordinator's requests hold every committed token; the workers hold only derived state (KV
 caches, slot contents, generators). When a role actor dies mid-generation, the proxy call waiting on it raises
-`WorkerLost`, the executor stops the step (`PipelineError`), and `_recover`:
+`WorkerLost`, the executor stops the step (`PipelineError`), and `RoleWorkers.recover`:
   1. sets every role up again: Ray restarts the dead actor (max_restarts) and its setup builds a fresh worker
      (and, for the prefetch role, fresh slot arenas that the attention and verifier roles re-attach); live roles
      drop their per-batch state;
-  2. clears each batch's in-flight pass state (drafts, hidden states, logits), retires rows that finished
-     before the fault, and creates empty KV caches for the rest (an empty batch is refilled from the queue);
-  3. returns True, and `OffloadEngine._generate` runs the schedule again: each batch's next target pass feeds
-     all its committed tokens (the cache is empty), the draft re-prefills the same way. Nothing is lost (a pass
-     whose verify did not commit is simply redone) or duplicated (tokens are only appended by verify). Greedy
-     results equal a run without faults; sampled ones are a valid sample, not the same one (generators reseed).
+  2. returns True, and the pipeline restarts its batches (runtime/offload/batches.py): in-flight pass state is
+     dropped, rows that finished before the fault retire, the rest get empty KV caches, and the schedule runs
+     again: each batch's next target pass feeds all its committed tokens, the drafter re-prefills the same way.
+     Nothing is lost (a pass whose verify did not commit is simply redone) or duplicated (tokens are only
+     appended by verify). Greedy results equal a run without faults; sampled ones are a valid sample, not the
+     same one (generators reseed).
 """
 
 from __future__ import annotations
@@ -30,20 +31,20 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from specoffload.planner.errors import SpecOffloadError
+from specoffload.planner.plan import Plan
 from specoffload.runtime.config import EngineConfig
-from specoffload.runtime.models.errors import SpecOffloadError
-from specoffload.runtime.offload.engine import OffloadEngine, _Batch
-from specoffload.runtime.offload.schedule import Op
-from specoffload.runtime.offload.workers import WeightPlan
-from specoffload.runtime.request import GenerationResult
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.offload.drafters import Drafter, NoDrafter
+from specoffload.runtime.offload.workers import WeightPlan, Workers, worker_classes
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.arena import sweep_dead_arenas
 from specoffload.runtime.transport.procs import pid_alive
 from specoffload.runtime.transport.shm import ShmTensors
 
 from .launcher import ActorResources, current_node_id, launch, plan_resources
-from .proxy import PROXIES, LanePool, RoleProxy, WorkerLost
-from .roles import ROLES, RoleInfo, normal_priority
+from .proxy import LanePool, RoleProxy, WorkerLost, proxy_class
+from .roles import Role, RoleInfo, normal_priority
 
 logger = logging.getLogger("specoffload.actors")
 
@@ -58,7 +59,7 @@ class RoleGroup:
                  max_restarts: int) -> None:
         node = current_node_id()
         self.actors = {
-            role: launch(ROLES[role], config, resources[role].threads, resources=resources[role],
+            role: launch(Role, role, config, resources[role].threads, resources=resources[role],
                          max_restarts=max_restarts, node_id=node)
             for role in roles
         }
@@ -112,91 +113,49 @@ class RoleGroup:
         self.actors = {}
 
 
-class RayOffloadEngine(OffloadEngine):
-    """OffloadEngine whose workers are role actors; recovers from a lost actor (see the module docstring).
+class RoleWorkers:
+    """The engine's workers as role actors: its `WorkerFactory` (`__call__`) and its `Recovery` (`recover`).
 
-    resources: per-actor shares and threads (default `plan_resources`); max_restarts: per role actor, and the
-    number of recoveries one `generate` may make. `verified` and `recoveries` count within the current generate.
+    group: the role actors (`RoleGroup`, or anything with its setup / drop / pids / shutdown, e.g. roles run
+    in-process by a test). max_restarts: recoveries one `generate` may make (as Ray restarts each actor).
     """
 
-    def __init__(self, config: EngineConfig, resources: dict[str, ActorResources] | None = None,
-                 max_restarts: int = 3) -> None:
-        self.resources = resources or plan_resources(config)
-        self.max_restarts = max_restarts
-        self.recoveries = 0
-        self.verified = 0  # verify ops run, for progress reports
-        self.running = False
-        # The actors start (import torch, ...) while this process reads the checkpoints and places the model.
-        roles = ["prefetch", "attention", "verifier"] + (["draft"] if config.draft is not None else [])
-        self.group = self._launch_roles(config, roles)
-        try:
-            super().__init__(config)
-        except BaseException:
-            self.group.shutdown()
-            raise
-
-    def _launch_roles(self, config: EngineConfig, roles: list[str]) -> RoleGroup:
-        return RoleGroup(config, roles, self.resources, self.max_restarts)
-
-    def _make_workers(self) -> None:
-        if self.draft is None and "draft" in self.group.actors:
-            self.group.drop("draft")
+    def __init__(self, group: RoleGroup, max_restarts: int = 3) -> None:
+        self.group, self.max_restarts = group, max_restarts
         self.shm = ShmTensors("coordinator")
         self.lanes = LanePool()
-        infos = self.group.setup(self.plan)
-        self.proxies: dict[str, RoleProxy] = {
-            role: PROXIES[role](info, self.shm, self.lanes) for role, info in infos.items()
-        }
-        self.prefetch = self.proxies["prefetch"]
-        self.attn = self.proxies["attention"]
-        self.verifier = self.proxies["verifier"]
-        self.drafter = self.proxies.get("draft")
+        self.proxies: dict[str, RoleProxy] = {}
+        self.weights: WeightPlan | None = None
+        self.recoveries = 0
 
-    def _generate(self, encoded: list[list[int]], params: SamplingParams, progress: bool) -> list[GenerationResult]:
-        self.verified = self.recoveries = 0
-        self.running = True
-        try:
-            return super()._generate(encoded, params, progress)
-        finally:
-            self.running = False
+    def __call__(self, config: EngineConfig, weights: WeightPlan, plan: Plan) -> Workers:
+        if not plan.drafting and "draft" in self.group.actors:
+            self.group.drop("draft")  # the plan does not speculate: its actor is not needed
+        self.weights = weights
+        classes = worker_classes(config)
+        self.proxies = {role: proxy_class(classes[role])(info, self.shm, self.lanes)
+                        for role, info in self.group.setup(weights).items()}
+        drafter: Drafter = self.proxies["draft"] if plan.drafting else NoDrafter()  # type: ignore[assignment]
+        return Workers(self.proxies["prefetch"], self.proxies["attention"], self.proxies["verifier"],  # type: ignore[arg-type]
+                       drafter)
 
-    def _op_verify(self, op: Op) -> None:
-        super()._op_verify(op)
-        self.verified += 1
-
-    def _recover(self, error: SpecOffloadError) -> bool:
+    def recover(self, error: BaseException) -> bool:
+        """After a failed op: if a role actor was lost and the budget allows, set every role up again (Ray has
+        restarted the dead one) and rebind the proxies; the pipeline then replays from the committed tokens."""
         lost = _lost_worker(error) or next((p.role for p in self.proxies.values() if not p.alive()), None)
-        if lost is None or self.recoveries >= self.max_restarts:
+        if lost is None or self.weights is None or self.recoveries >= self.max_restarts:
             return False
         self.recoveries += 1
         logger.warning("recovering from a lost %s actor (%s); replaying from the committed tokens", lost, error)
-        for role, info in self.group.setup(self.plan).items():
+        for role, info in self.group.setup(self.weights).items():
             self.proxies[role].rebind(info)
-        for b in self._batches:
-            self._restart_batch(b)
         return True
-
-    def _restart_batch(self, b: _Batch) -> None:
-        """Forget the batch's pass in flight; fresh caches for its unfinished rows (or refill an empty batch)."""
-        b.drafts = b.p = b.hidden = b.logits = b.num_new = b.token_mask = None
-        b.draft_tokens, b.draft_probs = [], []
-        keep = [r for r in b.rows if not r.finished]
-        self._bar.update(len(b.rows) - len(keep))
-        b.rows = keep
-        if not keep:
-            self._admit(b)
-            return
-        seed = self._params.seed
-        capacity = max(len(r.prompt) + r.max_new_tokens for r in keep) + self.k_max + 1
-        self.attn.reset(b.index, len(keep), capacity)
-        self.verifier.seed(b.index, None if seed is None else seed * 4 + 2 * b.index + self._waves)
-        if self.drafter is not None:
-            self.drafter.reset(b.index, len(keep), capacity,
-                              None if seed is None else seed * 4 + 2 * b.index + 1 + self._waves)
-        self._waves += 1
 
     def pids(self) -> dict[str, int]:
         return self.group.pids()
+
+    def calls(self) -> dict[str, int]:
+        return {role: proxy.calls for role, proxy in self.proxies.items()}
 
     def close(self) -> None:
         for proxy in self.proxies.values():
@@ -217,7 +176,7 @@ def _lost_worker(error: BaseException | None) -> str | None:
 
 
 class Coordinator:
-    """The coordinator actor: hosts a RayOffloadEngine; everything it returns is plain data (dicts, lists)."""
+    """The coordinator actor: hosts an `Engine` whose workers are role actors; it returns only plain data."""
 
     def __init__(self, config: EngineConfig, resources: dict[str, ActorResources] | None = None,
                  max_restarts: int = 3) -> None:
@@ -225,45 +184,61 @@ class Coordinator:
         torch.set_num_threads(self.resources["coordinator"].threads)
         normal_priority()  # the executor threads (and the roles they wait for) are the engine, not background work
         self.config, self.max_restarts = config, max_restarts
-        self.engine: RayOffloadEngine | None = None
+        self.engine: Engine | None = None
+        self.roles: RoleWorkers | None = None
 
     def start(self) -> dict[str, Any]:
         """Build the engine and its role actors (errors such as a too-small budget surface here)."""
-        self.engine = RayOffloadEngine(self.config, self.resources, self.max_restarts)
-        return {"placement": self.engine.describe_placement(), "pids": self.engine.pids()}
+        # The actors start (import torch, ...) while this process reads the checkpoints and places the model.
+        roles = ["prefetch", "attention", "verifier"] + (["draft"] if self.config.draft is not None else [])
+        self.roles = RoleWorkers(RoleGroup(self.config, roles, self.resources, self.max_restarts), self.max_restarts)
+        try:
+            self.engine = Engine(self.config, workers=self.roles, recovery=self.roles)
+        except BaseException:
+            self.roles.close()
+            self.roles = None
+            raise
+        return {"placement": self.engine.describe_placement(), "pids": self.pids()}
 
     def generate(self, prompts: list[Any], params: dict[str, Any] | None) -> list[dict[str, Any]]:
-        engine = self._engine()
+        engine, roles = self._engine()
+        roles.recoveries = 0
         results = engine.generate(prompts, SamplingParams(**params) if params else None)
         return [dataclasses.asdict(r) for r in results]
 
     def stats(self) -> dict[str, Any]:
-        engine = self._engine()
+        engine, roles = self._engine()
         out: dict[str, Any] = {}
         if engine.last_stats is not None:
             s = engine.last_stats
             out = dataclasses.asdict(s) | {"tokens_per_s": s.tokens_per_s, "acceptance_rate": s.acceptance_rate}
-        calls = {role: proxy.calls for role, proxy in engine.proxies.items()}
-        return out | {"recoveries": engine.recoveries, "pids": engine.pids(), "calls": calls,
-                      "k": engine.k, "batch_size": engine.config.max_batch_size}
+        return out | {"recoveries": roles.recoveries, "pids": roles.pids(), "calls": roles.calls(),
+                      "k": engine.replanner.k, "batch_size": engine.plan.batch}
 
     def progress(self) -> dict[str, Any]:
         """Counters readable while `generate` runs (the actor is threaded)."""
-        engine = self._engine()
-        return {"running": engine.running, "verified": engine.verified, "recoveries": engine.recoveries}
+        engine, roles = self._engine()
+        assert engine.pipeline is not None
+        return {"running": engine.pipeline.running, "verified": engine.pipeline.verified,
+                "recoveries": roles.recoveries}
 
     def pids(self) -> dict[str, int]:
-        return {"coordinator": os.getpid()} | self._engine().pids()
+        _, roles = self._engine()
+        return {"coordinator": os.getpid()} | roles.pids()
 
-    def roles(self) -> dict[str, RoleInfo]:
-        return dict(self._engine().group.infos)
+    def role_infos(self) -> dict[str, RoleInfo]:
+        _, roles = self._engine()
+        return dict(roles.group.infos)
 
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.roles is not None:
+            self.roles.close()
+            self.roles = None
 
-    def _engine(self) -> RayOffloadEngine:
-        if self.engine is None:
+    def _engine(self) -> tuple[Engine, RoleWorkers]:
+        if self.engine is None or self.roles is None:
             raise SpecOffloadError("the engine was shut down (or never started)")
-        return self.engine
+        return self.engine, self.roles

@@ -1,16 +1,17 @@
 """Coordinator-side proxies: the plain workers' methods, executed by the role actors over ZeroMQ.
 
-A proxy has the same methods as its worker (runtime/offload/workers.py), so `OffloadEngine`'s op handlers run
-unchanged against actors. A call becomes one `WorkerCall`: tensor arguments the coordinator made (token ids,
-masks, positions, draft tokens) are written into the coordinator's own arenas (one region per calling thread and
-argument, reused: calls are synchronous); tensors that came back from a role are passed on by reference.
+`proxy_class(worker class)` generates a proxy with the worker's `@wire` methods (runtime/offload/wire.py), same
+signatures and docstrings, so the engine's pipeline runs unchanged against actors. A call becomes one
+`WorkerCall`: tensor arguments the coordinator made (token ids, masks, positions, draft tokens) are written into
+the coordinator's own arenas (one region per calling thread and argument, reused: calls are synchronous); tensors
+that came back from a role are passed on by reference.
 
-Hidden states and logits never visit the coordinator: `embed`, `attention`, `ffn` and `head` return a
-`RemoteTensor` (a `TensorRef` into the producing role's output arena) and the next call forwards the header. The
-output region is picked by the chain's `Lane`: `embed` takes a free lane and every later result of that pass
-reuses it, so two batches' passes in flight never overwrite each other; a lane returns to the pool when the last
-handle of its chain is garbage-collected (after `verify` consumed the logits). Small results (lengths, draft
-tokens and probabilities) are copied out at once.
+Hidden states and logits never visit the coordinator: the methods marked keep_outputs (`embed`, `attention`,
+`ffn`, `head`) return a `RemoteTensor` (a `TensorRef` into the producing role's output arena) and the next call
+forwards the header. The output region is picked by the chain's `Lane`: a call with no RemoteTensor argument
+(`embed`) takes a free lane and every later result of that pass reuses it, so two batches' passes in flight never
+overwrite each other; a lane returns to the pool when the last handle of its chain is garbage-collected (after
+`verify` consumed the logits). Small results (lengths, draft tokens and probabilities) are copied out at once.
 
 Sockets are not thread-safe and the executor calls proxies from its io / cpu / device threads: each proxy keeps
 one DEALER socket per thread. A call waits in short polls and checks in between that the role's process is
@@ -23,13 +24,13 @@ import heapq
 import threading
 import time
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from specoffload.runtime.models.errors import SpecOffloadError
+from specoffload.planner.errors import SpecOffloadError
+from specoffload.runtime.offload.wire import WireMethod, wire_methods
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.channel import ChannelTimeout, Client
 from specoffload.runtime.transport.codec import TensorRef, WorkerCall, WorkerReply
@@ -200,96 +201,27 @@ class RoleProxy:
             return self._thread_lanes.setdefault(thread, -1 - len(self._thread_lanes))
 
 
-def _chain(value: RemoteTensor | Tensor, lanes: LanePool) -> Lane:
-    """The lane of the chain a hidden state belongs to (a fresh one for a local tensor)."""
-    return value.lane if isinstance(value, RemoteTensor) else lanes.acquire()
+def proxy_class(worker_class: type) -> type[RoleProxy]:
+    """A RoleProxy subclass with one method per `@wire` method of `worker_class` (signature and docstring kept)."""
+    namespace: dict[str, Any] = {"__doc__": f"{worker_class.__name__}'s wire methods, executed by its role actor."}
+    for spec in wire_methods(worker_class).values():
+        namespace[spec.name] = _remote_method(spec)
+    return type(f"{worker_class.__name__}Proxy", (RoleProxy,), namespace)
 
 
-class PrefetchProxy(RoleProxy):
-    """PrefetchWorker's methods, in the prefetch actor."""
+def _remote_method(spec: WireMethod) -> Any:
+    def method(self: RoleProxy, *args: Any, **kwargs: Any) -> Any:
+        bound = spec.signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = {name: value for name, value in bound.arguments.items() if name != "self"}
+        lane = None
+        if spec.keep_outputs:  # results stay in the role, on the lane of the chain they continue (or a new one)
+            chained = [v for v in values.values() if isinstance(v, RemoteTensor)]
+            lane = chained[0].lane if chained else self.lanes.acquire()
+        outputs = self.call(spec.name, lane, **values)
+        return outputs if spec.returns_tuple else outputs[0]
 
-    def load(self, layer: int, slot: int) -> None:
-        self.call("load", layer=layer, slot=slot)
-
-
-class AttentionProxy(RoleProxy):
-    """AttentionWorker's methods, in the attention actor."""
-
-    def reset(self, batch: int, rows: int, capacity: int) -> None:
-        self.call("reset", batch=batch, rows=rows, capacity=capacity)
-
-    def drop(self, batch: int) -> None:
-        self.call("drop", batch=batch)
-
-    def lengths(self, batch: int) -> list[int]:
-        return self.call("lengths", batch=batch)[0]
-
-    def advance(self, batch: int, num_new: Sequence[int]) -> None:
-        self.call("advance", batch=batch, num_new=list(num_new))
-
-    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
-        self.call("truncate", batch=batch, lengths=list(lengths))
-
-    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
-        self.call("select_rows", batch=batch, keep=list(keep))
-
-    def embed(self, ids: Tensor) -> RemoteTensor:
-        """ids [rows, T] -> hidden [rows, T, H], left in the actor; starts a new lane."""
-        return self.call("embed", self.lanes.acquire(), ids=ids)[0]
-
-    def attention(self, batch: int, layer: int, slot: int, hidden: RemoteTensor | Tensor) -> RemoteTensor:
-        return self.call("attention", _chain(hidden, self.lanes), batch=batch, layer=layer, slot=slot,
-                         hidden=hidden)[0]
-
-
-class VerifierProxy(RoleProxy):
-    """VerifierWorker's methods, in the verifier actor."""
-
-    def seed(self, batch: int, seed: int | None) -> None:
-        self.call("seed", batch=batch, seed=seed)
-
-    def ffn(self, layer: int, slot: int, hidden: RemoteTensor | Tensor, token_mask: Tensor | None) -> RemoteTensor:
-        return self.call("ffn", _chain(hidden, self.lanes), layer=layer, slot=slot, hidden=hidden,
-                         token_mask=token_mask)[0]
-
-    def head(self, slot: int, hidden: RemoteTensor | Tensor, positions: Tensor) -> RemoteTensor:
-        """hidden [rows, T, H], positions [rows, P] -> logits [rows, P, vocab], left in the actor for verify."""
-        return self.call("head", _chain(hidden, self.lanes), slot=slot, hidden=hidden, positions=positions)[0]
-
-    def verify(self, batch: int, logits: RemoteTensor | Tensor, drafts: Tensor, p: Tensor | None,
-               params: SamplingParams) -> tuple[list[int], list[list[int]]]:
-        accepted, emitted = self.call("verify", batch=batch, logits=logits, drafts=drafts, p=p, params=params)
-        return accepted, emitted
-
-
-class DraftProxy(RoleProxy):
-    """DraftWorker's methods, in the draft actor."""
-
-    def reset(self, batch: int, rows: int, capacity: int, seed: int | None = None) -> None:
-        self.call("reset", batch=batch, rows=rows, capacity=capacity, seed=seed)
-
-    def drop(self, batch: int) -> None:
-        self.call("drop", batch=batch)
-
-    def lengths(self, batch: int) -> list[int]:
-        return self.call("lengths", batch=batch)[0]
-
-    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
-        self.call("truncate", batch=batch, lengths=list(lengths))
-
-    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
-        self.call("select_rows", batch=batch, keep=list(keep))
-
-    def propose(self, batch: int, ids: Tensor, num_new: Tensor,
-                params: SamplingParams) -> tuple[Tensor, Tensor | None]:
-        """ids [rows, T], num_new [rows] -> (token [rows], probs [rows, vocab] or None when greedy), copied here."""
-        token, probs = self.call("propose", batch=batch, ids=ids, num_new=num_new, params=params)
-        return token, probs
-
-
-PROXIES: dict[str, type[RoleProxy]] = {
-    "prefetch": PrefetchProxy,
-    "attention": AttentionProxy,
-    "verifier": VerifierProxy,
-    "draft": DraftProxy,
-}
+    method.__name__ = method.__qualname__ = spec.name
+    method.__doc__ = spec.doc
+    method.__signature__ = spec.signature  # type: ignore[attr-defined]
+    return method

@@ -1,15 +1,16 @@
-"""The four worker roles as actor classes: thin wrappers that serve a plain worker (runtime/offload/workers.py).
+"""`Role`: one actor class that serves any plain worker of runtime/offload/ over a socket. Which worker, per role:
 
-    PrefetchRole   PrefetchWorker   owns the ring slots (shared-memory arenas) and streams weights into them
-    AttentionRole  AttentionWorker  attaches the slots; embedding + attention over its host KV caches
-    VerifierRole   VerifierWorker   attaches the slots; FFN / experts / head and verification
-    DraftRole      DraftWorker      the resident draft model and its KV caches
+    prefetch   PrefetchWorker   owns the ring slots (shared-memory arenas) and streams weights into them
+    attention  AttentionWorker  attaches the slots; embedding + attention over its host KV caches
+    verifier   VerifierWorker   attaches the slots; FFN / experts / head and verification
+    draft      the drafter      the config's drafter (runtime/offload/drafters.py) and its per-batch state
 
 A role is a plain class (actors/launcher.py makes it a Ray actor; tests can run one in-process). Its Ray methods
 are control only: `setup` builds the worker and starts a ZeroMQ server thread, `pid`, `ping`, `address`,
 `shutdown`. The hot path never goes through Ray: the server thread answers `WorkerCall` messages (msgpack over an
 ipc:// socket derived from the role's pid) by calling the worker method with zero-copy views of the tensor
-arguments, writes tensor results into its own output arenas and replies with their `TensorRef`s.
+arguments, writes tensor results into its own output arenas and replies with their `TensorRef`s. The methods it
+answers are exactly the worker class's `@wire` methods (runtime/offload/wire.py): nothing is listed twice.
 
 Shared memory goes through `ShmTensors` (runtime/transport/shm.py), as in the coordinator's proxies. Arena files
 carry the owner's pid: `setup` sweeps the files (and ipc sockets) of dead owners, e.g. the previous incarnation of
@@ -23,18 +24,13 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from specoffload.runtime.config import EngineConfig
-from specoffload.runtime.offload.workers import (
-    AttentionWorker,
-    DraftWorker,
-    PrefetchWorker,
-    VerifierWorker,
-    WeightPlan,
-)
+from specoffload.runtime.offload.wire import wire_methods
+from specoffload.runtime.offload.workers import WeightPlan, worker_classes
 from specoffload.runtime.transport.arena import Arena, sweep_dead_arenas
 from specoffload.runtime.transport.channel import ChannelConfig, Server
 from specoffload.runtime.transport.codec import WorkerCall, WorkerReply
@@ -66,24 +62,31 @@ class RoleInfo:
     slot_paths: tuple[str, ...] = ()
 
 
+#: the role that creates the ring slot arenas (the others attach them)
+SLOT_OWNER = "prefetch"
+ROLES = ("prefetch", "attention", "verifier", "draft")
+
+
 class Role:
-    """Base of the role actors: a worker built by `setup`, served on a ZeroMQ socket by a thread.
+    """A role actor: the worker class of `role` (runtime/offload/workers.py `worker_classes`), built by `setup`
+    and served on a ZeroMQ socket by a thread.
 
     threads: torch intra-op threads of this process, set explicitly whatever OMP_NUM_THREADS Ray derived from
     the actor's (fractional) CPU share. The constructor is cheap (an actor can start while the coordinator still
-    places the model); the weight plan comes with `setup`. Subclasses name their role and its wire methods, and
-    build the worker.
+    places the model); the weight plan comes with `setup`.
     """
 
-    role: ClassVar[str]
-    methods: ClassVar[frozenset[str]]
-
-    def __init__(self, config: EngineConfig, threads: int = 1) -> None:
+    def __init__(self, role: str, config: EngineConfig, threads: int = 1) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles: {ROLES}")
+        self.role, self.worker_class = role, worker_classes(config)[role]
+        self.owns_slots = role == SLOT_OWNER
         self.config, self.threads = config, threads
         self.plan: WeightPlan | None = None
         self.normal_priority = normal_priority()
         torch.set_num_threads(threads)
         self.worker: Any = None
+        self.methods = frozenset(wire_methods(self.worker_class))
         self.info: RoleInfo | None = None
         self._slot_paths: tuple[str, ...] | None = None
         self._slots: list[Arena] = []
@@ -125,7 +128,7 @@ class Role:
             if not self.owns_slots:
                 self._close_slots()
                 self._slots = [Arena.attach(path) for path in slot_paths]
-            self.worker = self._build([arena.data for arena in self._slots] or None)
+            self.worker = self.worker_class(self.config, plan, [arena.data for arena in self._slots] or None)
             self._slot_paths = slot_paths
         else:
             self._reset()
@@ -173,19 +176,17 @@ class Role:
         assert self._server is not None
         self._server.serve_forever(self.handle, self._stop)
 
-    # ---- per role ---------------------------------------------------------------------------------------------
-    owns_slots: ClassVar[bool] = False
-
-    def _build(self, slots: list[torch.Tensor] | None) -> Any:
-        raise NotImplementedError
-
     def _reset(self) -> None:
         """Drop the worker's per-batch state (the coordinator re-creates it)."""
         for name in ("caches", "generators"):
             getattr(self.worker, name, {}).clear()
 
     def _own_slots(self) -> tuple[str, ...]:
-        raise NotImplementedError
+        """The prefetch role's ring: one shared-memory arena per slot, created once per weight plan."""
+        plan = self.plan
+        if not self._slots and plan is not None and plan.streamed:
+            self._slots = [Arena.create(f"slot{i}", plan.slot_bytes, ARENA_TAG) for i in range(plan.num_buffers)]
+        return tuple(str(arena.path) for arena in self._slots)
 
     # ---- helpers ------------------------------------------------------------------------------------------------
     def _stop_server(self) -> None:
@@ -208,53 +209,3 @@ class Role:
         for arena in self._slots:
             arena.close()
         self._slots = []
-
-
-class PrefetchRole(Role):
-    """io: owns the ring slots, one shared-memory arena per slot, and streams layer weights into them."""
-
-    role = "prefetch"
-    methods = frozenset({"load"})
-    owns_slots = True
-
-    def _own_slots(self) -> tuple[str, ...]:
-        plan = self.plan
-        if not self._slots and plan is not None and plan.streamed:
-            self._slots = [Arena.create(f"slot{i}", plan.slot_bytes, ARENA_TAG) for i in range(plan.num_buffers)]
-        return tuple(str(arena.path) for arena in self._slots)
-
-    def _build(self, slots: list[torch.Tensor] | None) -> PrefetchWorker:
-        return PrefetchWorker(self.config, self.plan, slots)
-
-
-class AttentionRole(Role):
-    """cpu: the target's embedding and attention, over the slots the prefetch role fills."""
-
-    role = "attention"
-    methods = frozenset({"reset", "drop", "lengths", "advance", "truncate", "select_rows", "embed", "attention"})
-
-    def _build(self, slots: list[torch.Tensor] | None) -> AttentionWorker:
-        return AttentionWorker(self.config, self.plan, slots)
-
-
-class VerifierRole(Role):
-    """device: the target's FFN / experts / head over the shared slots, and verification."""
-
-    role = "verifier"
-    methods = frozenset({"seed", "ffn", "head", "verify"})
-
-    def _build(self, slots: list[torch.Tensor] | None) -> VerifierWorker:
-        return VerifierWorker(self.config, self.plan, slots)
-
-
-class DraftRole(Role):
-    """device: the resident draft model and its KV caches."""
-
-    role = "draft"
-    methods = frozenset({"reset", "drop", "lengths", "truncate", "select_rows", "propose"})
-
-    def _build(self, slots: list[torch.Tensor] | None) -> DraftWorker:
-        return DraftWorker(self.config)
-
-
-ROLES: dict[str, type[Role]] = {cls.role: cls for cls in (PrefetchRole, AttentionRole, VerifierRole, DraftRole)}

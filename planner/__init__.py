@@ -1,7 +1,12 @@
 """SpecOffload planner: picks the batch size and draft length k from a measured hardware profile.
 
-Pure: it reads shapes, budgets and a profile, and returns typed plans; it never imports the runtime's engines,
-executors or Ray (only the pure `runtime.offload.placement` and `runtime.models.weights.PartKey`).
+Pure: it reads shapes, budgets and a profile, and returns typed plans. It is also the project's base layer: no
+torch, never `specoffload.runtime` or Ray (a test imports it in a fresh interpreter and checks `sys.modules`).
+
+    errors.py       SpecOffloadError, the base of every user-facing error
+    units.py        memory sizes: parse "4GiB", format bytes, the machine's RAM
+    shapes.py       PartKey (a loadable part of a model) and ModelShape (parts, bytes, KV bytes per token)
+    placement.py    where each part and cache lives under the memory budgets (pure arithmetic)
 
     profile.py      HardwareProfile: measured io / attention / FFN / draft costs, JSON with provenance
     acceptance.py   expected tokens per verify round (Leviathan et al. 2023, eq. 1); alpha estimation

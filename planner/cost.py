@@ -39,11 +39,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from specoffload.runtime.models.weights import PartKey
-from specoffload.runtime.offload.placement import ModelShape, Placement
-
 from .acceptance import expected_tokens
+from .placement import Placement
 from .profile import HardwareProfile, ProfileError
+from .shapes import ModelShape, PartKey
 
 
 @dataclass(frozen=True)

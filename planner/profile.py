@@ -26,7 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from specoffload.runtime.models.errors import SpecOffloadError
+from .errors import SpecOffloadError
 
 FORMAT = "specoffload.hardware_profile"
 VERSION = 1

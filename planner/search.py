@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from specoffload.runtime.models.errors import SpecOffloadError
-from specoffload.runtime.offload.placement import ModelShape, Placement, PlacementError, PlacementPolicy, place
-
 from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimate_workload
+from .errors import SpecOffloadError
+from .placement import Placement, PlacementError, PlacementPolicy, place
 from .profile import HardwareProfile
+from .shapes import ModelShape
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -98,11 +98,14 @@ def search(
     dtype_bytes: int = 2,
     top_k: int = 0,
     draft_top_k: int = 0,
+    k_ceiling: int = 0,
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
     context: tokens per row (prompt + new tokens; the engine's max_seq_len), default ceil(prompt_len) +
-    new_tokens; the KV capacity placed is context + k + 1, as the engine sizes it. weights_tier defaults to
+    new_tokens; the KV capacity placed is context + k_max + 1, as the engine sizes it, where k_max = k, or
+    max(k, k_ceiling) for k >= 1 when online re-planning may raise k up to k_ceiling (`Plan.kv_capacity`).
+    weights_tier defaults to
     the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
     top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
     Raises `NoFeasiblePolicyError` (with the reasons) when no pair fits.
@@ -120,7 +123,7 @@ def search(
             policy = PlacementPolicy(
                 batch_size=batch,
                 num_batches=2 if k >= 1 else 1,
-                context=tokens + k + 1,
+                context=tokens + (max(k, k_ceiling) if k >= 1 else 0) + 1,
                 num_buffers=num_buffers,
                 weights_tier=tier,
                 unified_memory=unified,

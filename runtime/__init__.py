@@ -1,8 +1,7 @@
 """SpecOffload runtime: model executors, KV cache, speculative verification and the in-process Engine.
 
 Never imports Ray: everything here runs and is tested in one process. The public names below are loaded
-lazily (PEP 562), so importing a pure submodule (e.g. `runtime.offload.placement` from the planner) does not
-pull in the executors.
+lazily (PEP 562), so importing one submodule does not pull in the executors.
 """
 
 from __future__ import annotations
@@ -13,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "EngineConfig": ".config",
     "Engine": ".engine",
-    "GenerateStats": ".engine",
+    "GenerateStats": ".stats",
     "PromptError": ".engine",
     "VocabularyMismatchError": ".engine",
     "CheckpointError": ".models.errors",
-    "SpecOffloadError": ".models.errors",
+    "SpecOffloadError": "specoffload.planner.errors",
     "UnsupportedModelError": ".models.errors",
     "GenerationResult": ".request",
     "SamplingParams": ".sampling",
@@ -37,14 +36,17 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from specoffload.planner.errors import SpecOffloadError
+
     from .config import EngineConfig
-    from .engine import Engine, GenerateStats, PromptError, VocabularyMismatchError
-    from .models.errors import CheckpointError, SpecOffloadError, UnsupportedModelError
+    from .engine import Engine, PromptError, VocabularyMismatchError
+    from .models.errors import CheckpointError, UnsupportedModelError
     from .request import GenerationResult
     from .sampling import SamplingParams
+    from .stats import GenerateStats
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)  # relative or absolute module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

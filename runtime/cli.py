@@ -8,8 +8,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from specoffload.planner.errors import SpecOffloadError
+
 from .config import EngineConfig
-from .models.errors import SpecOffloadError
 from .prompts import PromptFileError, humaneval_prompts, read_prompts_file
 from .sampling import SamplingParams
 
@@ -27,8 +28,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--chunk-size", type=int, default=256,
                    help="prompts per chunk; each finished chunk is appended to --output and fsynced (default 256)")
-    p.add_argument("--backend", default="local", choices=["local", "ray"],
-                   help="local: one process; ray: the Ray actor runtime (needs --device-memory)")
+    p.add_argument("--backend", default="local",
+                   help="local: one process; ray: the Ray actor runtime (needs --device-memory); any other name "
+                        "registered under the 'specoffload.backends' entry points")
     p.add_argument("--ray-address", default=None,
                    help="Ray to join with --backend ray (default: RAY_ADDRESS, e.g. inside `ray job submit`, "
                         "else a local Ray)")
@@ -50,7 +52,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--host-memory", default=None, help="host RAM for the target KV cache / ram tier")
     o.add_argument("--weights-tier", default="disk", choices=["disk", "ram"], help="where streamed weights live")
     o.add_argument("--num-buffers", type=int, default=2, help="ring slots of streamed layer weights")
-    o.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens per row the KV is sized for")
+    o.add_argument("--max-seq-len", type=int, default=None,
+                   help="prompt + output tokens per row the KV caches are sized for (default: the job's longest "
+                        "prompt + --max-new-tokens, as `specoffload plan` sizes them)")
     o.add_argument("--expert-loading", default="auto", choices=["auto", "selected", "all"])
     o.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace JSON of the pipeline")
     o.add_argument("--show-placement", action="store_true", help="print the memory placement table to stderr")
@@ -76,148 +80,80 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=Path, default=None,
                    help="the job's prompts: workload shape, and a short warm-up that measures the acceptance rate")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="prompt + output tokens per row (default: the job's longest prompt + --max-new-tokens)")
+    p.add_argument("--batch-size", type=_int_or_auto, default="auto", help="fix the batch instead of planning it")
+    p.add_argument("-k", "--num-draft-tokens", type=_int_or_auto, default="auto", help="fix k instead of planning it")
     p.add_argument("--alpha", type=float, default=None, help="acceptance rate to assume (default: measure / 0.7)")
     p.add_argument("--top", type=int, default=8, help="alternatives to print")
     p.add_argument("--quick-profile", action="store_true", help="fewer measurement points")
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from specoffload.planner import Workload, search
+    from specoffload.planner import Workload
+    from specoffload.planner.units import format_bytes
 
+    from .engine import Engine
     from .models.model import Transformer
-    from .offload.engine import OffloadEngine
-    from .offload.memory import format_bytes, machine_memory_bytes
-    from .offload.placement import ModelShape
     from .offload.profiler import load_or_measure, profile_path
+    from .planning import ModelPair, job_max_seq_len, make_plan
     from .tokenizer import load_tokenizer
 
+    prompts = read_prompts_file(args.prompts) if args.prompts else []
     base = EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype, device_memory=args.device_memory,
-                        host_memory=args.host_memory, weights_tier=args.weights_tier, max_seq_len=args.max_seq_len)
-    profile = load_or_measure(base, quick=args.quick_profile, log=lambda m: print(m, file=sys.stderr))
-    print(f"hardware profile: {profile_path(base)}", file=sys.stderr)
-    prompts: list[list[int]] = []
-    if args.prompts:
-        tok = load_tokenizer(args.target)
-        for p in read_prompts_file(args.prompts):
-            prompts.append(tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p))
+                        host_memory=args.host_memory, weights_tier=args.weights_tier, max_seq_len=args.max_seq_len,
+                        num_draft_tokens=args.num_draft_tokens, max_batch_size=args.batch_size)
+    max_seq_len = job_max_seq_len(base, prompts, args.max_new_tokens)
+    config = replace(base, max_seq_len=max_seq_len)  # what `specoffload generate` sizes the KV caches to
+    profile = load_or_measure(config, quick=args.quick_profile, log=lambda m: print(m, file=sys.stderr))
+    print(f"hardware profile: {profile_path(config)}", file=sys.stderr)
+    tok = load_tokenizer(args.target) if any(isinstance(p, str) for p in prompts) else None
+    encoded = [tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]
     alpha, alpha_source = args.alpha, "--alpha"
-    if alpha is None and prompts and args.draft:
-        seq = args.max_seq_len or max(len(p) for p in prompts[:4]) + 32
-        warm = OffloadEngine(replace(base, max_batch_size=2, num_draft_tokens=4, max_seq_len=seq))
-        warm.generate(prompts[:4], SamplingParams(max_new_tokens=16, ignore_eos=True))
-        estimate = warm.tracker.estimate()
+    if alpha is None and encoded and args.draft:
+        seq = max(len(p) for p in encoded[:4]) + 32
+        warm = Engine(replace(base, max_batch_size=2, num_draft_tokens=4, max_seq_len=seq))
+        try:
+            warm.generate(encoded[:4], SamplingParams(max_new_tokens=16, ignore_eos=True))
+        finally:
+            warm.close()
+        estimate = warm.replanner.tracker.estimate()
         if estimate is not None:
             alpha = estimate.alpha
             alpha_source = f"warm-up on 4 of the job's prompts ({estimate.trials:.0f} draft positions tried)"
-        del warm
     if alpha is None:
         alpha, alpha_source = base.acceptance_prior, "prior (no prompts to measure it on)"
-    mean_prompt = sum(map(len, prompts)) / len(prompts) if prompts else 256
-    context = args.max_seq_len or int(max(map(len, prompts), default=256) + args.max_new_tokens)
-    workload = Workload(num_prompts=len(prompts) or 256, prompt_len=mean_prompt, new_tokens=args.max_new_tokens)
+    mean_prompt = sum(map(len, encoded)) / len(encoded) if encoded else max_seq_len / 2
+    workload = Workload(num_prompts=len(encoded) or 256, prompt_len=mean_prompt, new_tokens=args.max_new_tokens)
     target = Transformer(args.target, dtype=base.torch_dtype)  # shapes only: no weights are loaded
     draft = Transformer(args.draft, dtype=base.torch_dtype) if args.draft else None
-    result = search(
-        profile, ModelShape.from_loader("target", target.loader),
-        ModelShape.from_loader("draft", draft.loader) if draft else None, workload, alpha,
-        int(base.device_memory), int(base.host_memory or machine_memory_bytes()), context=context,
-        weights_tier=base.weights_tier, unified_memory=base.host_memory is None,
-        dtype_bytes=base.torch_dtype.itemsize,
-        top_k=target.config.num_experts_per_tok if target.config.num_experts else 0,
-    )
-    best = result.best
+    plan = make_plan(config, ModelPair.of(target, draft), max_seq_len, workload=workload, alpha=alpha,
+                     profile=profile)
     print(f"workload: {workload.num_prompts} prompts x {workload.prompt_len:.0f} tokens, "
-          f"{workload.new_tokens} new tokens; acceptance alpha = {alpha:.3f} ({alpha_source})")
+          f"{workload.new_tokens} new tokens, KV sized for {max_seq_len} tokens per row; "
+          f"acceptance alpha = {alpha:.3f} ({alpha_source})")
+    if plan.policy is None:
+        print(f"fixed plan (--batch-size and -k given): {plan.describe()}")
+        return 0
+    best = plan.policy
     print(f"chosen policy: batch {best.decode_batch} (prefill = decode = draft batch), k = {best.k}: "
           f"predicted {best.predicted_tokens_per_s:.2f} tokens/s")
     print(best.placement_table)
     print("\n| batch | k | predicted tok/s | bound | device memory |")
     print("|---:|---:|---:|---|---:|")
-    for p in result.alternatives[: args.top]:
+    for p in plan.alternatives[: args.top]:
         bound = p.estimate.step.bound if p.estimate is not None else ""
         print(f"| {p.decode_batch} | {p.k} | {p.predicted_tokens_per_s:.2f} | {bound} | "
               f"{format_bytes(int(p.memory.get('device_footprint', 0)))} |")
-    if result.infeasible:
-        print(f"\n{len(result.infeasible)} (batch, k) pairs do not fit the budget, e.g. "
-              f"{result.infeasible[0][0]}, {result.infeasible[0][1]}: {result.infeasible[0][2][:160]}")
+    print(f"\nrun it: specoffload generate ... --device-memory {args.device_memory} --max-seq-len {max_seq_len} "
+          f"--batch-size {best.decode_batch} -k {best.k}")
     return 0
 
 
-class _LocalBackend:
-    """The in-process engine behind the chunk loop (resident Engine, or OffloadEngine with --device-memory)."""
-
-    def __init__(self, config: EngineConfig, args: argparse.Namespace) -> None:
-        from .engine import Engine  # heavy import (torch, transformers) only when needed
-        from .offload.engine import OffloadEngine
-
-        self.engine = OffloadEngine(config) if config.offloaded else Engine(config)
-        self.offloaded = isinstance(self.engine, OffloadEngine)
-        self.progress = not args.no_progress
-        self.bytes_read = self.passes = 0
-        if args.show_placement and self.offloaded:
-            print(self.engine.describe_placement(), file=sys.stderr)
-
-    def generate(self, prompts: list, params: SamplingParams) -> list:
-        results = self.engine.generate(prompts, params, progress=self.progress)
-        if self.offloaded:
-            self.bytes_read += self.engine.last_stats.bytes_read
-            self.passes += self.engine.last_stats.passes
-        return results
-
-    def report(self, args: argparse.Namespace) -> None:
-        if not self.offloaded:
-            return
-        engine = self.engine
-        if engine.policy is not None:
-            print(f"planner: batch {engine.config.max_batch_size}, k {engine.k}"
-                  f" (re-planned {len(engine.replans)} times)", file=sys.stderr)
-        print(f"weights read: {self.bytes_read / 1e9:.2f} GB in {self.passes} streamed passes", file=sys.stderr)
-        if args.trace is not None:
-            path = engine.tracer.save_chrome_trace(args.trace)
-            print(engine.tracer.breakdown().table(), file=sys.stderr)
-            print(f"trace: {path} (open in https://ui.perfetto.dev)", file=sys.stderr)
-
-    def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
-
-
-class _RayBackend:
-    """The Ray actor runtime (`specoffload.actors.connect`) behind the same chunk loop."""
-
-    def __init__(self, config: EngineConfig, args: argparse.Namespace) -> None:
-        if not config.offloaded:
-            raise ValueError("--backend ray runs the offloaded engine: give --device-memory")
-        if args.trace is not None:
-            raise ValueError("--trace is recorded by the local backend only; drop it or use --backend local")
-        # The one place the runtime reaches into actors/ (and so Ray): only when asked for, at call time.
-        from specoffload.actors import connect
-
-        self.handle = connect(config, args.ray_address)
-        self.bytes_read = self.passes = self.recoveries = 0
-        if args.show_placement:
-            print(self.handle.placement, file=sys.stderr)
-
-    def generate(self, prompts: list, params: SamplingParams) -> list:
-        results = self.handle.generate(prompts, params)
-        s = self.handle.stats()
-        self.bytes_read += int(s.get("bytes_read", 0))
-        self.passes += int(s.get("passes", 0))
-        self.recoveries += int(s.get("recoveries", 0))
-        return results
-
-    def report(self, args: argparse.Namespace) -> None:
-        print(f"weights read: {self.bytes_read / 1e9:.2f} GB in {self.passes} streamed passes; "
-              f"{self.recoveries} recoveries from lost actors", file=sys.stderr)
-
-    def close(self) -> None:
-        self.handle.shutdown()
-
-
 def _generate(args: argparse.Namespace) -> int:
+    from .backends import BackendOptions, load_backend
     from .outputs import JsonlSink
+    from .planning import job_max_seq_len
 
     if args.chunk_size < 1:
         raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
@@ -262,7 +198,11 @@ def _generate(args: argparse.Namespace) -> int:
         if not todo:
             print("nothing to do: every prompt has a row", file=sys.stderr)
             return 0
-        backend = _RayBackend(config, args) if args.backend == "ray" else _LocalBackend(config, args)
+        if config.offloaded:  # size the KV caches to the job, as `specoffload plan` does
+            config = replace(config, max_seq_len=job_max_seq_len(config, prompts, args.max_new_tokens))
+        options = BackendOptions(progress=not args.no_progress, show_placement=args.show_placement, trace=args.trace,
+                                 ray_address=args.ray_address)
+        backend = load_backend(args.backend)(config, options)
         tokens = drafted = accepted = 0
         start = time.perf_counter()
         try:
@@ -295,7 +235,7 @@ def _generate(args: argparse.Namespace) -> int:
             summary = f"{len(todo)} prompts, {tokens} new tokens in {wall:.1f} s: {rate:.1f} tokens/s"
             if args.draft:
                 summary += f", acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens)"
-            backend.report(args)
+            backend.report()
             print(summary, file=sys.stderr)
         finally:
             backend.close()

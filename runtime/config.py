@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .models.errors import SpecOffloadError
-from .offload.memory import MemorySizeError, parse_bytes
+from specoffload.planner.errors import SpecOffloadError
+from specoffload.planner.units import MemorySizeError, machine_memory_bytes, parse_bytes
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -23,14 +23,14 @@ class EngineConfig:
 
     target: HF checkpoint directory of the model whose output we reproduce.
     draft: checkpoint directory of a small model on the same vocabulary, or None for plain decoding.
-    num_draft_tokens: k, tokens the draft proposes per verification step (>= 1; unused without a draft), or
-        "auto" (offloaded engines only, and their default): the planner picks k (0 = no speculation) from the
-        measured hardware profile and re-plans it online from the observed acceptance rate.
+    num_draft_tokens: k, tokens the draft proposes per verification step (0 = no speculation: the draft is not
+        loaded; unused without a draft), or "auto" (offloaded only, and its default): the planner picks k
+        (0 included) from the measured hardware profile and re-plans it online from the observed acceptance rate.
     max_batch_size: rows decoded together; finished rows are refilled from waiting prompts; "auto" (offloaded
-        engines only, and their default): the planner picks it under the memory budget. Resident default: 16.
+        only, and its default): the planner picks it under the memory budget. Resident default: 16.
     num_threads: torch intra-op threads (None: leave torch's default, one per core).
 
-    Offloading (the target streams its weights; see runtime/offload/). Set `device_memory` to turn it on:
+    Offloading (the target streams its weights; see runtime/offload/). Setting `device_memory` turns it on:
     device_memory: bytes (or "4GiB", "512MiB", ...) the engine may keep resident where compute happens: the draft
         model and its KV cache, the target's resident parts and the ring of weight buffers. On "cpu" the device
         *is* host memory, so unless host_memory is given the target's KV cache (and a "ram" weights tier) count
@@ -46,7 +46,7 @@ class EngineConfig:
     replan_interval: with k "auto", re-estimate the acceptance rate and re-plan k every this many verify rounds.
     expert_loading: MoE only: "selected" loads only the experts the router picks for the batch, "all" loads
         every expert of a layer ahead of use, "auto" picks by the expected number of distinct experts.
-    trace: record a timed span per pipeline operation (for `OffloadEngine.tracer`).
+    trace: record a timed span per pipeline operation (for `Engine.tracer`).
     """
 
     target: str | Path
@@ -75,8 +75,8 @@ class EngineConfig:
         if self.max_batch_size is None:
             object.__setattr__(self, "max_batch_size", "auto" if self.device_memory is not None else 16)
         k, batch = self.num_draft_tokens, self.max_batch_size
-        if k != "auto" and (not isinstance(k, int) or k < 1):
-            raise ConfigError(f"num_draft_tokens (k) must be an integer >= 1 or 'auto', got {k!r}")
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ConfigError(f"num_draft_tokens (k) must be an integer >= 0 (0: no speculation) or 'auto', got {k!r}")
         if batch != "auto" and (not isinstance(batch, int) or batch < 1):
             raise ConfigError(f"max_batch_size must be an integer >= 1 or 'auto', got {batch!r}")
         if "auto" in (k, batch) and self.device_memory is None:
@@ -118,3 +118,14 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def unified_memory(self) -> bool:
+        """On the CPU the device *is* host memory: one budget (device_memory) for everything, unless the user
+        split it by giving host_memory."""
+        return torch.device(self.device).type == "cpu" and self.host_memory is None
+
+    @property
+    def host_budget(self) -> int:
+        """Bytes of host RAM for the target KV cache and the "ram" weights tier: host_memory, else the machine's."""
+        return int(self.host_memory) if self.host_memory is not None else machine_memory_bytes()

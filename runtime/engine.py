@@ -1,23 +1,47 @@
-"""The in-process engine: continuous batching around a lossless speculative step."""
+"""`Engine`: the one front door. It does what the config says: with `device_memory` set, the target streams its
+weights through the interleaved pipeline (runtime/offload/); without it, every weight is resident.
+
+The life of a request, top-down:
+  1. `Engine(config)` reads the checkpoints' headers (nothing is loaded yet), checks that the draft shares the
+     target's vocabulary, and makes the `Plan` (runtime/planning.py: batch, k, k_max, KV length per row; the
+     planner's search when the config says "auto"). Offloaded, it also places every part and cache under the
+     budget (planner/placement.py) and builds the workers (`workers`: in this process by default, or role actors
+     from actors/) and the drafter the plan asks for (offload/drafters.py).
+  2. `generate(prompts)` encodes and checks the prompts, turns them into `Request`s, and hands them to the runner:
+     `Pipeline` (offload/pipeline.py) or `ResidentRunner` (resident.py). Both verify drafts losslessly
+     (runtime/verify.py): greedy output equals the target's own, token for token.
+  3. Results come back in input order, with per-request acceptance counts; `last_stats` holds the totals.
+
+Which file to touch: a new drafter is a class in offload/drafters.py (and a line in `make_drafter`); a new model
+family is runtime/models/ (config.py, checkpoint names in weights.py, layers.py); a new backend is a
+`WorkerFactory` and a `Recovery` (offload/workers.py, offload/pipeline.py) registered as a CLI backend
+(runtime/backends.py).
+"""
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
-from .config import EngineConfig
-from .kv_cache import KVCache
-from .models.errors import SpecOffloadError
+from specoffload.planner import HardwareProfile
+from specoffload.planner.errors import SpecOffloadError
+from specoffload.planner.placement import Placement
+from specoffload.planner.plan import Plan
+
+from .config import ConfigError, EngineConfig
 from .models.model import Transformer
+from .offload.pipeline import Pipeline, Recovery
+from .offload.profiler import load_or_measure
+from .offload.replan import KReplanner
+from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
+from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
 from .request import GenerationResult, Request
+from .resident import ResidentRunner
 from .sampling import SamplingParams
-from .speculative import SpeculativeStep, StepTimes, pad_right
+from .stats import GenerateStats, OffloadStats
 from .tokenizer import load_tokenizer
+from .trace import Tracer
 
 Prompt = str | Sequence[int]
 
@@ -30,58 +54,60 @@ class VocabularyMismatchError(SpecOffloadError):
     """Draft and target do not share a vocabulary."""
 
 
-@dataclass(frozen=True)
-class GenerateStats:
-    """Totals for one `generate` call."""
-
-    num_prompts: int
-    prompt_tokens: int
-    generated_tokens: int
-    num_drafted: int
-    num_accepted: int
-    steps: int
-    wall_s: float
-    prefill_s: float
-    draft_s: float
-    target_s: float
-    verify_s: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
-
-
 class Engine:
-    """Generates completions with the target model, optionally speculating with a draft model.
+    """Generates completions with the target model, speculating with a drafter when the plan says so.
 
-    Greedy output equals the target's own greedy decoding; sampled output follows the target's
-    (warped) distribution exactly (see `verify.verify_sampling`).
+    workers: how an offloaded engine builds its workers (default: in this process); recovery: what it does
+    when one is lost mid-generation (default: nothing, the error propagates). Both are for backends (actors/).
+    plan: a ready plan (e.g. from `specoffload plan`); default: made from the config.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, workers: WorkerFactory | None = None,
+                 recovery: Recovery | None = None, plan: Plan | None = None) -> None:
         self.config = config
+        if config.offloaded and torch.device(config.device).type != "cpu":
+            raise ConfigError(
+                "the offloaded pipeline runs on device 'cpu' only so far (its CUDA copy-stream path is untested); "
+                "drop device_memory to run every weight resident on CUDA"
+            )
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        dtype, device = config.torch_dtype, config.device
-        self.target = Transformer(config.target, dtype=dtype, device=device)
-        self.draft = Transformer(config.draft, dtype=dtype, device=device) if config.draft else None
+        dtype = config.torch_dtype
+        self.target = Transformer(config.target, dtype=dtype, device=config.device)  # headers only: nothing loaded
         self.tokenizer = load_tokenizer(config.target)
-        if self.draft is not None:
-            self._check_vocabularies()
-        # Everything is resident in the in-process engine: load now, not inside the first timed step.
-        for model in (self.target, self.draft):
-            if model is not None:
-                model.preload()
+        draft_model = Transformer(config.draft, dtype=dtype, device=config.device) if config.draft else None
+        if draft_model is not None:
+            self._check_vocabularies(draft_model)
+        cfg = self.target.config
+        self.models = ModelPair.of(self.target, draft_model)
+        resident_context = None if config.offloaded else cfg.max_position_embeddings  # the resident KV grows
+        max_seq_len = resolve_max_seq_len(config.max_seq_len or resident_context, cfg.max_position_embeddings)
+        self.profile: HardwareProfile | None = None
+        if plan is None:
+            if config.planned:
+                self.profile = load_or_measure(config)
+            plan = make_plan(config, self.models, max_seq_len, profile=self.profile)
+        self.plan = plan
+        self.tracer = Tracer(enabled=config.trace)
         self.last_stats: GenerateStats | None = None
+        self.placement: Placement | None = None
+        self.pipeline: Pipeline | None = None
+        self.workers: Workers | None = None
+        if not config.offloaded:
+            self.runner: Pipeline | ResidentRunner = ResidentRunner(self.target, draft_model, plan)
+            return
+        self.placement = place_plan(config, plan, self.models)  # PlacementError (with the minimum) if too small
+        self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
+                                                     self._select_experts())
+        self.replanner = KReplanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
+                                    self.placement)
+        self.workers = (workers or local_workers)(config, self.weight_plan, plan)
+        self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,
+                                               self.tracer, recovery, config.num_threads)
 
-    # ---- validation -------------------------------------------------------------------------
-    def _check_vocabularies(self) -> None:
-        assert self.draft is not None
-        t, d = self.target.config.vocab_size, self.draft.config.vocab_size
+    # ---- construction -----------------------------------------------------------------------------------------------
+    def _check_vocabularies(self, draft: Transformer) -> None:
+        t, d = self.target.config.vocab_size, draft.config.vocab_size
         problem = None
         if t != d:
             problem = f"vocab_size {t} (target) != {d} (draft)"
@@ -95,6 +121,52 @@ class Engine:
                 f"draft model {self.config.draft} and target model {self.config.target} do not share a "
                 f"vocabulary: {problem}. Speculative decoding needs a draft on the target's vocabulary."
             )
+
+    def _select_experts(self) -> bool:
+        """MoE: load only the experts the router picks for the batch? Needs attention and routers resident (they
+        run before routing) and the disk tier (the ffn op reads the routed experts itself)."""
+        cfg, policy = self.target.config, self.config.expert_loading
+        assert self.placement is not None
+        if not cfg.num_experts or policy == "all" or self.config.weights_tier != "disk":
+            return False
+        if any(self.placement.is_streamed(k) for k in self.placement.tiers if k.kind in ("attention", "router")):
+            return False
+        if policy == "selected":
+            return True
+        # auto: expected distinct experts among the routing picks of one pass (tokens x top_k, uniform routing)
+        tokens = self.plan.batch * (self.plan.k + 1)
+        expected = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** tokens)
+        return expected < 0.75 * cfg.num_experts
+
+    # ---- what it decided --------------------------------------------------------------------------------------------
+    @property
+    def max_seq_len(self) -> int:
+        return self.plan.max_seq_len
+
+    def describe_placement(self) -> str:
+        """The placement table (offloaded), or a line saying every weight is resident."""
+        return self.placement.table() if self.placement is not None else "every weight resident (no device_memory)"
+
+    def minimum_device_memory(self) -> int:
+        """The smallest device_memory that places this model pair under the current plan."""
+        return plan_minimum_device_memory(self.config, self.plan, self.models)
+
+    # ---- generation -------------------------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams | None = None, progress: bool = False
+    ) -> list[GenerationResult]:
+        """Complete every prompt; results come back in input order."""
+        params = params or SamplingParams()
+        encoded = self._encode(prompts)
+        cfg = self.target.config
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(cfg.eos_token_ids)
+        )
+        requests = [Request(i, ids, min(params.max_new_tokens, self.max_seq_len - len(ids)), stop_ids)
+                    for i, ids in enumerate(encoded)]
+        with torch.inference_mode():
+            self.last_stats = self.runner.run(requests, params, progress)
+        return [self._result(r) for r in requests]
 
     def _encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -123,137 +195,13 @@ class Engine:
                     f"prompt {i} has {len(ids)} tokens; the target's context is {context} tokens "
                     "(the prompt must leave room for at least one new token)"
                 )
+            if len(ids) >= self.max_seq_len:
+                raise PromptError(
+                    f"prompt {i} has {len(ids)} tokens; this engine's KV caches hold {self.max_seq_len} tokens per "
+                    "row (max_seq_len): raise max_seq_len or shorten the prompt"
+                )
             encoded.append(ids)
         return encoded
-
-    # ---- generation -------------------------------------------------------------------------
-    def generate(
-        self, prompts: Sequence[Prompt], params: SamplingParams | None = None, progress: bool = False
-    ) -> list[GenerationResult]:
-        """Complete every prompt; results come back in input order."""
-        params = params or SamplingParams()
-        encoded = self._encode(prompts)
-        with torch.inference_mode():
-            return self._generate(encoded, params, progress)
-
-    def _generate(self, encoded: list[list[int]], params: SamplingParams, progress: bool) -> list[GenerationResult]:
-        start = time.perf_counter()
-        cfg = self.target.config
-        k = self.config.num_draft_tokens if self.draft is not None else 0
-        stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else frozenset(cfg.eos_token_ids)
-        )
-        context = cfg.max_position_embeddings
-        requests = [
-            Request(i, ids, min(params.max_new_tokens, context - len(ids)), stop_ids)
-            for i, ids in enumerate(encoded)
-        ]
-        # Room for the longest prompt, its output, and the k + 1 speculative positions of a step.
-        capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + k + 1
-        rows = min(self.config.max_batch_size, len(requests))
-        t_cache = self.target.new_cache(rows, capacity)
-        d_cache = self.draft.new_cache(rows, capacity) if self.draft is not None else None
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
-        step = SpeculativeStep(self.target, self.draft, params, generator)
-        times = StepTimes()
-        waiting = deque(requests)
-        slots: list[Request | None] = [None] * rows
-        bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
-        prefill_s = 0.0
-        steps = 0
-        while True:
-            t0 = time.perf_counter()
-            self._admit(waiting, slots, t_cache, d_cache)
-            prefill_s += time.perf_counter() - t0
-            if not waiting and any(s is None for s in slots):
-                keep = [i for i, s in enumerate(slots) if s is not None]
-                if not keep:
-                    break
-                t_cache.select_rows(keep)
-                if d_cache is not None:
-                    d_cache.select_rows(keep)
-                slots = [slots[i] for i in keep]
-            active: list[Request] = [s for s in slots if s is not None]
-            # Never draft past the longest remaining budget: k may change from step to step.
-            k_step = min(k, max(r.remaining for r in active) - 1)
-            self._step(step, active, t_cache, d_cache, k_step, times)
-            steps += 1
-            for i, r in enumerate(slots):
-                if r is not None and r.finished:
-                    slots[i] = None
-                    bar.update(1)
-        bar.close()
-        results = [self._result(r) for r in requests]
-        self.last_stats = GenerateStats(
-            num_prompts=len(requests),
-            prompt_tokens=sum(len(r.prompt) for r in requests),
-            generated_tokens=sum(len(r.output) for r in requests),
-            num_drafted=sum(r.num_drafted for r in requests),
-            num_accepted=sum(r.num_accepted for r in requests),
-            steps=steps,
-            wall_s=time.perf_counter() - start,
-            prefill_s=prefill_s,
-            draft_s=times.draft,
-            target_s=times.target,
-            verify_s=times.verify,
-        )
-        return results
-
-    def _admit(self, waiting: deque[Request], slots: list[Request | None], t_cache: KVCache,
-               d_cache: KVCache | None) -> None:
-        """Fill free slots from the queue and prefill the new rows (all but their last prompt token)."""
-        free = [i for i, s in enumerate(slots) if s is None]
-        new = [(i, waiting.popleft()) for i in free[: len(waiting)]]
-        if not new:
-            return
-        for i, r in new:
-            slots[i] = r
-        rows = [i for i, _ in new]
-        prefixes = [r.prompt[:-1] for _, r in new]
-        for model, cache in ((self.target, t_cache), (self.draft, d_cache)):
-            if model is None or cache is None:
-                continue
-            cache.reset_rows(rows)
-            if max(len(p) for p in prefixes) == 0:
-                continue
-            ids, num_new = pad_right(prefixes)  # rows with a one-token prompt have num_new 0
-            tmp = model.new_cache(len(rows), ids.shape[1])
-            model.forward(ids, tmp, num_new=num_new, output_positions=None, compute_logits=False)
-            cache.assign_rows(rows, tmp)
-
-    def _step(self, step: SpeculativeStep, active: list[Request], t_cache: KVCache, d_cache: KVCache | None,
-              k: int, times: StepTimes) -> None:
-        committed = [r.num_tokens for r in active]
-        t0 = time.perf_counter()
-        draft_tokens = torch.zeros((len(active), 0), dtype=torch.long)  # [batch, k]
-        p = None
-        if k >= 1 and d_cache is not None:
-            d_len = d_cache.lengths.tolist()
-            unfed = [r.tokens[d_len[b]:] for b, r in enumerate(active)]
-            draft_tokens, p = step.propose(d_cache, unfed, k)
-        t1 = time.perf_counter()
-        pending = torch.tensor([r.tokens[-1] for r in active], dtype=torch.long)  # [batch]
-        result = step.verify(t_cache, pending, draft_tokens, p)
-        t2 = time.perf_counter()
-        accepted = result.num_accepted.tolist()
-        emitted = result.tokens.tolist()
-        for b, r in enumerate(active):
-            n = accepted[b]
-            r.num_drafted += k
-            r.num_accepted += n
-            r.commit(emitted[b][: n + 1])
-        # Target cache: keep pending + the n accepted drafts (the new last token is pending).
-        t_cache.truncate(torch.tensor([c + n for c, n in zip(committed, accepted)], dtype=torch.long))
-        if d_cache is not None and k >= 1:
-            # Draft cache saw committed + d_1..d_{k-1}; keep what the target accepted.
-            d_cache.truncate(torch.tensor([c + min(n, k - 1) for c, n in zip(committed, accepted)],
-                                          dtype=torch.long))
-        t3 = time.perf_counter()
-        times.draft += t1 - t0
-        times.target += t2 - t1
-        times.verify += t3 - t2
 
     def _result(self, r: Request) -> GenerationResult:
         text = None
@@ -269,3 +217,11 @@ class Engine:
             num_accepted=r.num_accepted,
         )
 
+    def close(self) -> None:
+        """Release the workers (reader threads, files, shared memory of a backend)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+
+__all__ = ["Engine", "GenerateStats", "OffloadStats", "PromptError", "Prompt", "VocabularyMismatchError"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .models.errors import SpecOffloadError
+from specoffload.planner.errors import SpecOffloadError
 
 
 class CacheCapacityError(SpecOffloadError):

@@ -24,6 +24,7 @@ trace of one of its steps. Writes docs/perf/offload.json and a section of docs/p
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import platform
 import statistics
@@ -37,11 +38,13 @@ import torch
 from scripts.common import PERF, drop_caches, median_spread, utc_now, write_json
 from scripts.get_models import model_dir
 from scripts.readme_section import write_section
+from specoffload.planner.placement import PlacementError
+from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime import EngineConfig, SamplingParams
+from specoffload.runtime.engine import Engine
 from specoffload.runtime.offload.direct_io import AlignedBuffer, DirectReader
-from specoffload.runtime.offload.engine import OffloadEngine
-from specoffload.runtime.offload.memory import format_bytes, parse_bytes
-from specoffload.runtime.offload.placement import PlacementError
+from specoffload.runtime.offload.drafters import ModelDrafter
+from specoffload.runtime.offload.workers import local_workers
 from specoffload.runtime.prompts import humaneval_prompts
 
 
@@ -68,27 +71,27 @@ def roofline(checkpoint: Path) -> dict[str, float]:
     return out
 
 
-class RandomDraftEngine(OffloadEngine):
-    """Runs the real draft model (same compute) but proposes uniformly random tokens."""
+class RandomDrafter(ModelDrafter):
+    """Runs the real draft model (same compute, same KV) but proposes uniformly random tokens: attribution of the
+    speed-up to accepted tokens rather than to the draft's compute (greedy; sampled, its probs are uniform)."""
 
-    def _op_draft(self, op) -> None:  # noqa: ANN001
-        super()._op_draft(op)
-        b = self._batches[op.batch]
-        if not b.rows:
-            return
-        rand = torch.randint(0, self.target.config.vocab_size, (len(b.rows),), generator=self._rand)
-        if b.drafts is not None and b.drafts.shape[1] == op.token + 1:  # the round's last token
-            b.drafts[:, -1] = rand
-        elif len(b.draft_tokens) == op.token + 1:
-            b.draft_tokens[-1] = rand
+    def __init__(self, config: EngineConfig, weights=None, slots=None) -> None:  # noqa: ANN001
+        super().__init__(config, weights, slots)
+        self.rand = torch.Generator().manual_seed(0)
 
-    _rand = torch.Generator().manual_seed(0)
+    def propose(self, batch, ids, num_new, params):  # noqa: ANN001, ANN201
+        token, probs = super().propose(batch, ids, num_new, params)
+        rand = torch.randint(0, self.model.config.vocab_size, token.shape, generator=self.rand)
+        return rand, None if probs is None else torch.full_like(probs, 1.0 / probs.shape[-1])
 
 
-def run_ours(label: str, cls: type, config: EngineConfig, prompts: list[list[int]], params: SamplingParams,
-             reps: int) -> dict:
+RANDOM_DRAFT_WORKERS = functools.partial(local_workers, drafter=RandomDrafter)
+
+
+def run_ours(label: str, config: EngineConfig, prompts: list[list[int]], params: SamplingParams,
+             reps: int, workers=None) -> dict:  # noqa: ANN001 - a WorkerFactory
     try:
-        engine = cls(config)
+        engine = Engine(config, workers=workers)
     except PlacementError as exc:
         print(f"  {label} batch {config.max_batch_size}: does not fit: {exc}", flush=True)
         return {"system": label, "batch": config.max_batch_size, "fits": False, "error": str(exc)}
@@ -193,16 +196,16 @@ def main() -> int:
     common = dict(target=target, max_seq_len=args.prompt_tokens + args.new_tokens, device_memory=budget,
                   num_draft_tokens=args.k, trace=True)
     for b in map(int, args.plain_batches.split(",")):
-        rows.append(run_ours("(2) ours, no draft", OffloadEngine, EngineConfig(**common, max_batch_size=b),
+        rows.append(run_ours("(2) ours, no draft", EngineConfig(**common, max_batch_size=b),
                              prompts, params, args.reps))
     for b in map(int, args.draft_batches.split(",")):
-        rows.append(run_ours("(3) ours, draft", OffloadEngine,
-                             EngineConfig(**common, draft=draft, max_batch_size=b), prompts, params, args.reps))
+        rows.append(run_ours("(3) ours, draft", EngineConfig(**common, draft=draft, max_batch_size=b), prompts,
+                             params, args.reps))
     fitting3 = [r for r in rows if r["system"].startswith("(3)") and r["fits"]]
     if fitting3:
         b3 = max(fitting3, key=lambda r: r["tok_s_median"])["batch"]
-        rows.append(run_ours("(4) ours, random draft", RandomDraftEngine,
-                             EngineConfig(**common, draft=draft, max_batch_size=b3), prompts, params, args.reps))
+        rows.append(run_ours("(4) ours, random draft", EngineConfig(**common, draft=draft, max_batch_size=b3),
+                             prompts, params, args.reps, workers=RANDOM_DRAFT_WORKERS))
     report(args, budget, roof, rows)
     return 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Benchmark: the Ray backend (coordinator + four role actors, tensors through shared memory) vs the local backend
-(`OffloadEngine`, the same workers as threads of one process) on one offloaded workload.
+(`Engine`, the same workers as threads of one process) on one offloaded workload.
 
 The real Qwen2.5-Coder pair (1.5B target streamed from disk with O_DIRECT under `--budget`, 0.5B draft resident),
 HumanEval prompts cut to `--prompt-tokens`, greedy, EOS ignored. Each backend runs in its own fresh process (never
@@ -63,9 +63,9 @@ def worker(args: argparse.Namespace) -> dict:
                           num_draft_tokens=args.k, max_seq_len=args.prompt_tokens + args.new_tokens)
     t0 = time.perf_counter()
     if args.worker == "local":
-        from specoffload.runtime.offload.engine import OffloadEngine
+        from specoffload.runtime.engine import Engine
 
-        engine = OffloadEngine(config)
+        engine = Engine(config)
         generate, stats, close = engine.generate, (lambda: dataclasses.asdict(engine.last_stats)), engine.close
         pids = lambda: [os.getpid()]  # noqa: E731
     else:

@@ -38,7 +38,7 @@ import zmq
 
 from scripts.common import PERF, median_spread, utc_now, write_json
 from scripts.readme_section import write_section
-from specoffload.runtime.offload.memory import parse_bytes
+from specoffload.planner.units import parse_bytes
 from specoffload.runtime.transport.arena import Arena, Region
 from specoffload.runtime.transport.channel import ChannelConfig, Client, Server
 from specoffload.runtime.transport.codec import (

@@ -7,30 +7,18 @@ bench_generate, cold O_DIRECT disk reads in bench_offload; each JSON keeps its o
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import statistics
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specoffload.runtime.offload.direct_io import drop_page_cache as drop_caches  # the one page-cache drop
+
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 PERF = ROOT / "docs" / "perf"  # benchmark results: JSON per benchmark, sections of its README.md
 
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
-
-
-def drop_caches() -> None:
-    """Flush dirty pages, then drop the whole page cache (needs root; silently skipped without it).
-
-    Benchmarks call it before each timed run so a warm cache cannot flatter a disk read. Our engine's
-    streamed reads use O_DIRECT and are cold either way; baselines reading through the page cache need
-    a per-file eviction as well (``posix_fadvise``, see hf_disk_offload.py), which works without root.
-    """
-    os.sync()
-    with contextlib.suppress(OSError):
-        DROP_CACHES.write_text("1\n")
+__all__ = ["PERF", "ROOT", "drop_caches", "median_spread", "utc_now", "write_json"]
 
 
 def utc_now() -> str:

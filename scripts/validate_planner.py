@@ -33,20 +33,21 @@ from scripts.get_models import model_dir
 from scripts.readme_section import write_section
 from specoffload.planner import Workload, estimate_workload, search
 from specoffload.planner.cost import ModelCosts
+from specoffload.planner.placement import PlacementError, PlacementPolicy, place
+from specoffload.planner.units import format_bytes, machine_memory_bytes, parse_bytes
 from specoffload.runtime import EngineConfig, SamplingParams
+from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.model import Transformer
-from specoffload.runtime.offload.engine import OffloadEngine
-from specoffload.runtime.offload.memory import format_bytes, machine_memory_bytes, parse_bytes
-from specoffload.runtime.offload.placement import ModelShape, PlacementError, PlacementPolicy, place
 from specoffload.runtime.offload.profiler import load_or_measure
 from specoffload.runtime.prompts import humaneval_prompts
 
 
 def measure_alpha(base: EngineConfig, prompts: list[list[int]], new_tokens: int) -> float:
     """Per-position acceptance on a short warm-up over the job's first prompts (k = 4)."""
-    engine = OffloadEngine(replace(base, max_batch_size=2, num_draft_tokens=4))
+    engine = Engine(replace(base, max_batch_size=2, num_draft_tokens=4))
     engine.generate(prompts[:4], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-    estimate = engine.tracker.estimate()
+    estimate = engine.replanner.tracker.estimate()
+    engine.close()
     del engine
     gc.collect()
     return estimate.alpha if estimate is not None else 0.7
@@ -59,8 +60,8 @@ def run_setting(name: str, budget: int, args: argparse.Namespace, prompts: list[
     profile = load_or_measure(base, log=lambda m: print(f"[{name}] {m}", flush=True))
     alpha = measure_alpha(base, prompts, args.new_tokens)
     print(f"[{name}] budget {format_bytes(budget)}; measured alpha {alpha:.3f}", flush=True)
-    t_shape = ModelShape.from_loader("target", Transformer(target).loader)  # shapes only: nothing is loaded
-    d_shape = ModelShape.from_loader("draft", Transformer(draft).loader)
+    t_shape = Transformer(target).loader.shape("target")  # shapes only: nothing is loaded
+    d_shape = Transformer(draft).loader.shape("draft")
     workload = Workload(num_prompts=len(prompts), prompt_len=statistics.mean(map(len, prompts)),
                         new_tokens=args.new_tokens)
     costs = ModelCosts.from_shapes(t_shape, d_shape, dtype_bytes=4)
@@ -77,12 +78,13 @@ def run_setting(name: str, budget: int, args: argparse.Namespace, prompts: list[
             continue
         cost_k = costs if k else ModelCosts.from_shapes(t_shape, None, dtype_bytes=4)
         predicted = estimate_workload(profile, cost_k, placement, batch, k, alpha, workload).tokens_per_s
-        config = replace(base, max_batch_size=batch, num_draft_tokens=max(k, 1), draft=draft if k else None)
-        engine = OffloadEngine(config)
+        config = replace(base, max_batch_size=batch, num_draft_tokens=k)
+        engine = Engine(config)
         t = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))
         wall = time.perf_counter() - t
         measured = engine.last_stats.generated_tokens / wall
+        engine.close()
         del engine
         gc.collect()
         err = abs(predicted - measured) / measured

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specoffload.actors.coordinator import RayOffloadEngine
-from specoffload.actors.proxy import LanePool, RemoteTensor
-from specoffload.actors.roles import ROLES, AttentionRole, RoleInfo
+from specoffload.actors.coordinator import RoleWorkers
+from specoffload.actors.proxy import LanePool, RemoteTensor, proxy_class
+from specoffload.actors.roles import Role, RoleInfo
 from specoffload.runtime.config import EngineConfig
-from specoffload.runtime.offload.engine import OffloadEngine
+from specoffload.runtime.engine import Engine
 from specoffload.runtime.offload.workers import WeightPlan
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.arena import SHM_DIR, ArenaName
@@ -46,14 +46,14 @@ def _config(tiny_models, target: str, draft: str | None, budget: int | str = "1G
 def _min_budget(tiny_models, target: str, draft: str | None) -> int:
     old = torch.get_num_threads()  # the engine sets the config's thread count process-wide
     try:
-        return OffloadEngine(_config(tiny_models, target, draft)).minimum_device_memory()
+        return Engine(_config(tiny_models, target, draft)).minimum_device_memory()
     finally:
         torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    """Greedy tokens of the local backend (OffloadEngine in-process) at the minimum budget (weights stream)."""
+    """Greedy tokens of the local backend (Engine in-process) at the minimum budget (weights stream)."""
     cache: dict[tuple, list[list[int]]] = {}
 
     def get(target: str, draft: str | None, params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -61,7 +61,7 @@ def reference(tiny_models):
         if key not in cache:
             old = torch.get_num_threads()
             try:
-                engine = OffloadEngine(_config(tiny_models, target, draft, _min_budget(tiny_models, target, draft)))
+                engine = Engine(_config(tiny_models, target, draft, _min_budget(tiny_models, target, draft)))
                 assert engine.placement.streamed_layers
                 cache[key] = [r.token_ids for r in engine.generate(PROMPTS, params)]
             finally:
@@ -136,7 +136,7 @@ class InProcessGroup:
     """The roles served by threads of this process over their real sockets and arenas: the wire without Ray."""
 
     def __init__(self, config: EngineConfig, roles: list[str]) -> None:
-        self.actors = {role: ROLES[role](config, 1) for role in roles}
+        self.actors = {role: Role(role, config, 1) for role in roles}
         self.infos: dict[str, RoleInfo] = {}
 
     def setup(self, plan: WeightPlan) -> dict[str, RoleInfo]:
@@ -158,45 +158,77 @@ class InProcessGroup:
             actor.shutdown()
 
 
-class InProcessEngine(RayOffloadEngine):
-    def _launch_roles(self, config, roles):  # noqa: ANN001, ANN202
-        return InProcessGroup(config, roles)
+def in_process_engine(config: EngineConfig) -> tuple[Engine, RoleWorkers]:
+    """The coordinator's engine over roles served in this process: the Ray backend's wiring without Ray."""
+    roles = RoleWorkers(InProcessGroup(config, ["prefetch", "attention", "verifier", "draft"]))
+    return Engine(config, workers=roles, recovery=roles), roles
 
 
 @pytest.mark.parametrize(
     ("target", "draft"), [("llama", "qwen2_draft"), ("llama", None), ("qwen2_moe", "qwen2_draft"), ("mixtral", None)]
 )
 def test_roles_over_sockets_and_arenas_match_the_local_backend(tiny_models, reference, single_thread, target, draft):
-    engine = InProcessEngine(_config(tiny_models, target, draft, _min_budget(tiny_models, target, draft)))
+    engine, roles = in_process_engine(_config(tiny_models, target, draft, _min_budget(tiny_models, target, draft)))
     try:
         assert engine.placement.streamed_layers
         assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == reference(target, draft)
         stats = engine.last_stats
         assert stats.bytes_read > 0 and stats.generated_tokens == len(PROMPTS) * GREEDY.max_new_tokens
-        assert engine.lanes.in_use <= 2  # one chain per batch at most, freed after verify
+        assert roles.lanes.in_use <= 2  # one chain per batch at most, freed after verify
+        assert ("draft" in roles.proxies) == (draft is not None)  # no drafter role when the plan does not draft
         files = _files_of({os.getpid()})
         assert any("-slot0" in f for f in files) and any(f.endswith("-prefetch.sock") for f in files)
     finally:
         engine.close()
+        roles.close()
     assert not any("-prefetch" in f or "-slot" in f or "-attention" in f for f in _files_of({os.getpid()}))
 
 
 def test_seeded_sampling_over_the_wire_matches_the_local_backend(tiny_models, reference, single_thread):
     """The generators live in the workers and draw in the same order: a seeded sample is the same sample."""
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
-    engine = InProcessEngine(_config(tiny_models, "llama", "qwen2_draft", _min_budget(tiny_models, "llama",
-                                                                                      "qwen2_draft")))
+    engine, roles = in_process_engine(_config(tiny_models, "llama", "qwen2_draft",
+                                              _min_budget(tiny_models, "llama", "qwen2_draft")))
     try:
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == reference("llama", "qwen2_draft", params)
         assert engine.last_stats.num_drafted > 0
     finally:
         engine.close()
+        roles.close()
+
+
+def test_roles_and_proxies_are_derived_from_the_worker_classes(tiny_models, single_thread):
+    """The worker interface is declared once (@wire): each role serves exactly its worker class's wire methods, and
+    the generated proxy has each of them with the worker's own signature, and nothing else public."""
+    import inspect
+
+    from specoffload.runtime.offload.wire import wire_methods
+    from specoffload.runtime.offload.workers import worker_classes
+
+    config = _config(tiny_models, "llama", "qwen2_draft")
+    classes = worker_classes(config)
+    expected = {
+        "prefetch": {"load"},
+        "attention": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "embed", "attention"},
+        "verifier": {"seed", "ffn", "head", "verify"},
+        "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "seed", "propose"},
+    }
+    for role, cls in classes.items():
+        methods = wire_methods(cls)
+        assert set(methods) == expected[role], role
+        assert Role(role, config, 1).methods == frozenset(methods)
+        proxy = proxy_class(cls)
+        for name, spec in methods.items():
+            assert inspect.signature(getattr(proxy, name)) == spec.signature
+            assert getattr(proxy, name).__doc__ == spec.doc
+        assert {m.name for m in methods.values() if m.keep_outputs} <= {"embed", "attention", "ffn", "head"}
+    assert wire_methods(classes["verifier"])["verify"].returns_tuple
+    assert not wire_methods(classes["attention"])["lengths"].returns_tuple
 
 
 def test_a_role_refuses_what_is_not_a_worker_method(tiny_models, single_thread):
-    role = AttentionRole(_config(tiny_models, "llama", None), 1)
-    plan = OffloadEngine(_config(tiny_models, "llama", None)).plan
-    info = role.setup(plan)
+    role = Role("attention", _config(tiny_models, "llama", None), 1)
+    info = role.setup(Engine(_config(tiny_models, "llama", None)).weight_plan)
     try:
         assert info.channel.address.startswith("ipc://")  # ZeroMQ over ipc by default, never a network port
         with Client(info.channel) as client:

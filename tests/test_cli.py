@@ -37,7 +37,7 @@ def test_missing_checkpoint_and_bad_k(tmp_path, tiny_models, capsys):
     assert main(["generate", "--target", str(tmp_path / "missing"), "--prompts", str(prompts)]) == 2
     assert "missing" in capsys.readouterr().err
     rc = main(["generate", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"]),
-               "--prompts", str(prompts), "-k", "0"])
+               "--prompts", str(prompts), "-k", "-1"])
     assert rc == 2
     assert "num_draft_tokens" in capsys.readouterr().err
 

@@ -51,8 +51,8 @@ def test_out_of_vocabulary_ids(engine):
         engine.generate([[1, 10**7]])
 
 
-@pytest.mark.parametrize("k", [0, -1])
-def test_k_below_one(tiny_models, k):
+@pytest.mark.parametrize("k", [-1, 1.5, True])
+def test_k_not_a_draft_length(tiny_models, k):
     with pytest.raises(ConfigError, match="num_draft_tokens"):
         EngineConfig(target=tiny_models["llama"], draft=tiny_models["draft"], num_draft_tokens=k)
 

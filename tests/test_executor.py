@@ -89,7 +89,7 @@ def assert_ran_in_dependency_order(ops: Sequence[Op], fake: FakeOps) -> None:
 
 
 def test_schedule_runs_each_op_once_after_its_deps_one_at_a_time_per_resource() -> None:
-    ops = schedule_ops(3, 3, [0, 1, 2, 3], num_buffers=2, num_draft_tokens=2, attention_streamed=[1])
+    ops = schedule_ops(3, 3, [0, 1, 2, 3], num_buffers=2, draft_ops=2, attention_streamed=[1])
     fake = FakeOps(default=0.002)
     with OpExecutor(fake.handlers) as executor:
         executor.submit(ops)
@@ -302,7 +302,7 @@ def expected_args(op: Op) -> dict[str, int]:
 
 
 def test_tracer_gets_one_span_per_op_on_its_resource() -> None:
-    ops = schedule_ops(2, 2, [0, 1, 2], num_buffers=2, num_draft_tokens=1)
+    ops = schedule_ops(2, 2, [0, 1, 2], num_buffers=2, draft_ops=1)
     fake = FakeOps(default=0.001)
     tracer = Tracer()
     with OpExecutor(fake.handlers, tracer) as executor:

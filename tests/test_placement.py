@@ -9,12 +9,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from specoffload.runtime.models.checkpoint import Checkpoint
-from specoffload.runtime.models.config import ModelConfig
-from specoffload.runtime.models.errors import SpecOffloadError
-from specoffload.runtime.models.weights import PartKey, WeightLoader
-from specoffload.runtime.offload.memory import MemorySizeError, format_bytes, machine_memory_bytes, parse_bytes
-from specoffload.runtime.offload.placement import (
+from specoffload.planner.errors import SpecOffloadError
+from specoffload.planner.placement import (
     TIERS,
     ModelShape,
     Placement,
@@ -24,6 +20,10 @@ from specoffload.runtime.offload.placement import (
     place,
     priority_order,
 )
+from specoffload.planner.units import MemorySizeError, format_bytes, machine_memory_bytes, parse_bytes
+from specoffload.runtime.models.checkpoint import Checkpoint
+from specoffload.runtime.models.config import ModelConfig
+from specoffload.runtime.models.weights import PartKey, WeightLoader
 
 GiB = 1024**3
 FFN_KINDS = ("dense_mlp", "expert")
@@ -136,9 +136,37 @@ policies = st.builds(
 drafts = st.none() | shapes(name="draft", max_layers=2)
 
 
+def kv_bytes(shape: ModelShape, policy: PlacementPolicy) -> int:
+    """The oracle of a KV cache's size, written out from its definition: K and V of every token of every row of
+    every batch, at full context (not the production helper)."""
+    return shape.kv_bytes_per_token * policy.context * policy.batch_size * policy.num_batches
+
+
+def weight_bytes(shape: ModelShape) -> int:
+    return sum(nbytes for _, nbytes in shape.parts)
+
+
 def host_ceiling(target: ModelShape, policy: PlacementPolicy) -> int:
     """Host memory that is always enough: the target KV cache plus (weights_tier "ram") every target weight."""
-    return target.kv_cache_bytes(policy) + (target.total_bytes if policy.weights_tier == "ram" else 0)
+    return kv_bytes(target, policy) + (weight_bytes(target) if policy.weights_tier == "ram" else 0)
+
+
+def footprint_oracle(target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy,
+                     tiers: dict[PartKey, str]) -> tuple[int, int]:
+    """(device, host) bytes of a placement, from the module docstring's definition and the part tiers alone:
+    device = draft weights + draft KV + resident target parts + num_buffers x the largest streamed slot group
+    (a layer's streamed parts; the head alone), plus every host item under unified memory; host = target KV +
+    target weights on "host"."""
+    resident = sum(n for key, n in target.parts if tiers[key] == "device")
+    groups: dict[int, int] = {}
+    for key, n in target.parts:
+        if tiers[key] != "device" and key.kind != "embedding":
+            group = -1 if key.kind == "head" else key.layer
+            groups[group] = groups.get(group, 0) + n
+    draft_bytes = weight_bytes(draft) + kv_bytes(draft, policy) if draft is not None else 0
+    host = kv_bytes(target, policy) + sum(n for key, n in target.parts if tiers[key] == "host")
+    device = draft_bytes + resident + policy.num_buffers * max(groups.values(), default=0)
+    return device + (host if policy.unified_memory else 0), host
 
 
 def resident(placement: Placement) -> set[PartKey]:
@@ -183,9 +211,11 @@ def test_placement_fits_budgets_and_is_consistent(
         ffn_tiers = {p.tier(key) for key, _ in target.parts if key.layer == layer and key.kind in FFN_KINDS}
         assert len(ffn_tiers) == 1
     # the items account for every byte: draft, target weights, KV caches, ring
-    draft_bytes = draft.total_bytes + draft.kv_cache_bytes(policy) if draft else 0
-    expected = draft_bytes + target.total_bytes + target.kv_cache_bytes(policy) + policy.num_buffers * p.slot_bytes
+    draft_bytes = weight_bytes(draft) + kv_bytes(draft, policy) if draft else 0
+    expected = draft_bytes + weight_bytes(target) + kv_bytes(target, policy) + policy.num_buffers * p.slot_bytes
     assert sum(item.nbytes for item in p.items) == expected
+    # and the footprints are what the definition gives for these tiers
+    assert (p.device_bytes(), p.host_bytes()) == footprint_oracle(target, draft, policy, dict(p.tiers))
 
 
 @FAST
@@ -387,7 +417,7 @@ def test_from_loader_on_a_tiny_checkpoint(tiny_models: dict, name: str) -> None:
     path = tiny_models[name]
     config = ModelConfig.from_dir(path)
     loader = WeightLoader(Checkpoint(path), config, torch.float32, "cpu")
-    shape = ModelShape.from_loader(name, loader)
+    shape = loader.shape(name)
     assert [key for key, _ in shape.parts] == loader.parts()
     assert shape.total_bytes == loader.total_nbytes()
     assert shape.num_layers == config.num_layers
@@ -399,14 +429,14 @@ def test_from_loader_on_a_tiny_checkpoint(tiny_models: dict, name: str) -> None:
     assert tight.streamed_layers and tight.device_bytes() <= minimum
     assert tight.tier(PartKey("embedding")) == "disk"
     everything = place(shape, None, policy, 10**9, 10**9)
-    assert everything.streamed_layers == () and everything.device_bytes() == shape.total_bytes + shape.kv_cache_bytes(
-        policy
+    assert everything.streamed_layers == () and everything.device_bytes() == weight_bytes(shape) + kv_bytes(
+        shape, policy
     )
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 12, 28, 61])
 def test_spread_order_is_a_permutation_whose_prefixes_spread(n):
-    from specoffload.runtime.offload.placement import spread_order
+    from specoffload.planner.placement import spread_order
 
     order = spread_order(n)
     assert sorted(order) == list(range(n))

@@ -8,7 +8,6 @@ from specoffload.planner import HardwareProfile
 from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.offload import profiler
-from specoffload.runtime.offload.engine import OffloadEngine
 from specoffload.runtime.sampling import SamplingParams
 
 PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(6)]
@@ -39,9 +38,9 @@ def test_auto_policy_is_used_and_lossless(tiny_models, single_thread):
     ref = Engine(EngineConfig(tiny_models["llama"], max_batch_size=4)).generate(PROMPTS, GREEDY)
     config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory=1_400_000,
                           max_seq_len=48, num_draft_tokens="auto", max_batch_size="auto")
-    engine = OffloadEngine(config)
-    assert engine.policy is not None and engine.policy.predicted_tokens_per_s > 0
-    assert engine.config.max_batch_size == engine.policy.decode_batch
+    engine = Engine(config)
+    assert engine.plan.policy is not None and engine.plan.policy.predicted_tokens_per_s > 0
+    assert engine.plan.batch == engine.plan.policy.decode_batch and engine.plan.k == engine.plan.policy.k
     assert engine.placement.device_bytes() <= 1_400_000
     out = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
@@ -50,10 +49,11 @@ def test_auto_policy_is_used_and_lossless(tiny_models, single_thread):
 def test_online_replanning_raises_k_when_every_draft_is_accepted(tiny_models, single_thread, monkeypatch):
     """A self-draft accepts everything; starting at k = 1 (the initial search is restricted to it), the observed
     alpha of ~1 makes the online re-plan pick a larger k, and the output stays identical."""
-    from specoffload.runtime.offload import engine as engine_module
+    from specoffload.runtime import engine as engine_module
+    from specoffload.runtime import planning
 
-    real_search = engine_module.search
-    monkeypatch.setattr(engine_module, "search", lambda *a, **kw: real_search(*a, **{**kw, "ks": (1,)}))
+    real_search = planning.search
+    monkeypatch.setattr(planning, "search", lambda *a, **kw: real_search(*a, **{**kw, "ks": (1,)}))
     # An io-bound machine (slow stream, fast compute and draft), so that at alpha ~ 1 a longer k is clearly better
     # (tiny models measured on a shared CPU are too noisy to decide this reliably).
     io_bound = HardwareProfile(
@@ -64,19 +64,19 @@ def test_online_replanning_raises_k_when_every_draft_is_accepted(tiny_models, si
     monkeypatch.setattr(engine_module, "load_or_measure", lambda *a, **kw: io_bound)
     target = tiny_models["llama"]
     ref = Engine(EngineConfig(target, max_batch_size=3)).generate(PROMPTS, GREEDY)
-    probe = OffloadEngine(EngineConfig(target, draft=target, device_memory="1GiB", max_seq_len=48,
+    probe = Engine(EngineConfig(target, draft=target, device_memory="1GiB", max_seq_len=48,
                                        max_batch_size=3))
     budget = probe.minimum_device_memory()
-    engine = OffloadEngine(EngineConfig(target, draft=target, device_memory=budget, max_seq_len=48,
+    engine = Engine(EngineConfig(target, draft=target, device_memory=budget, max_seq_len=48,
                                         max_batch_size=3, num_draft_tokens="auto", acceptance_prior=0.05,
                                         replan_interval=2))
-    k0 = engine.k
-    assert k0 == 1 and engine.k_max > 1
+    k0 = engine.replanner.k
+    assert k0 == engine.plan.k == 1 and engine.plan.k_max > 1
     out = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
-    assert engine.replans, "no re-plan happened"
-    assert engine.replans[-1]["alpha"] > 0.9
-    assert engine.k > k0
+    assert engine.replanner.replans, "no re-plan happened"
+    assert engine.replanner.replans[-1]["alpha"] > 0.9
+    assert engine.replanner.k > k0
 
 
 def test_auto_without_a_budget_is_a_config_error(tiny_models):

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from specoffload.runtime.config import EngineConfig
-from specoffload.runtime.offload.engine import OffloadEngine
+from specoffload.runtime.engine import Engine
 from specoffload.runtime.sampling import SamplingParams
 
 BIN = Path(sys.executable).parent
@@ -134,9 +134,9 @@ def test_job_submit_runs_the_cli_on_the_ray_backend_and_resumes(ray_head, tiny_m
                   max_seq_len=48, num_draft_tokens=3, num_threads=1, device_memory="1GiB")
     old = torch.get_num_threads()
     try:
-        budget = OffloadEngine(EngineConfig(**config)).minimum_device_memory()
+        budget = Engine(EngineConfig(**config)).minimum_device_memory()
         config["device_memory"] = budget
-        local = OffloadEngine(EngineConfig(**config))
+        local = Engine(EngineConfig(**config))
         expected = [r.token_ids for r in local.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS,
                                                                                    ignore_eos=True))]
     finally:

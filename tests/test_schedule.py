@@ -46,13 +46,13 @@ class Config:
     num_layers: int
     streamed: frozenset[int]
     num_buffers: int
-    num_draft_tokens: int
+    draft_ops: int
     attention_streamed: frozenset[int]
     passes: tuple[tuple[bool, bool], ...]  # per step: (target, draft)
 
     def build(self) -> tuple[PipelineSchedule, list[list[Op]]]:
         sched = PipelineSchedule(
-            self.num_layers, sorted(self.streamed), self.num_buffers, self.num_draft_tokens, self.attention_streamed
+            self.num_layers, sorted(self.streamed), self.num_buffers, self.draft_ops, self.attention_streamed
         )
         steps = [sched.next_step(target=target, draft=draft) for target, draft in self.passes]
         return sched, steps
@@ -129,32 +129,32 @@ def slot_readers(ops: Sequence[Op], load: Op, num_layers: int, attention_streame
 
 def test_two_layers_all_streamed_two_buffers_one_draft_token() -> None:
     # Step 0 verifies batch 0 and drafts batch 1; step 1 swaps. The head streams as pseudo-layer 2.
-    sched = PipelineSchedule(2, [0, 1, 2], num_buffers=2, num_draft_tokens=1)
+    sched = PipelineSchedule(2, [0, 1, 2], num_buffers=2, draft_ops=1)
     sched.next_step()
     sched.next_step()
     assert lines(sched.ops) == [
         "0 load(i=0, j=0, slot=0) <- []",
         "1 load(i=0, j=1, slot=1) <- []",
-        "2 embed(i=0, k=0) <- []",
-        "3 attention(i=0, j=0, k=0) <- [2]",
-        "4 ffn(i=0, j=0, k=0, slot=0) <- [0, 3]",
+        "2 embed(i=0, b=0) <- []",
+        "3 attention(i=0, j=0, b=0) <- [2]",
+        "4 ffn(i=0, j=0, b=0, slot=0) <- [0, 3]",
         "5 load(i=0, j=2, slot=0) <- [4]",  # the head's load reuses slot 0 once ffn(0, 0) is done
-        "6 attention(i=0, j=1, k=0) <- [4]",
-        "7 ffn(i=0, j=1, k=0, slot=1) <- [1, 6]",
-        "8 draft(i=0, k=1, t=0) <- []",  # batch 1 has never been verified: nothing to wait for
-        "9 head(i=0, k=0, slot=0) <- [5, 7]",
-        "10 verify(i=0, k=0) <- [9]",
+        "6 attention(i=0, j=1, b=0) <- [4]",
+        "7 ffn(i=0, j=1, b=0, slot=1) <- [1, 6]",
+        "8 draft(i=0, b=1, t=0) <- []",  # batch 1 has never been verified: nothing to wait for
+        "9 head(i=0, b=0, slot=0) <- [5, 7]",
+        "10 verify(i=0, b=0) <- [9]",
         "11 load(i=1, j=0, slot=1) <- [7]",  # prefetch: waits for slot 1's last reader, not for verify(0)
         "12 load(i=1, j=1, slot=0) <- [9]",
-        "13 embed(i=1, k=1) <- [8]",  # batch 1's target pass waits for its draft from step 0
-        "14 attention(i=1, j=0, k=1) <- [13]",
-        "15 ffn(i=1, j=0, k=1, slot=1) <- [11, 14]",
+        "13 embed(i=1, b=1) <- [8]",  # batch 1's target pass waits for its draft from step 0
+        "14 attention(i=1, j=0, b=1) <- [13]",
+        "15 ffn(i=1, j=0, b=1, slot=1) <- [11, 14]",
         "16 load(i=1, j=2, slot=1) <- [15]",
-        "17 attention(i=1, j=1, k=1) <- [15]",
-        "18 ffn(i=1, j=1, k=1, slot=0) <- [12, 17]",
-        "19 draft(i=1, k=0, t=0) <- [10]",  # the swap: batch 0 drafts after its own verify of step 0
-        "20 head(i=1, k=1, slot=1) <- [16, 18]",
-        "21 verify(i=1, k=1) <- [20]",
+        "17 attention(i=1, j=1, b=1) <- [15]",
+        "18 ffn(i=1, j=1, b=1, slot=0) <- [12, 17]",
+        "19 draft(i=1, b=0, t=0) <- [10]",  # the swap: batch 0 drafts after its own verify of step 0
+        "20 head(i=1, b=1, slot=1) <- [16, 18]",
+        "21 verify(i=1, b=1) <- [20]",
     ]
     check_schedule(sched.ops, 2)
     assert [op.resource for op in sched.ops[:11]] == [
@@ -177,23 +177,23 @@ def test_one_batch_without_draft_streams_one_layer_through_one_buffer() -> None:
     first, second = sched.next_step(), sched.next_step()
     assert lines(first) == [
         "0 load(i=0, j=1, slot=0) <- []",
-        "1 embed(i=0, k=0) <- []",
-        "2 attention(i=0, j=0, k=0) <- [1]",
-        "3 ffn(i=0, j=0, k=0) <- [2]",
-        "4 attention(i=0, j=1, k=0) <- [3]",
-        "5 ffn(i=0, j=1, k=0, slot=0) <- [0, 4]",
-        "6 head(i=0, k=0) <- [5]",
-        "7 verify(i=0, k=0) <- [6]",
+        "1 embed(i=0, b=0) <- []",
+        "2 attention(i=0, j=0, b=0) <- [1]",
+        "3 ffn(i=0, j=0, b=0) <- [2]",
+        "4 attention(i=0, j=1, b=0) <- [3]",
+        "5 ffn(i=0, j=1, b=0, slot=0) <- [0, 4]",
+        "6 head(i=0, b=0) <- [5]",
+        "7 verify(i=0, b=0) <- [6]",
     ]
     assert lines(second) == [
         "8 load(i=1, j=1, slot=0) <- [5]",  # overlaps step 0's head and verify
-        "9 embed(i=1, k=0) <- [7]",
-        "10 attention(i=1, j=0, k=0) <- [9]",
-        "11 ffn(i=1, j=0, k=0) <- [10]",
-        "12 attention(i=1, j=1, k=0) <- [11]",
-        "13 ffn(i=1, j=1, k=0, slot=0) <- [8, 12]",
-        "14 head(i=1, k=0) <- [13]",
-        "15 verify(i=1, k=0) <- [14]",
+        "9 embed(i=1, b=0) <- [7]",
+        "10 attention(i=1, j=0, b=0) <- [9]",
+        "11 ffn(i=1, j=0, b=0) <- [10]",
+        "12 attention(i=1, j=1, b=0) <- [11]",
+        "13 ffn(i=1, j=1, b=0, slot=0) <- [8, 12]",
+        "14 head(i=1, b=0) <- [13]",
+        "15 verify(i=1, b=0) <- [14]",
     ]
     assert sched.draft_batch(0) is None and sched.target_batch(1) == 0
 
@@ -202,43 +202,43 @@ def test_attention_streamed_layer_waits_for_its_load() -> None:
     sched = PipelineSchedule(1, [0], num_buffers=1, attention_streamed=[0])
     assert lines(sched.next_step()) == [
         "0 load(i=0, j=0, slot=0) <- []",
-        "1 embed(i=0, k=0) <- []",
-        "2 attention(i=0, j=0, k=0, slot=0) <- [0, 1]",
-        "3 ffn(i=0, j=0, k=0, slot=0) <- [0, 2]",
-        "4 head(i=0, k=0) <- [3]",
-        "5 verify(i=0, k=0) <- [4]",
+        "1 embed(i=0, b=0) <- []",
+        "2 attention(i=0, j=0, b=0, slot=0) <- [0, 1]",
+        "3 ffn(i=0, j=0, b=0, slot=0) <- [0, 2]",
+        "4 head(i=0, b=0) <- [3]",
+        "5 verify(i=0, b=0) <- [4]",
     ]
 
 
 def test_skipped_pass_keeps_each_batch_in_order() -> None:
     # Step 1 has no target pass (batch 1 has no rows): only batch 0 drafts. Step 2 verifies batch 0 again.
-    sched = PipelineSchedule(1, [], num_buffers=1, num_draft_tokens=2)
+    sched = PipelineSchedule(1, [], num_buffers=1, draft_ops=2)
     for target in (True, False, True):
         sched.next_step(target=target)
     assert lines(sched.ops) == [
-        "0 embed(i=0, k=0) <- []",
-        "1 attention(i=0, j=0, k=0) <- [0]",
-        "2 ffn(i=0, j=0, k=0) <- [1]",
-        "3 draft(i=0, k=1, t=0) <- []",
-        "4 draft(i=0, k=1, t=1) <- [3]",
-        "5 head(i=0, k=0) <- [2]",
-        "6 verify(i=0, k=0) <- [5]",
-        "7 draft(i=1, k=0, t=0) <- [6]",
-        "8 draft(i=1, k=0, t=1) <- [7]",
-        "9 embed(i=2, k=0) <- [6, 8]",
-        "10 attention(i=2, j=0, k=0) <- [9]",
-        "11 ffn(i=2, j=0, k=0) <- [10]",
+        "0 embed(i=0, b=0) <- []",
+        "1 attention(i=0, j=0, b=0) <- [0]",
+        "2 ffn(i=0, j=0, b=0) <- [1]",
+        "3 draft(i=0, b=1, t=0) <- []",
+        "4 draft(i=0, b=1, t=1) <- [3]",
+        "5 head(i=0, b=0) <- [2]",
+        "6 verify(i=0, b=0) <- [5]",
+        "7 draft(i=1, b=0, t=0) <- [6]",
+        "8 draft(i=1, b=0, t=1) <- [7]",
+        "9 embed(i=2, b=0) <- [6, 8]",
+        "10 attention(i=2, j=0, b=0) <- [9]",
+        "11 ffn(i=2, j=0, b=0) <- [10]",
         # Batch 1's drafts of step 0 were never verified; its new drafts come after them, not beside them.
-        "12 draft(i=2, k=1, t=0) <- [4]",
-        "13 draft(i=2, k=1, t=1) <- [12]",
-        "14 head(i=2, k=0) <- [11]",
-        "15 verify(i=2, k=0) <- [14]",
+        "12 draft(i=2, b=1, t=0) <- [4]",
+        "13 draft(i=2, b=1, t=1) <- [12]",
+        "14 head(i=2, b=0) <- [11]",
+        "15 verify(i=2, b=0) <- [14]",
     ]
 
 
 def test_draft_tokens_spread_between_layers_in_priority_order() -> None:
     # k = 3 drafts over L = 8 layers go after layers 2, 4 and 6: the device has draft work between ffns.
-    sched = PipelineSchedule(8, [], num_draft_tokens=3)
+    sched = PipelineSchedule(8, [], draft_ops=3)
     ops = sched.next_step()
     after = [max((o.layer for o in ops[: op.id] if o.kind == "ffn"), default=-1) for op in ops if op.kind == "draft"]
     assert after == [2, 4, 6]
@@ -248,7 +248,7 @@ def test_draft_tokens_spread_between_layers_in_priority_order() -> None:
     ("kwargs", "message"),
     [
         ({"num_buffers": 0}, "num_buffers"),
-        ({"num_draft_tokens": -1}, "num_draft_tokens"),
+        ({"draft_ops": -1}, "draft_ops"),
         ({"streamed_layers": [0, 4]}, "outside 0..3"),
         ({"streamed_layers": [-1]}, "outside 0..3"),
     ],
@@ -260,7 +260,7 @@ def test_rejects_bad_configuration(kwargs: dict[str, object], message: str) -> N
 
 
 def test_check_schedule_catches_broken_schedules() -> None:
-    sched = PipelineSchedule(2, [0, 1, 2], num_buffers=2, num_draft_tokens=1)
+    sched = PipelineSchedule(2, [0, 1, 2], num_buffers=2, draft_ops=1)
     sched.next_step()
     ops = sched.ops
     check_schedule(ops, 2)
@@ -295,7 +295,7 @@ def test_ops_per_step_and_batch_roles(cfg: Config) -> None:
     check_schedule(ops, cfg.num_buffers)
     assert [op.id for op in ops] == list(range(len(ops)))
     assert [op for step in steps for op in step] == ops
-    k, num_layers = cfg.num_draft_tokens, cfg.num_layers
+    k, num_layers = cfg.draft_ops, cfg.num_layers
     for i, (step_ops, (target, draft)) in enumerate(zip(steps, cfg.passes)):
         assert {op.step for op in step_ops} <= {i}
         assert all(op.resource in RESOURCES for op in step_ops)
@@ -371,7 +371,7 @@ def test_each_batch_runs_in_order_and_drafting_never_waits_on_the_other_batch(cf
     sched, steps = cfg.build()
     ops = sched.ops
     anc = ancestors(ops)
-    k = cfg.num_draft_tokens
+    k = cfg.draft_ops
     # Every op of one batch mutates that batch's state (KV cache, tokens): they must be totally ordered.
     for batch in (0, 1):
         own = [op for op in ops if op.batch == batch]

@@ -25,7 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specoffload.runtime.models.errors import SpecOffloadError
+from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.transport.arena import (
     SHM_DIR,
     Arena,

@@ -17,8 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from specoffload.runtime.models.weights import PartKey
-from specoffload.runtime.offload.placement import ModelShape
+from ..shapes import ModelShape, PartKey
 
 HERE = Path(__file__).resolve().parent
 

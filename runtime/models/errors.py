@@ -1,12 +1,6 @@
-"""User-facing error types of the model runtime.
+"""User-facing error types of the model runtime (the base `SpecOffloadError` is in planner/errors.py)."""
 
-Everything a user can cause by pointing us at a bad checkpoint derives from `SpecOffloadError`, so a CLI can
-catch that one class and print the message without a traceback. Programming errors stay built-in exceptions.
-"""
-
-
-class SpecOffloadError(Exception):
-    """Base class of errors whose message is meant for the user."""
+from specoffload.planner.errors import SpecOffloadError
 
 
 class CheckpointError(SpecOffloadError):

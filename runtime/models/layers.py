@@ -220,14 +220,3 @@ def moe_combine(
     if w.shared_expert is not None:
         out = out + shared_expert_forward(cfg, w, normed)
     return hidden + out.view(hidden.shape)
-
-
-def moe_forward(
-    cfg: ModelConfig,
-    w: RouterWeights,
-    hidden: Tensor,
-    experts: Mapping[int, ExpertWeights],
-    token_mask: Tensor | None = None,
-) -> Tensor:
-    """Whole MoE block with residual, when the experts are at hand: hidden [B, T, H] -> [B, T, H]."""
-    return moe_combine(cfg, w, hidden, route(cfg, w, hidden), experts, token_mask)

@@ -2,8 +2,10 @@
 
 A model is cut into independently loadable *parts*, named by `PartKey`, in execution order:
 
-    embedding -> for each layer i: attention(i), then dense_mlp(i) or [router(i), expert(i, e) for selected e]
+    embedding -> for each layer j: attention(j), then dense_mlp(j) or [router(j), expert(j, e) for selected e]
     -> head
+
+(`PartKey` and the part kinds are defined in the base layer, planner/shapes.py.)
 
 The post-attention RMSNorm belongs to the part that runs first in the ffn: `DenseMLPWeights.post_norm` or
 `RouterWeights.post_norm`, so an expert is only its three matrices. Compute functions in `layers.py` take these
@@ -16,13 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specoffload.planner.shapes import PART_KINDS, ModelShape, PartKey
+
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 
 Tensor = torch.Tensor
-
-PART_KINDS = ("embedding", "attention", "dense_mlp", "router", "expert", "head")
-
 
 @dataclass(frozen=True)
 class EmbeddingWeights:
@@ -71,15 +72,6 @@ class HeadWeights:
 
 
 Weights = EmbeddingWeights | AttentionWeights | DenseMLPWeights | RouterWeights | ExpertWeights | HeadWeights
-
-
-@dataclass(frozen=True, order=True)
-class PartKey:
-    """Names one loadable part: kind in PART_KINDS; layer for per-layer parts; expert for kind "expert"."""
-
-    kind: str
-    layer: int = -1
-    expert: int = -1
 
 
 @dataclass(frozen=True)
@@ -173,6 +165,13 @@ class WeightLoader:
 
     def total_nbytes(self) -> int:
         return sum(self.nbytes(key) for key in self.parts())
+
+    def shape(self, name: str) -> ModelShape:
+        """The base layer's view of this model (parts and bytes in the loader's dtype). Reads tensor headers only."""
+        cfg = self.config
+        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return ModelShape(name=name, parts=tuple((key, self.nbytes(key)) for key in self.parts()),
+                          num_layers=cfg.num_layers, kv_bytes_per_token=kv)
 
     def refs(self, key: PartKey) -> dict[str, TensorRef]:
         """The checkpoint tensors of a part, by field name."""

@@ -10,9 +10,11 @@ buffered reads followed by `posix_fadvise(DONTNEED)`, which drops the pages we j
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
+from pathlib import Path
 
 import torch
 
@@ -167,3 +169,15 @@ class DirectReader:
         """Switch to buffered reads: reopen files on demand without O_DIRECT."""
         self.close()
         self.mode = BUFFERED
+
+
+def drop_page_cache() -> None:
+    """Flush dirty pages, then drop the whole page cache (needs root; silently skipped without it).
+
+    The profiler and the benchmarks call it before timing a read so that a warm cache cannot flatter it. Our
+    streamed reads use O_DIRECT and are cold either way; a baseline reading through the page cache also needs a
+    per-file eviction (posix_fadvise, see scripts/hf_disk_offload.py), which works without root.
+    """
+    os.sync()
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")

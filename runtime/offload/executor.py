@@ -15,7 +15,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 
-from ..models.errors import SpecOffloadError
+from specoffload.planner.errors import SpecOffloadError
+
 from .schedule import RESOURCES, Op
 
 

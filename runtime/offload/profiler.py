@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 
 from specoffload.planner.profile import HardwareProfile
+from specoffload.planner.shapes import PartKey
 
 from ..config import EngineConfig
 from ..models import layers
 from ..models.linear import can_pack, pack_weights
 from ..models.model import Transformer
-from ..models.weights import PartKey
+from .direct_io import drop_page_cache
 from .streamer import WeightStreamer
 
 PROFILE_DIR = Path(os.environ.get("SPECOFFLOAD_CACHE", Path.home() / ".cache" / "specoffload")) / "profiles"
@@ -151,7 +152,7 @@ def _stream_rate(config: EngineConfig, target: Transformer, layers_to_load: int)
     probe = WeightStreamer(target.loader, 1, 1, "disk", target.device, staging_bytes=4 * 4096)
     slot_bytes = max(probe.nbytes(g) for g in groups)
     probe.close()
-    _drop_page_cache()
+    drop_page_cache()
     streamer = WeightStreamer(target.loader, slot_bytes, 2, config.weights_tier, target.device, parts=parts)
     try:
         t = time.perf_counter()
@@ -201,9 +202,3 @@ def _draft_steps(config: EngineConfig, reps: int, quick: bool) -> tuple[tuple[in
 
         out.append((rows, _time(step, reps)))
     return tuple(out)
-
-
-def _drop_page_cache() -> None:
-    os.sync()
-    with contextlib.suppress(OSError):
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")

@@ -1,9 +1,10 @@
 """The interleaved two-batch schedule, as a list of operations a test can check without threads.
 
-Convention (stated once): **step i, layer j, batch k**. Step i is one pass of the target's weights.
-With a draft model there are two batches, k in {0, 1}: at step i the target verifies batch ``k = i % 2``
-("A") while the draft proposes tokens for batch ``1 - i % 2`` ("B"); roles swap every step. Without a
-draft there is one batch (k = 0), verified every step (layer streaming only, FlexGen style).
+Convention (stated once): **step i, layer j, batch b**; k is the draft length (tokens per round), nothing else.
+Step i is one pass of the target's weights. With a drafter there are two batches, b in {0, 1}: at step i the
+target verifies batch ``b = i % 2`` ("A") while the drafter proposes tokens for batch ``1 - i % 2`` ("B");
+roles swap every step. Without a drafter there is one batch (b = 0), verified every step (layer streaming only,
+FlexGen style).
 
 A target pass over batch A at step i is, per layer j:
 
@@ -12,13 +13,14 @@ A target pass over batch A at step i is, per layer j:
     ffn(i, j, A)          [device]  FFN / experts with the streamed weights (after attention and load)
 
 bracketed by embed(i, A) [cpu] before layer 0 and head(i, A) [device] + verify(i, A) [cpu] after the last
-layer (the head is loaded as pseudo-layer L when it streams). Meanwhile draft(i, B, t) [device], t < k,
-proposes draft token t for batch B. Dependencies:
+layer (the head is loaded as pseudo-layer L when it streams). Meanwhile draft(i, B, t) [device], t < draft_ops,
+proposes draft token t for batch B (the handler skips t >= the round's k: online re-planning may lower k below
+draft_ops = k_max). Dependencies:
 
 - load(i, j) into slot s waits for the last op that used slot s (so at most ``num_buffers`` layers of
   streamed weights are live); it depends on nothing else, so step i+1's first loads start while step i
   still computes.
-- embed(i, A) waits for verify of batch A's previous pass and for A's drafts (draft(i-1, A, k-1)).
+- embed(i, A) waits for verify of batch A's previous pass and for A's drafts (draft(i-1, A, draft_ops - 1)).
 - draft(i, B, 0) waits only for verify of batch B's previous pass, which finished at the end of step i-1
   (the swap): batch B's drafting never waits on batch A's verification of step i.
 
@@ -66,7 +68,7 @@ class Op:
         if self.layer >= 0:
             parts.append(f"j={self.layer}")
         if self.batch >= 0:
-            parts.append(f"k={self.batch}")
+            parts.append(f"b={self.batch}")
         if self.token >= 0:
             parts.append(f"t={self.token}")
         if self.slot >= 0:
@@ -80,13 +82,13 @@ class PipelineSchedule:
 
     num_layers: L; streamed_layers: layers whose weights are loaded per pass (the head is layer L);
     attention_streamed: layers whose attention weights are in their slot (attention then waits for the load);
-    num_buffers: ring slots; num_draft_tokens: k (0 or no draft: one batch, no draft ops).
+    num_buffers: ring slots; draft_ops: draft ops per step, the plan's k_max (0: no drafter, one batch, no draft ops).
     """
 
     num_layers: int
     streamed_layers: Sequence[int]
     num_buffers: int = 2
-    num_draft_tokens: int = 0
+    draft_ops: int = 0
     attention_streamed: Sequence[int] = ()
     _ops: list[Op] = field(default_factory=list, init=False)
     _slot_user: dict[int, int] = field(default_factory=dict, init=False)  # slot -> last op id using it
@@ -98,8 +100,8 @@ class PipelineSchedule:
     def __post_init__(self) -> None:
         if self.num_buffers < 1:
             raise ValueError(f"num_buffers must be >= 1, got {self.num_buffers}")
-        if self.num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if self.draft_ops < 0:
+            raise ValueError(f"draft_ops must be >= 0, got {self.draft_ops}")
         bad = [j for j in self.streamed_layers if not 0 <= j <= self.num_layers]
         if bad:
             raise ValueError(f"streamed layers {bad} outside 0..{self.num_layers} (L = the head)")
@@ -108,7 +110,7 @@ class PipelineSchedule:
 
     @property
     def num_batches(self) -> int:
-        return 2 if self.num_draft_tokens > 0 else 1
+        return 2 if self.draft_ops > 0 else 1
 
     @property
     def ops(self) -> list[Op]:
@@ -136,8 +138,8 @@ class PipelineSchedule:
 
         drafts: list[tuple[int, int]] = []  # (after this layer, token): where draft ops go in priority order
         if b is not None and draft:
-            k = self.num_draft_tokens
-            drafts = [((t + 1) * self.num_layers // (k + 1), t) for t in range(k)]
+            n = self.draft_ops
+            drafts = [((t + 1) * self.num_layers // (n + 1), t) for t in range(n)]
         if target:
             loads: dict[int, int] = {}  # layer -> load op id
             pending = list(self.streamed_layers)

@@ -1,32 +1,38 @@
-"""The four workers of the offloaded pipeline, as plain classes (one per resource / actor role).
+"""The workers of the offloaded pipeline, as plain classes (one per resource / actor role), and their bundle.
 
   PrefetchWorker   io      streams a layer's non-resident target weights into a ring slot
   AttentionWorker  cpu     target embedding + attention against the host KV caches (one per batch)
   VerifierWorker   device  target FFN / experts / head with resident or slot weights; verification
-  DraftWorker      device  the resident draft model and its KV caches; proposes draft tokens
+  drafter          device  a `Drafter` (drafters.py): proposes draft tokens for the other batch
 
-The local backend (`OffloadEngine`) calls them in one process from its executor threads; the Ray backend
-(`actors/`) runs each in its own process and passes tensors through shared-memory slots and arenas. Workers
-hold no request state: the coordinator sends token ids and row indices, and gets tensors or small results back.
-Methods take and return only ints, lists, SamplingParams-like dicts and tensors, so they cross a wire easily.
+`Workers` bundles one of each; a `WorkerFactory` builds the bundle for a weight plan: `local_workers` in this
+process (the engine's executor threads call them), or role actors behind proxies (actors/). Workers hold no
+request state: the coordinator sends token ids and row indices, and gets tensors or small results back. The
+methods marked `@wire` are the whole interface a remote caller sees (wire.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from specoffload.planner.placement import Placement
+from specoffload.planner.plan import Plan
+from specoffload.planner.shapes import PartKey
+
 from ..config import EngineConfig
 from ..kv_cache import KVCache
 from ..models.model import Transformer
-from ..models.weights import PartKey, Weights
+from ..models.weights import Weights
 from ..sampling import SamplingParams, warp_logits
 from ..verify import verify_greedy, verify_sampling
+from .batch_kv import BatchKV
+from .drafters import BatchRNG, Drafter, drafter_class, make_drafter
 from .embedding import EmbeddingRows
-from .placement import Placement
 from .streamer import TENSOR_ALIGN, WeightStreamer
+from .wire import wire
 
 Tensor = torch.Tensor
 
@@ -140,7 +146,9 @@ class PrefetchWorker:
     def bytes_read(self) -> int:
         return self.streamer.bytes_read if self.streamer is not None else 0
 
+    @wire
     def load(self, layer: int, slot: int) -> None:
+        """Stream layer `layer`'s load group (the head: layer L) into ring slot `slot`."""
         keys = self.plan.load_groups.get(layer, ())
         if keys and self.streamer is not None:
             self.streamer.load(slot, list(keys))
@@ -150,7 +158,7 @@ class PrefetchWorker:
             self.streamer.close()
 
 
-class AttentionWorker:
+class AttentionWorker(BatchKV):
     """cpu: the target's embedding and attention blocks over one host KV cache per batch."""
 
     def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None) -> None:
@@ -166,35 +174,20 @@ class AttentionWorker:
             self.rows = EmbeddingRows(self.model.loader.checkpoint, name, self.model.dtype)
         self.caches: dict[int, KVCache] = {}
 
-    # -- KV cache management (the coordinator decides, this worker owns the memory) --
-    def reset(self, batch: int, rows: int, capacity: int) -> None:
-        self.caches[batch] = self.model.new_cache(rows, capacity)
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        return self.model.new_cache(rows, capacity)
 
-    def drop(self, batch: int) -> None:
-        self.caches.pop(batch, None)
-
-    def lengths(self, batch: int) -> list[int]:
-        return self.caches[batch].lengths.tolist()
-
-    def advance(self, batch: int, num_new: Sequence[int]) -> None:
-        self.caches[batch].advance(torch.tensor(list(num_new), dtype=torch.long))
-
-    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
-        self.caches[batch].truncate(torch.tensor(list(lengths), dtype=torch.long))
-
-    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
-        self.caches[batch].select_rows(list(keep))
-
-    # -- compute --
     @property
     def bytes_read(self) -> int:
         return self.rows.bytes_read if self.rows is not None else 0
 
+    @wire(keep_outputs=True)
     def embed(self, ids: Tensor) -> Tensor:
         """ids [rows, T] -> hidden [rows, T, H]."""
         with torch.inference_mode():
             return self.rows(ids) if self.rows is not None else self.model.embed(ids)
 
+    @wire(keep_outputs=True)
     def attention(self, batch: int, layer: int, slot: int, hidden: Tensor) -> Tensor:
         """hidden [rows, T, H] -> [rows, T, H]; writes K/V of the T new positions (advance comes later)."""
         with self.reader.bind(layer, slot):
@@ -205,7 +198,7 @@ class AttentionWorker:
             self.rows.close()
 
 
-class VerifierWorker:
+class VerifierWorker(BatchRNG):
     """device: the target's FFN / experts and head (resident or from the op's slot), and verification."""
 
     def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None) -> None:
@@ -223,21 +216,20 @@ class VerifierWorker:
     def bytes_read(self) -> int:
         return self.reader.expert_loader.bytes_read if self.reader.expert_loader is not None else 0
 
-    def seed(self, batch: int, seed: int | None) -> None:
-        self.generators.pop(batch, None)
-        if seed is not None:
-            self.generators[batch] = torch.Generator().manual_seed(seed)
-
+    @wire(keep_outputs=True)
     def ffn(self, layer: int, slot: int, hidden: Tensor, token_mask: Tensor | None) -> Tensor:
+        """hidden [rows, T, H] -> [rows, T, H] through layer `layer`'s FFN / experts (token_mask [rows, T])."""
         with self.reader.bind(layer, slot):
             return self.model.ffn(layer, hidden, token_mask)
 
+    @wire(keep_outputs=True)
     def head(self, slot: int, hidden: Tensor, positions: Tensor) -> Tensor:
         """hidden [rows, T, H], positions [rows, P] -> logits [rows, P, vocab] (float32)."""
         index = positions.to(hidden.device)[:, :, None].expand(-1, -1, hidden.shape[-1])
         with self.reader.bind(self.model.config.num_layers, slot):
             return self.model.logits(torch.gather(hidden, 1, index))
 
+    @wire
     def verify(self, batch: int, logits: Tensor, drafts: Tensor, p: Tensor | None,
                params: SamplingParams) -> tuple[list[int], list[list[int]]]:
         """Greedy match or rejection sampling (see runtime/verify.py): (accepted per row, emitted tokens per row)."""
@@ -251,44 +243,43 @@ class VerifierWorker:
             return result.num_accepted.tolist(), result.tokens.tolist()
 
 
-class DraftWorker:
-    """device: the resident draft model, one KV cache per batch; proposes one draft token per call."""
+@dataclass
+class Workers:
+    """One of each worker: in this process (`local_workers`) or proxies of role actors (actors/)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        assert config.draft is not None
-        self.model = Transformer(config.draft, dtype=config.torch_dtype, device=config.device)
-        self.model.preload()
-        self.caches: dict[int, KVCache] = {}
-        self.generators: dict[int, torch.Generator] = {}
+    prefetch: PrefetchWorker
+    attention: AttentionWorker
+    verifier: VerifierWorker
+    drafter: Drafter
 
-    def reset(self, batch: int, rows: int, capacity: int, seed: int | None = None) -> None:
-        self.caches[batch] = self.model.new_cache(rows, capacity)
-        self.generators.pop(batch, None)
-        if seed is not None:
-            self.generators[batch] = torch.Generator().manual_seed(seed)
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the weights tier so far, by every worker that reads (slots, embedding rows, experts)."""
+        return self.prefetch.bytes_read + self.attention.bytes_read + self.verifier.bytes_read
 
-    def drop(self, batch: int) -> None:
-        self.caches.pop(batch, None)
+    def close(self) -> None:
+        for worker in (self.prefetch, self.attention, self.verifier, self.drafter):
+            close = getattr(worker, "close", None)
+            if close is not None:
+                close()
 
-    def lengths(self, batch: int) -> list[int]:
-        return self.caches[batch].lengths.tolist()
 
-    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
-        self.caches[batch].truncate(torch.tensor(list(lengths), dtype=torch.long))
+#: builds the workers of an engine for its weight plan and run plan (the local backend, or role actors)
+WorkerFactory = Callable[[EngineConfig, WeightPlan, Plan], Workers]
 
-    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
-        self.caches[batch].select_rows(list(keep))
 
-    def propose(self, batch: int, ids: Tensor, num_new: Tensor,
-                params: SamplingParams) -> tuple[Tensor, Tensor | None]:
-        """Feed ids [rows, T] (row b: its first num_new[b] valid) and draw the next token per row.
+def worker_classes(config: EngineConfig) -> dict[str, type]:
+    """role -> worker class; each is built as cls(config, weight plan, slot tensors or None). Backends derive
+    their roles and proxies from this table and the classes' `@wire` methods."""
+    return {"prefetch": PrefetchWorker, "attention": AttentionWorker, "verifier": VerifierWorker,
+            "draft": drafter_class(config)}
 
-        Returns (token [rows], probs [rows, vocab] or None when greedy).
-        """
-        with torch.inference_mode():
-            last = (num_new - 1)[:, None]  # [rows, 1]
-            logits = self.model.forward(ids, self.caches[batch], num_new=num_new, output_positions=last)[:, 0]
-            if params.greedy:
-                return logits.argmax(dim=-1), None  # [rows]
-            probs = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, vocab]
-            return torch.multinomial(probs, 1, generator=self.generators.get(batch)).squeeze(1), probs
+
+def local_workers(config: EngineConfig, weights: WeightPlan, plan: Plan, drafter: type | None = None) -> Workers:
+    """The workers in this process; they share the prefetcher's ring slots. drafter: a drafter class to use
+    instead of the config's (e.g. a benchmark's random drafter), when the plan speculates."""
+    prefetch = PrefetchWorker(config, weights)
+    slots = prefetch.slots
+    draft = drafter(config, weights, slots) if drafter is not None and plan.drafting else None
+    return Workers(prefetch, AttentionWorker(config, weights, slots), VerifierWorker(config, weights, slots),
+                   draft or make_drafter(config, plan, weights))

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.errors import SpecOffloadError
+from specoffload.planner.errors import SpecOffloadError
+
 from .procs import pid_alive
 
 SHM_DIR = Path("/dev/shm")

@@ -33,7 +33,8 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import zmq
 
-from ..models.errors import SpecOffloadError
+from specoffload.planner.errors import SpecOffloadError
+
 from .codec import MAX_MESSAGE_BYTES, ErrorReply, WireError, decode, encode
 
 logger = logging.getLogger(__name__)

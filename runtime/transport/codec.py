@@ -30,7 +30,8 @@ from typing import Any, TypeVar, Union
 import msgpack
 import torch
 
-from ..models.errors import SpecOffloadError
+from specoffload.planner.errors import SpecOffloadError
+
 from ..sampling import SamplingParams
 from .arena import Arena, Region
 

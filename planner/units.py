@@ -10,7 +10,7 @@ import os
 import re
 from decimal import Decimal, InvalidOperation
 
-from ..models.errors import SpecOffloadError
+from .errors import SpecOffloadError
 
 _EXAMPLES = '"4GiB", "512MiB", "1.5GB", "2G" or a plain byte count such as 1073741824'
 

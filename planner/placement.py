@@ -23,14 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..models.errors import SpecOffloadError
-from ..models.weights import PART_KINDS, PartKey
-from .memory import format_bytes, parse_bytes
-
-if TYPE_CHECKING:
-    from ..models.weights import WeightLoader
+from .errors import SpecOffloadError
+from .shapes import ModelShape, PartKey
+from .units import format_bytes
 
 TIERS = ("device", "host", "disk")
 WEIGHTS_TIERS = ("disk", "ram")
@@ -49,46 +46,6 @@ _CATEGORY_ORDER = ("embedding", "routers", "attention", "ffn", "head")  # report
 
 class PlacementError(SpecOffloadError, ValueError):
     """The models do not fit the memory budgets under this policy, or the policy itself is invalid."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What placement needs to know about one model, in the compute dtype."""
-
-    name: str
-    parts: tuple[tuple[PartKey, int], ...]  # every part with its bytes, in execution order
-    num_layers: int
-    kv_bytes_per_token: int  # K + V bytes of one token over all layers
-
-    def __post_init__(self) -> None:
-        if self.num_layers < 0 or self.kv_bytes_per_token < 0:
-            raise ValueError(f"{self.name}: num_layers and kv_bytes_per_token must be >= 0")
-        seen: set[PartKey] = set()
-        for key, nbytes in self.parts:
-            if key.kind not in PART_KINDS:
-                raise ValueError(f"{self.name}: unknown part kind {key.kind!r}; expected one of {PART_KINDS}")
-            per_layer = key.kind not in ("embedding", "head")
-            if per_layer and not 0 <= key.layer < self.num_layers:
-                raise ValueError(f"{self.name}: {key} is outside layers 0..{self.num_layers - 1}")
-            if nbytes < 0 or key in seen:
-                raise ValueError(f"{self.name}: {key} has negative bytes or appears twice")
-            seen.add(key)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(nbytes for _, nbytes in self.parts)
-
-    def kv_cache_bytes(self, policy: PlacementPolicy) -> int:
-        """Bytes of this model's KV cache for every row of every batch at full context."""
-        return self.kv_bytes_per_token * policy.context * policy.batch_size * policy.num_batches
-
-    @classmethod
-    def from_loader(cls, name: str, loader: WeightLoader) -> ModelShape:
-        """Sizes from a `WeightLoader` (its dtype is the compute dtype). Reads tensor headers only."""
-        cfg = loader.config
-        parts = tuple((key, loader.nbytes(key)) for key in loader.parts())
-        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * loader.dtype.itemsize
-        return cls(name=name, parts=parts, num_layers=cfg.num_layers, kv_bytes_per_token=kv)
 
 
 @dataclass(frozen=True)
@@ -117,6 +74,10 @@ class PlacementPolicy:
                 f"weights_tier must be 'disk' (stream from the safetensors files) or 'ram' (keep in host "
                 f"memory), got {self.weights_tier!r}"
             )
+
+    def kv_cache_bytes(self, shape: ModelShape) -> int:
+        """Bytes of `shape`'s KV cache for every row of every batch at full context."""
+        return shape.kv_cache_bytes(self.batch_size * self.num_batches, self.context)
 
     @property
     def streamed_tier(self) -> str:
@@ -275,7 +236,6 @@ def place(
     those steps whose footprint fits both budgets. More budget never makes fewer parts resident. Raises
     `PlacementError` stating the minimum budgets when no prefix fits.
     """
-    device_memory, host_memory = parse_bytes(device_memory), parse_bytes(host_memory)
     chain = _footprints(target, draft, policy)
     fitting = [k for k, (device, host) in enumerate(chain) if device <= device_memory and host <= host_memory]
     if not fitting:
@@ -303,8 +263,8 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     Incremental, O(steps * layers); the items `_layout` builds for a resident set add up to the same numbers.
     """
     nbytes = dict(target.parts)
-    draft_bytes = draft.total_bytes + draft.kv_cache_bytes(policy) if draft is not None else 0
-    kv = target.kv_cache_bytes(policy)
+    draft_bytes = draft.total_bytes + policy.kv_cache_bytes(draft) if draft is not None else 0
+    kv = policy.kv_cache_bytes(target)
     slots: dict[int, int] = {}  # slot group -> streamed bytes
     for key, n in target.parts:
         group = _slot_group(key, target.num_layers)
@@ -363,7 +323,7 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
     items: list[PlacementItem] = []
     if draft is not None:
         items.append(PlacementItem("draft weights", "device", draft.total_bytes))
-        items.append(PlacementItem("draft KV cache", "device", draft.kv_cache_bytes(policy)))
+        items.append(PlacementItem("draft KV cache", "device", policy.kv_cache_bytes(draft)))
     for category in _CATEGORY_ORDER:
         if (category, "device") in buckets:
             nbytes, layers = buckets[category, "device"]
@@ -375,7 +335,7 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
         if (category, policy.streamed_tier) in buckets:
             nbytes, layers = buckets[category, policy.streamed_tier]
             items.append(PlacementItem(_label(category, layers, streamed=True), policy.streamed_tier, nbytes))
-    items.append(PlacementItem("target KV cache", "host", target.kv_cache_bytes(policy)))
+    items.append(PlacementItem("target KV cache", "host", policy.kv_cache_bytes(target)))
     return _Layout(tuple(tiers), tuple(sorted(slots)), slot_bytes, tuple(items))
 
 

@@ -1,0 +1,73 @@
+"""`Plan`: what the engine runs, decided once, before the first token.
+
+    batch        rows per batch (each of the two interleaved batches when drafting)
+    k            draft tokens per verify round at the start (0 = no speculation)
+    k_max        the most draft tokens a round may take: online re-planning moves k within 1..k_max; 0 means no
+                 drafter is loaded and one batch is verified every pass (layer streaming only, FlexGen style)
+    max_seq_len  prompt + output tokens per row the KV caches are sized for
+
+Speculation off is k = 0 (and k_max = 0) everywhere; nothing else encodes it. The planner's `Policy` (when the
+planner chose) rides along for reports. `fixed_plan` and `planned` are the only constructors the runtime uses:
+`runtime/planning.py` picks between them from the config, for the engine and for `specoffload plan` alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .search import Policy, SearchResult
+
+#: largest k the planner considers, and the ceiling online re-planning may move k to
+MAX_AUTO_K = 8
+
+
+@dataclass(frozen=True)
+class Plan:
+    """See the module docstring."""
+
+    batch: int
+    k: int
+    k_max: int
+    max_seq_len: int
+    policy: Policy | None = None
+    alternatives: tuple[Policy, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, low in (("batch", 1), ("k", 0), ("k_max", 0), ("max_seq_len", 2)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Plan.{name} must be an integer >= {low}, got {value!r}")
+        if self.k > self.k_max or (self.k == 0) != (self.k_max == 0):
+            raise ValueError(f"Plan: k = {self.k} must lie in 1..k_max = {self.k_max}, or both be 0")
+
+    @property
+    def drafting(self) -> bool:
+        """A drafter is loaded and two batches alternate."""
+        return self.k_max > 0
+
+    @property
+    def num_batches(self) -> int:
+        return 2 if self.drafting else 1
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV positions per row: max_seq_len plus the k_max + 1 speculative positions of a verify pass."""
+        return self.max_seq_len + self.k_max + 1
+
+    def describe(self) -> str:
+        how = "planned" if self.policy is not None else "fixed"
+        spec = f"k={self.k} (at most {self.k_max}), two batches" if self.drafting else "no speculation, one batch"
+        return f"batch={self.batch}, {spec}, max_seq_len={self.max_seq_len} ({how})"
+
+
+def fixed_plan(batch: int, k: int, max_seq_len: int) -> Plan:
+    """The user chose batch and k (k = 0: no speculation)."""
+    return Plan(batch=batch, k=k, k_max=k, max_seq_len=max_seq_len)
+
+
+def planned(result: SearchResult, max_seq_len: int, replan_k: bool) -> Plan:
+    """The planner's best policy. replan_k: k was "auto", so online re-planning may move it up to MAX_AUTO_K."""
+    best = result.best
+    k_max = max(best.k, MAX_AUTO_K) if best.k and replan_k else best.k
+    return Plan(batch=best.decode_batch, k=best.k, k_max=k_max, max_seq_len=max_seq_len, policy=best,
+                alternatives=result.alternatives)

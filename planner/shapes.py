@@ -1,0 +1,57 @@
+"""What the base layer knows of a model: its loadable parts, their bytes, and its KV bytes per token.
+
+A model is cut into independently loadable *parts*, named by `PartKey`, in execution order:
+
+    embedding -> for each layer j: attention(j), then dense_mlp(j) or [router(j), expert(j, e) for each e] -> head
+
+`ModelShape` is all that placement and the cost model need: every part with its bytes in the compute dtype.
+The runtime builds one from a checkpoint's tensor headers (`WeightLoader.shape`); the planner builds them from
+published configs (planner/paper_scale/). No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PART_KINDS = ("embedding", "attention", "dense_mlp", "router", "expert", "head")
+
+
+@dataclass(frozen=True, order=True)
+class PartKey:
+    """Names one loadable part: kind in PART_KINDS; layer for per-layer parts; expert for kind "expert"."""
+
+    kind: str
+    layer: int = -1
+    expert: int = -1
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What placement needs to know about one model, in the compute dtype."""
+
+    name: str
+    parts: tuple[tuple[PartKey, int], ...]  # every part with its bytes, in execution order
+    num_layers: int
+    kv_bytes_per_token: int  # K + V bytes of one token over all layers
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 0 or self.kv_bytes_per_token < 0:
+            raise ValueError(f"{self.name}: num_layers and kv_bytes_per_token must be >= 0")
+        seen: set[PartKey] = set()
+        for key, nbytes in self.parts:
+            if key.kind not in PART_KINDS:
+                raise ValueError(f"{self.name}: unknown part kind {key.kind!r}; expected one of {PART_KINDS}")
+            per_layer = key.kind not in ("embedding", "head")
+            if per_layer and not 0 <= key.layer < self.num_layers:
+                raise ValueError(f"{self.name}: {key} is outside layers 0..{self.num_layers - 1}")
+            if nbytes < 0 or key in seen:
+                raise ValueError(f"{self.name}: {key} has negative bytes or appears twice")
+            seen.add(key)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.parts)
+
+    def kv_cache_bytes(self, rows: int, context: int) -> int:
+        """Bytes of this model's KV cache for `rows` rows of `context` tokens each."""
+        return self.kv_bytes_per_token * context * rows

@@ -1,0 +1,49 @@
+"""`BatchKV`: the per-batch KV caches of a worker, and the wire methods that manage them, written once.
+
+The coordinator decides (admit, drop, truncate after verification, drop finished rows) and the worker that
+computes with a cache owns its memory: the target's attention worker and every drafter with a KV cache of its
+own. Batches are named by their index b in {0, 1} (the two interleaved batches; schedule.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..kv_cache import KVCache
+from .wire import wire
+
+
+class BatchKV:
+    """Mixin: `self.caches[b]` per batch, built by `self.new_cache(rows, capacity)` (the worker's model)."""
+
+    caches: dict[int, KVCache]
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        raise NotImplementedError
+
+    @wire
+    def reset(self, batch: int, rows: int, capacity: int) -> None:
+        """An empty cache of `rows` rows and `capacity` positions for batch `batch`."""
+        self.caches[batch] = self.new_cache(rows, capacity)
+
+    @wire
+    def drop(self, batch: int) -> None:
+        self.caches.pop(batch, None)
+
+    @wire
+    def lengths(self, batch: int) -> list[int]:
+        return self.caches[batch].lengths.tolist()
+
+    @wire
+    def advance(self, batch: int, num_new: Sequence[int]) -> None:
+        self.caches[batch].advance(torch.tensor(list(num_new), dtype=torch.long))
+
+    @wire
+    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
+        self.caches[batch].truncate(torch.tensor(list(lengths), dtype=torch.long))
+
+    @wire
+    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
+        self.caches[batch].select_rows(list(keep))

@@ -1,0 +1,256 @@
+"""`Pipeline`: the interleaved two-batch schedule over a `Workers` bundle, for one engine.
+
+The life of a `run` (the engine has encoded the prompts into requests):
+  1. `Batches.admit_all` fills the batches from the queue (two with a drafter, one without).
+  2. `PipelineSchedule` emits the ops of step i (schedule.py): the target pass over batch A = i % 2 (load,
+     embed, attention, ffn, head, verify) and k draft ops for batch B. `OpExecutor` runs them on the io / cpu /
+     device threads with real overlap; each op handler below is a few calls on the workers.
+  3. A target pass feeds each row its committed tokens not yet in the target's KV cache (the whole prompt for a
+     new row: prefill is the same layer-streamed pass) plus the row's draft tokens; `verify` commits tokens
+     exactly as the resident engine does, so greedy outputs are identical token for token.
+  4. A batch whose rows all finished is refilled from the queue at its verify op (`Batches.retire_finished`).
+  5. If an op fails, the `Recovery` policy may restore the workers (the Ray backend restarts a lost actor); the
+     batches then restart from their committed tokens and the schedule runs again. The local backend's policy
+     never recovers: the error propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from tqdm import tqdm
+
+from specoffload.planner.errors import SpecOffloadError
+from specoffload.planner.plan import Plan
+
+from ..request import Request
+from ..sampling import SamplingParams
+from ..speculative import pad_right
+from ..stats import OffloadStats
+from ..trace import Tracer
+from .batches import Batches
+from .executor import OpExecutor
+from .replan import KReplanner
+from .schedule import Op, PipelineSchedule
+from .workers import WeightPlan, Workers
+
+
+class Recovery(Protocol):
+    """What to do when an op (or an admission) fails mid-generation."""
+
+    def recover(self, error: BaseException) -> bool:
+        """Restore the workers after `error`; True if generation may go on from the committed tokens."""
+        ...
+
+
+class NoRecovery:
+    """The local backend: a failure is final."""
+
+    def recover(self, error: BaseException) -> bool:
+        return False
+
+
+class Pipeline:
+    """Runs requests through the interleaved schedule; see the module docstring."""
+
+    def __init__(self, plan: Plan, weights: WeightPlan, num_layers: int, workers: Workers, replanner: KReplanner,
+                 tracer: Tracer, recovery: Recovery | None = None, compute_threads: int | None = None) -> None:
+        self.plan, self.weights, self.num_layers = plan, weights, num_layers
+        self.workers, self.replanner, self.tracer = workers, replanner, tracer
+        self.recovery = recovery or NoRecovery()
+        self.compute_threads = compute_threads or torch.get_num_threads()
+        self.verified = 0  # verify ops run in the current run (progress reports)
+        self.running = False
+
+    def run(self, requests: list[Request], params: SamplingParams, progress: bool = False) -> OffloadStats:
+        start = time.perf_counter()
+        self.tracer.clear()
+        self.verified = 0
+        self.running = True
+        bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
+        self.params = params
+        self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update)
+        bytes_before = self.workers.bytes_read
+        totals = {"steps": 0, "passes": 0}
+        try:
+            try:
+                self.batches.admit_all()
+            except SpecOffloadError as exc:  # a lost worker while creating the caches
+                self._recover(exc)
+            while True:
+                try:
+                    self._run_schedule(totals)
+                    break
+                except SpecOffloadError as exc:  # PipelineError: an op failed
+                    self._recover(exc)
+        finally:
+            self.running = False
+            bar.close()
+        spans = self.tracer.spans
+        busy = {kind: sum(s.end - s.start for s in spans if s.name == kind) for kind in ("draft", "verify")}
+        target_s = sum(s.end - s.start for s in spans if s.name in ("embed", "attention", "ffn", "head"))
+        return OffloadStats(
+            num_prompts=len(requests),
+            prompt_tokens=sum(len(r.prompt) for r in requests),
+            generated_tokens=sum(len(r.output) for r in requests),
+            num_drafted=sum(r.num_drafted for r in requests),
+            num_accepted=sum(r.num_accepted for r in requests),
+            steps=totals["steps"],
+            wall_s=time.perf_counter() - start,
+            prefill_s=0.0,
+            draft_s=busy["draft"],
+            target_s=target_s,
+            verify_s=busy["verify"],
+            bytes_read=self.workers.bytes_read - bytes_before,
+            passes=totals["passes"],
+        )
+
+    def _recover(self, error: SpecOffloadError) -> None:
+        """Re-raise `error` unless the recovery policy restored the workers; then restart every batch from its
+        committed tokens (the caller runs the schedule again)."""
+        if not self.recovery.recover(error):
+            raise error
+        for b in self.batches.items:
+            self.batches.restart(b)
+
+    def _run_schedule(self, totals: dict[str, int]) -> None:
+        """Run the schedule until no request is left; adds the steps and target passes to `totals`."""
+        schedule = PipelineSchedule(self.num_layers, self.weights.streamed_layers(), self.weights.num_buffers,
+                                    draft_ops=self.plan.k_max, attention_streamed=self.weights.attention_streamed)
+        handlers = {
+            "load": self._load,
+            "embed": self._embed,
+            "attention": self._attention,
+            "ffn": self._ffn,
+            "head": self._head,
+            "verify": self._verify,
+            "draft": self._draft,
+        }
+        step_ops: list[list[int]] = []
+        # Each worker thread sets its own torch thread count (per thread in torch's OpenMP pool): the loader
+        # converts with one thread so it does not fight the compute threads for the cores.
+        threads = {"io": 1, "cpu": self.compute_threads, "device": self.compute_threads}
+        with OpExecutor(
+            {kind: _inference(f) for kind, f in handlers.items()},
+            self.tracer,
+            on_thread_start=lambda resource: torch.set_num_threads(threads[resource]),
+        ) as executor:
+
+            def submit() -> None:
+                target = bool(self.batches[schedule.target_batch(len(step_ops))].rows)
+                ops = schedule.next_step(target=target)
+                totals["steps"] += 1
+                totals["passes"] += target
+                step_ops.append([op.id for op in ops])
+                executor.submit(ops)
+
+            for _ in range(2):
+                submit()
+            while True:
+                # Step s's target batch was last verified at step s - 2: wait for that, then decide step s.
+                executor.wait(step_ops[len(step_ops) - 2])
+                if self.batches.done:
+                    executor.cancel_from(len(step_ops) - 1)
+                    executor.wait_all()
+                    break
+                submit()
+
+    # ---- op handlers (each runs on its resource's thread) ----------------------------------------------------------
+    def _load(self, op: Op) -> None:
+        self.workers.prefetch.load(op.layer, op.slot)
+
+    def _embed(self, op: Op) -> None:
+        b = self.batches[op.batch]
+        if not b.rows:
+            return
+        t_len = self.workers.attention.lengths(b.index)
+        k = 0 if b.drafts is None else b.drafts.shape[1]
+        drafts = b.drafts.tolist() if b.drafts is not None else [[] for _ in b.rows]
+        ids, num_new = pad_right([r.tokens[t_len[n]:] + drafts[n] for n, r in enumerate(b.rows)])  # [rows, T]
+        b.committed = [r.num_tokens for r in b.rows]
+        b.pass_k, b.num_new = k, num_new
+        b.token_mask = torch.arange(ids.shape[1])[None, :] < num_new[:, None]  # [rows, T]
+        b.hidden = self.workers.attention.embed(ids)  # [rows, T, H]
+
+    def _attention(self, op: Op) -> None:
+        b = self.batches[op.batch]
+        if b.hidden is not None:
+            b.hidden = self.workers.attention.attention(b.index, op.layer, op.slot, b.hidden)
+
+    def _ffn(self, op: Op) -> None:
+        b = self.batches[op.batch]
+        if b.hidden is not None:
+            b.hidden = self.workers.verifier.ffn(op.layer, op.slot, b.hidden, b.token_mask)
+
+    def _head(self, op: Op) -> None:
+        b = self.batches[op.batch]
+        if b.hidden is None:
+            return
+        assert b.num_new is not None
+        self.workers.attention.advance(b.index, b.num_new.tolist())
+        k = b.pass_k
+        positions = (b.num_new - k - 1)[:, None] + torch.arange(k + 1)[None, :]  # [rows, k + 1]
+        b.logits = self.workers.verifier.head(op.slot, b.hidden, positions)  # [rows, k + 1, vocab]
+        b.hidden = None
+
+    def _verify(self, op: Op) -> None:
+        b = self.batches[op.batch]
+        if b.logits is None:
+            return
+        k = b.pass_k
+        drafts = b.drafts if b.drafts is not None else torch.zeros((len(b.rows), 0), dtype=torch.long)  # [rows, k]
+        accepted, emitted = self.workers.verifier.verify(b.index, b.logits, drafts, b.p, self.params)
+        for n, r in enumerate(b.rows):
+            r.num_drafted += k
+            r.num_accepted += accepted[n]
+            r.commit(emitted[n][: accepted[n] + 1])
+        if k >= 1:
+            self.replanner.record(accepted, k)
+        # The target cache keeps pending + the accepted drafts; the draft cache saw committed + d_1..d_{k-1}.
+        self.workers.attention.truncate(b.index, [c + a for c, a in zip(b.committed, accepted)])
+        if k >= 1:
+            self.workers.drafter.truncate(b.index, [c + min(a, k - 1) for c, a in zip(b.committed, accepted)])
+        b.drafts = b.p = b.logits = None
+        self.verified += 1
+        self.batches.retire_finished(b)
+
+    def _draft(self, op: Op) -> None:
+        b = self.batches[op.batch]
+        if not b.rows:
+            return
+        # k is fixed for a whole round (online re-planning changes it between rounds); never draft past the
+        # longest remaining budget of the batch (those tokens could not be accepted).
+        if op.token == 0:
+            b.round_k = self.replanner.k
+        limit = min(b.round_k, max(r.remaining for r in b.rows) - 1)
+        if op.token >= limit:
+            return
+        if op.token == 0:
+            d_len = self.workers.drafter.lengths(b.index)
+            ids, num_new = pad_right([r.tokens[d_len[n]:] for n, r in enumerate(b.rows)])  # [rows, T]
+            b.draft_tokens, b.draft_probs = [], []
+        else:
+            ids = b.draft_tokens[-1][:, None]  # [rows, 1]
+            num_new = torch.ones(len(b.rows), dtype=torch.long)
+        token, probs = self.workers.drafter.propose(b.index, ids, num_new, self.params)  # [rows], [rows, vocab]
+        b.draft_tokens.append(token)
+        if probs is not None:
+            b.draft_probs.append(probs)
+        if op.token == limit - 1:
+            b.drafts = torch.stack(b.draft_tokens, dim=1)  # [rows, k]
+            b.p = torch.stack(b.draft_probs, dim=1) if b.draft_probs else None  # [rows, k, vocab]
+            b.draft_tokens, b.draft_probs = [], []
+
+
+def _inference(handler: Callable[[Op], None]) -> Callable[[Op], None]:
+    """inference_mode is per thread: enter it around every op on the executor's threads."""
+
+    def run(op: Op) -> None:
+        with torch.inference_mode():
+            handler(op)
+
+    return run

@@ -1,0 +1,159 @@
+"""From a config and a job to the `Plan` the engine runs and the `Placement` it runs it under: one place, used by
+the engine and by `specoffload plan` alike, so the plan shown is the plan run.
+
+    resolve_max_seq_len   tokens per row the KV caches hold: --max-seq-len, else the job's, else the model's
+    job_max_seq_len       the same for a job's prompts (text or token ids), as both CLI commands size it
+    ModelPair             the models' shapes, read from checkpoint headers
+    make_plan             fixed (the user chose batch and k) or planned (search over the measured profile)
+    place_plan            the placement of a plan's parts and caches under the budgets
+
+The search itself (planner/search.py) is pure; this module adds what needs the runtime: the measured hardware
+profile (runtime/offload/profiler.py) and the models' shapes read from their checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from specoffload.planner import HardwareProfile, ModelCosts, Workload, search
+from specoffload.planner.placement import Placement, PlacementPolicy, minimum_device_memory, place
+from specoffload.planner.plan import MAX_AUTO_K, Plan, fixed_plan, planned
+from specoffload.planner.search import DEFAULT_BATCHES
+from specoffload.planner.shapes import ModelShape
+
+from .config import ConfigError, EngineConfig
+from .models.config import ModelConfig
+from .models.model import Transformer
+from .offload.profiler import load_or_measure
+from .tokenizer import load_tokenizer
+
+logger = logging.getLogger("specoffload.planning")
+
+#: KV length per row when neither max_seq_len nor the job nor a shorter model context says otherwise
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """What planning needs of the models: shapes (parts and bytes in the compute dtype) and the MoE routing."""
+
+    target: ModelShape
+    draft: ModelShape | None
+    context: int  # the target's max_position_embeddings
+    dtype_bytes: int
+    top_k: int = 0  # experts per token of an MoE target (0: dense)
+    draft_top_k: int = 0  # the same for an MoE draft
+
+    @classmethod
+    def of(cls, target: Transformer, draft: Transformer | None) -> ModelPair:
+        """From executors constructed on the checkpoints (their headers are read, no weight is loaded)."""
+        cfg = target.config
+        return cls(
+            target=target.loader.shape("target"),
+            draft=draft.loader.shape("draft") if draft is not None else None,
+            context=cfg.max_position_embeddings,
+            dtype_bytes=target.dtype.itemsize,
+            top_k=cfg.num_experts_per_tok if cfg.num_experts else 0,
+            draft_top_k=draft.config.num_experts_per_tok if draft is not None and draft.config.num_experts else 0,
+        )
+
+    def costs(self, drafting: bool) -> ModelCosts:
+        """FLOPs and bytes per layer for the cost model (the draft only when it is loaded)."""
+        return ModelCosts.from_shapes(self.target, self.draft if drafting else None, dtype_bytes=self.dtype_bytes,
+                                      top_k=self.top_k, draft_top_k=self.draft_top_k)
+
+
+def resolve_max_seq_len(config_max_seq_len: int | None, model_context: int,
+                        prompt_lengths: Iterable[int] | None = None, max_new_tokens: int | None = None) -> int:
+    """Prompt + output tokens per row the KV caches are sized for, never above the model's context:
+
+    the config's max_seq_len (--max-seq-len) if given; else, when the job is known, its longest prompt plus
+    max_new_tokens; else min(model context, DEFAULT_MAX_SEQ_LEN).
+    """
+    if config_max_seq_len is not None:
+        return min(model_context, config_max_seq_len)
+    lengths = list(prompt_lengths) if prompt_lengths is not None else []
+    if lengths and max_new_tokens is not None:
+        return min(model_context, max(lengths) + max_new_tokens)
+    return min(model_context, DEFAULT_MAX_SEQ_LEN)
+
+
+def job_max_seq_len(config: EngineConfig, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> int:
+    """`resolve_max_seq_len` for a job: text prompts are measured with the target's tokenizer."""
+    context = ModelConfig.from_dir(config.target).max_position_embeddings
+    if config.max_seq_len is not None or not prompts:
+        return resolve_max_seq_len(config.max_seq_len, context)
+    tokenizer = load_tokenizer(config.target) if any(isinstance(p, str) for p in prompts) else None
+    if tokenizer is None and any(isinstance(p, str) for p in prompts):
+        return resolve_max_seq_len(None, context)  # the engine refuses text prompts without a tokenizer
+    lengths = (len(tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str) else len(p) for p in prompts)
+    return resolve_max_seq_len(None, context, lengths, max_new_tokens)
+
+
+def make_plan(
+    config: EngineConfig,
+    models: ModelPair,
+    max_seq_len: int,
+    *,
+    workload: Workload | None = None,
+    alpha: float | None = None,
+    profile: HardwareProfile | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Plan:
+    """The plan for `config`: fixed when the user chose batch and k (or nothing streams), else the planner's best
+    (batch, k) for `workload` (default: many prompts of max_seq_len / 2 tokens, as many new tokens) at acceptance
+    `alpha` (default: config.acceptance_prior) on the measured `profile` (default: measured or cached)."""
+    has_draft = models.draft is not None
+    if not config.planned:
+        k = int(config.num_draft_tokens) if has_draft else 0
+        return fixed_plan(int(config.max_batch_size), k, max_seq_len)
+    if profile is None:
+        profile = load_or_measure(config, log=log or logger.info)
+    if workload is None:
+        workload = Workload(num_prompts=256, prompt_len=max_seq_len / 2, new_tokens=max_seq_len - max_seq_len // 2)
+    batches = DEFAULT_BATCHES if config.max_batch_size == "auto" else (int(config.max_batch_size),)
+    if not has_draft:
+        ks: tuple[int, ...] = (0,)
+    elif config.num_draft_tokens == "auto":
+        ks = tuple(range(MAX_AUTO_K + 1))
+    else:
+        ks = (int(config.num_draft_tokens),)
+    auto_k = config.num_draft_tokens == "auto"
+    result = search(
+        profile, models.target, models.draft, workload,
+        config.acceptance_prior if alpha is None else alpha,
+        int(config.device_memory), config.host_budget,
+        batches=batches, ks=ks, num_buffers=config.num_buffers, weights_tier=config.weights_tier,
+        unified_memory=config.unified_memory, context=max_seq_len, dtype_bytes=models.dtype_bytes,
+        top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
+    )
+    plan = planned(result, max_seq_len, replan_k=auto_k)
+    logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
+    return plan
+
+
+def placement_policy(config: EngineConfig, plan: Plan) -> PlacementPolicy:
+    return PlacementPolicy(
+        batch_size=plan.batch,
+        num_batches=plan.num_batches,
+        context=plan.kv_capacity,
+        num_buffers=config.num_buffers,
+        weights_tier=config.weights_tier,
+        unified_memory=config.unified_memory,
+    )
+
+
+def place_plan(config: EngineConfig, plan: Plan, models: ModelPair) -> Placement:
+    """Where each part and cache of `plan` lives (PlacementError, stating the minimum, when it does not fit)."""
+    if config.device_memory is None:
+        raise ConfigError("placement needs device_memory (the budget that makes the target stream)")
+    draft = models.draft if plan.drafting else None
+    return place(models.target, draft, placement_policy(config, plan), int(config.device_memory), config.host_budget)
+
+
+def plan_minimum_device_memory(config: EngineConfig, plan: Plan, models: ModelPair) -> int:
+    """The smallest device_memory that places `plan` (every streamable target part streamed, usually)."""
+    draft = models.draft if plan.drafting else None
+    return minimum_device_memory(models.target, draft, placement_policy(config, plan))

@@ -1,0 +1,39 @@
+"""Totals of one `generate` call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GenerateStats:
+    """Totals for one `generate` call (phase seconds: resident engine, phases in sequence; offloaded, busy time
+    of the draft, target and verify ops, which overlap)."""
+
+    num_prompts: int
+    prompt_tokens: int
+    generated_tokens: int
+    num_drafted: int
+    num_accepted: int
+    steps: int
+    wall_s: float
+    prefill_s: float
+    draft_s: float
+    target_s: float
+    verify_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+
+@dataclass(frozen=True)
+class OffloadStats(GenerateStats):
+    """GenerateStats plus what moved: bytes read from the weights tier, and the pipeline's target passes."""
+
+    bytes_read: int = 0
+    passes: int = 0
