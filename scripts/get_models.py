@@ -19,6 +19,7 @@ for speed, and says so: a modified or corrupt checkpoint is then used as it is.
 Usage::
 
     python -m scripts.get_models [--only target|draft] [--cache DIR] [--keep-gguf] [--skip-hash-check]
+                                 [--moe upcycle,moefy]   # then build MoE targets (scripts/make_moe.py)
 
 Importable: ``ensure_models(cache=None) -> {"target": Path, "draft": Path}`` and
 ``model_dir(name, cache=None) -> Path`` (no download; checks the hashes of a converted checkpoint).
@@ -576,6 +577,26 @@ def vocab_report(dirs: dict[str, Path]) -> str:
     return f"config vocab_size ({cfg}); tokenizer vocabularies {verdict} ({lens})"
 
 
+def _moe_kinds(text: str) -> list[str]:
+    """``--moe`` value: a comma-separated subset of upcycle, moefy."""
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - {"upcycle", "moefy"})
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"expected upcycle, moefy or upcycle,moefy; got {text!r}")
+    return list(dict.fromkeys(kinds))
+
+
+def _build_moe(target: Path, kinds: list[str]) -> dict[str, Path]:
+    """Build (or reuse) the MoE checkpoints made from the target, beside it (scripts/make_moe.py)."""
+    from scripts.make_moe import build_moe_models  # imports torch: only when asked for
+    from scripts.moe.errors import MoEBuildError
+
+    try:
+        return build_moe_models(target, kinds)
+    except MoEBuildError as err:
+        raise GetModelsError(str(err)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -587,7 +608,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--print-path", choices=sorted(SPECS), help="print one model's directory and exit (no download)")
     ap.add_argument("--skip-hash-check", action="store_true",
                     help=f"do not check the converted checkpoints' SHA-256 (faster; also {SKIP_HASH_ENV}=1)")
+    ap.add_argument("--moe", type=_moe_kinds, default=[], metavar="upcycle,moefy",
+                    help="then build MoE checkpoints from the target (python -m scripts.make_moe; upcycle ~19 GB, "
+                         "moefy ~3.5 GB of disk; see README)")
     args = ap.parse_args(argv)
+    if args.moe and args.only == "draft":
+        ap.error("--moe builds from the target; drop --only draft")
     if args.print_path:
         print(model_dir(args.print_path, args.cache, verify=False))
         return 0
@@ -603,6 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[check] target greedy completion:\n{sample_completion(dirs['target'])}")
             if len(dirs) == 2:
                 print(f"[check] {vocab_report(dirs)}")
+        if args.moe:
+            dirs |= _build_moe(dirs["target"], args.moe)
     except GetModelsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
