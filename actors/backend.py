@@ -3,39 +3,40 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 from specoffload.runtime.backends import BackendError, BackendOptions
 from specoffload.runtime.config import EngineConfig
-from specoffload.runtime.request import GenerationResult
-from specoffload.runtime.sampling import SamplingParams
+from specoffload.runtime.offline.chunks import Chunk, ChunkDone
 
 from .client import connect
 
 
 class RayBackend:
-    """The Ray actor runtime (`connect`) behind the CLI's chunk loop."""
+    """The Ray actor runtime behind the CLI's job: `--replicas` engines, one per node, leasing its chunks
+    (replicas.py)."""
 
     def __init__(self, config: EngineConfig, options: BackendOptions) -> None:
         if not config.offloaded:
             raise BackendError("--backend ray runs the offloaded engine: give --device-memory")
         if options.trace is not None:
             raise BackendError("--trace is recorded by the local backend only; drop it or use --backend local")
-        self.handle = connect(config, options.ray_address)
-        self.bytes_read = self.passes = self.recoveries = 0
+        self.pool = connect(config, options.ray_address, replicas=options.replicas or 1)
         if options.show_placement:
-            print(self.handle.placement, file=sys.stderr)
+            print(self.pool.placement, file=sys.stderr)
 
-    def generate(self, prompts: list, params: SamplingParams) -> list[GenerationResult]:
-        results = self.handle.generate(prompts, params)
-        s = self.handle.stats()
-        self.bytes_read += int(s.get("bytes_read", 0))
-        self.passes += int(s.get("passes", 0))
-        self.recoveries += int(s.get("recoveries", 0))
-        return results
+    def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]:
+        return self.pool.run(chunks, window)
 
     def report(self) -> None:
-        print(f"weights read: {self.bytes_read / 1e9:.2f} GB in {self.passes} streamed passes; "
-              f"{self.recoveries} recoveries from lost actors", file=sys.stderr)
+        replicas = self.pool.replicas
+        for replica in replicas:
+            print(replica.describe(), file=sys.stderr)
+        recoveries = sum(r.recoveries for r in replicas)
+        lost = sum(r.lost_leases for r in replicas)
+        print(f"weights read: {sum(r.bytes_read for r in replicas) / 1e9:.2f} GB in "
+              f"{sum(r.passes for r in replicas)} streamed passes; {recoveries} recoveries from lost actors; "
+              f"{lost} lost leases (chunks redone on another replica)", file=sys.stderr)
 
     def close(self) -> None:
-        self.handle.shutdown()
+        self.pool.shutdown()

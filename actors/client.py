@@ -28,6 +28,7 @@ from specoffload.runtime.transport.shm import sweep_dead_sockets
 
 from .coordinator import Coordinator
 from .launcher import launch, plan_resources
+from .replicas import ReplicaPool
 from .roles import RoleInfo
 
 
@@ -97,13 +98,14 @@ class EngineHandle:
 
 
 def connect(config: EngineConfig, address: str | None = None, *, max_restarts: int = 3,
-            **ray_init: Any) -> EngineHandle:
+            replicas: int | str | None = None, **ray_init: Any) -> EngineHandle | ReplicaPool:
     """Start the Ray backend for `config` (an offloaded config: device_memory set) and return its handle.
 
     address: None: start a local Ray (or join one found on this machine, as `ray.init()` does); "auto": join the
     running cluster; "ray://host:port": Ray client (needs `ray[client]`). Ignored when this process is already
     connected to Ray: that connection is used. ray_init: more keyword arguments for `ray.init`. max_restarts:
     restarts of each role actor (and recoveries per generate) before a lost actor fails the call.
+    replicas: a number or "auto": a `ReplicaPool` of that many engines, one per node (replicas.py), instead of one.
     """
     if not config.offloaded:
         raise ConfigError("the Ray backend runs the offloaded engine: set device_memory in the EngineConfig")
@@ -111,6 +113,13 @@ def connect(config: EngineConfig, address: str | None = None, *, max_restarts: i
     if not ray.is_initialized():
         ray.init(address=address, **ray_init)
         owns_ray = True
+    if replicas is not None:
+        try:
+            return ReplicaPool(config, replicas, max_restarts=max_restarts, owns_ray=owns_ray)
+        except BaseException:
+            if owns_ray:
+                ray.shutdown()
+            raise
     resources = plan_resources(config)
     coordinator = launch(Coordinator, config, None, max_restarts, resources=resources["coordinator"],
                          max_concurrency=4)

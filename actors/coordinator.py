@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -42,7 +43,7 @@ from specoffload.runtime.transport.arena import sweep_dead_arenas
 from specoffload.runtime.transport.procs import pid_alive
 from specoffload.runtime.transport.shm import ShmTensors
 
-from .launcher import ActorResources, current_node_id, launch, plan_resources
+from .launcher import ActorResources, Bundle, current_node_id, launch, plan_resources
 from .proxy import LanePool, RoleProxy, WorkerLost, proxy_class
 from .roles import Role, RoleInfo, normal_priority
 
@@ -56,11 +57,11 @@ class RoleGroup:
     """The role actors of one engine: launch (pinned to this node), setup in dependency order, shutdown."""
 
     def __init__(self, config: EngineConfig, roles: Sequence[str], resources: dict[str, ActorResources],
-                 max_restarts: int) -> None:
-        node = current_node_id()
+                 max_restarts: int, bundle: Bundle | None = None) -> None:
+        node = current_node_id() if bundle is None else None  # a replica's bundle is on this node already
         self.actors = {
             role: launch(Role, role, config, resources[role].threads, resources=resources[role],
-                         max_restarts=max_restarts, node_id=node)
+                         max_restarts=max_restarts, node_id=node, placement=bundle)
             for role in roles
         }
         self.infos: dict[str, RoleInfo] = {}
@@ -176,35 +177,60 @@ def _lost_worker(error: BaseException | None) -> str | None:
 
 
 class Coordinator:
-    """The coordinator actor: hosts an `Engine` whose workers are role actors; it returns only plain data."""
+    """The coordinator actor: hosts an `Engine` whose workers are role actors; it returns only plain data.
+
+    bundle: a replica's placement-group bundle (replicas.py): its roles are launched into it. Calls that use the
+    engine are serialised (the actor is threaded so that progress and stats answer meanwhile)."""
 
     def __init__(self, config: EngineConfig, resources: dict[str, ActorResources] | None = None,
-                 max_restarts: int = 3) -> None:
+                 max_restarts: int = 3, bundle: Bundle | None = None) -> None:
         self.resources = resources or plan_resources(config)  # here: threads from this node's cores
         torch.set_num_threads(self.resources["coordinator"].threads)
         normal_priority()  # the executor threads (and the roles they wait for) are the engine, not background work
         self.config, self.max_restarts = config, max_restarts
         self.engine: Engine | None = None
         self.roles: RoleWorkers | None = None
+        self.bundle, self.lock = bundle, threading.Lock()
 
     def start(self) -> dict[str, Any]:
-        """Build the engine and its role actors (errors such as a too-small budget surface here)."""
+        """Build the engine and its role actors (errors such as a too-small budget surface here). Idempotent."""
+        with self.lock:
+            if self.engine is None:
+                self._start()
+            assert self.engine is not None
+            return {"placement": self.engine.describe_placement(), "pids": self.pids(), "node": current_node_id()}
+
+    def _start(self) -> None:
         # The actors start (import torch, ...) while this process reads the checkpoints and places the model.
         roles = ["prefetch", "attention", "verifier"] + (["draft"] if self.config.draft is not None else [])
-        self.roles = RoleWorkers(RoleGroup(self.config, roles, self.resources, self.max_restarts), self.max_restarts)
+        group = RoleGroup(self.config, roles, self.resources, self.max_restarts, self.bundle)
+        self.roles = RoleWorkers(group, self.max_restarts)
         try:
             self.engine = Engine(self.config, workers=self.roles, recovery=self.roles)
         except BaseException:
             self.roles.close()
             self.roles = None
             raise
-        return {"placement": self.engine.describe_placement(), "pids": self.pids()}
 
-    def generate(self, prompts: list[Any], params: dict[str, Any] | None) -> list[dict[str, Any]]:
-        engine, roles = self._engine()
-        roles.recoveries = 0
-        results = engine.generate(prompts, SamplingParams(**params) if params else None)
+    def generate(self, prompts: list[Any],
+                 params: dict[str, Any] | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """params: the fields of one SamplingParams for every prompt, or of one per prompt."""
+        with self.lock:
+            engine, roles = self._engine()
+            roles.recoveries = 0
+            per_row = [SamplingParams(**p) for p in params] if isinstance(params, list) else (
+                SamplingParams(**params) if params else None)
+            results = engine.generate(prompts, per_row)
         return [dataclasses.asdict(r) for r in results]
+
+    def run_chunk(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> dict[str, Any]:
+        """A leased chunk of a job (replicas.py): its rows' results without their prompts, and what it cost."""
+        results = self.generate(prompts, params)
+        engine, roles = self._engine()
+        stats = engine.last_stats
+        keep = ("token_ids", "text", "finish_reason", "num_drafted", "num_accepted")
+        return {"results": [{k: r[k] for k in keep} for r in results], "recoveries": roles.recoveries,
+                "bytes_read": getattr(stats, "bytes_read", 0), "passes": getattr(stats, "passes", 0)}
 
     def stats(self) -> dict[str, Any]:
         engine, roles = self._engine()

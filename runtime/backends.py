@@ -2,13 +2,14 @@
 
 `local` (this module) runs the `Engine` in this process. Other backends register under the entry-point group
 `specoffload.backends` (pyproject.toml: actors/ registers `ray`), so the runtime never imports them: the CLI
-asks `load_backend(name)` at run time. A backend is a class built from (config, options) with `generate`,
-`report` and `close`.
+asks `load_backend(name)` at run time. A backend is a class built from (config, options) with `run` (chunks in,
+done chunks out, in any order: runtime/offline/chunks.py), `report` and `close`.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -17,8 +18,8 @@ from typing import Protocol
 from specoffload.planner.errors import SpecOffloadError
 
 from .config import EngineConfig
-from .request import GenerationResult
-from .sampling import SamplingParams
+from .offline.chunks import Chunk, ChunkDone
+from .offline.rows import RowResult
 
 GROUP = "specoffload.backends"
 
@@ -35,10 +36,11 @@ class BackendOptions:
     show_placement: bool = False
     trace: Path | None = None
     ray_address: str | None = None
+    replicas: int | str | None = None  # engines on a cluster (ray: one per node; "auto": every node that fits one)
 
 
 class Backend(Protocol):
-    def generate(self, prompts: list, params: SamplingParams) -> list[GenerationResult]: ...
+    def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]: ...
     def report(self) -> None: ...
     def close(self) -> None: ...
 
@@ -49,18 +51,27 @@ class LocalBackend:
     def __init__(self, config: EngineConfig, options: BackendOptions) -> None:
         from .engine import Engine  # heavy import (torch, transformers) only when needed
 
+        if options.replicas not in (None, 1):
+            raise BackendError("--replicas runs engines on a Ray cluster: add --backend ray")
         self.engine = Engine(config)
         self.options = options
         self.bytes_read = self.passes = 0
         if options.show_placement:
             print(self.engine.describe_placement(), file=sys.stderr)
 
-    def generate(self, prompts: list, params: SamplingParams) -> list[GenerationResult]:
-        results = self.engine.generate(prompts, params, progress=self.options.progress)
-        stats = self.engine.last_stats
-        self.bytes_read += getattr(stats, "bytes_read", 0)
-        self.passes += getattr(stats, "passes", 0)
-        return results
+    def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]:
+        """One chunk after another, in this process (`window` is for backends with several workers)."""
+        for chunk in chunks:
+            jobs = chunk.jobs
+            if not jobs:
+                yield ChunkDone(chunk, ())
+                continue
+            results = self.engine.generate([list(j.token_ids) for j in jobs], [j.params for j in jobs])
+            stats = self.engine.last_stats
+            self.bytes_read += getattr(stats, "bytes_read", 0)
+            self.passes += getattr(stats, "passes", 0)
+            yield ChunkDone(chunk, tuple(RowResult(tuple(r.token_ids), r.text, r.finish_reason, r.num_drafted,
+                                                   r.num_accepted) for r in results))
 
     def report(self) -> None:
         engine = self.engine

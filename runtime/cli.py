@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from specoffload.planner.errors import SpecOffloadError
 
 from .config import EngineConfig
-from .prompts import PromptFileError, humaneval_prompts, read_prompts_file
+from .prompts import PromptFileError, read_prompts_file
 from .sampling import SamplingParams
 
 
@@ -20,9 +19,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="target checkpoint directory (HF safetensors)")
     p.add_argument("--draft", default=None, help="draft checkpoint directory (same vocabulary); omit for none")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", type=Path, help=".jsonl ({'prompt': ...} or {'token_ids': [...]}) or .txt file")
+    src.add_argument("--prompts", type=Path,
+                     help=".jsonl ({'prompt': ...} or {'token_ids': [...]}, or OpenAI batch requests) or .txt file")
     src.add_argument("--humaneval", type=int, metavar="N", help="the first N HumanEval prompts (0: all 164)")
-    p.add_argument("--output", "-o", type=Path, default=None, help="output JSONL (default: stdout)")
+    p.add_argument("--input-format", default="auto", choices=["auto", "simple", "openai"],
+                   help="simple: {'prompt'|'token_ids'} rows; openai: OpenAI Batch API requests (custom_id, url, "
+                        "body); auto (default): openai when the first row has custom_id/url/body. Output follows it")
+    p.add_argument("--output", "-o", type=Path, default=None,
+                   help="output JSONL, one row per input row in input order (default: stdout)")
     p.add_argument("--resume", action="store_true",
                    help="keep the rows already in --output and generate only the missing prompts")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
@@ -31,6 +35,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="local",
                    help="local: one process; ray: the Ray actor runtime (needs --device-memory); any other name "
                         "registered under the 'specoffload.backends' entry points")
+    p.add_argument("--replicas", type=_int_or_auto, default=None,
+                   help="--backend ray: engines to run, one per node (placement groups), sharing the corpus in "
+                        "leased chunks; 'auto': one on every node that can host one (default 1)")
+    p.add_argument("--progress-interval", type=float, default=10.0,
+                   help="seconds between progress lines when stderr is not a terminal (e.g. `ray job logs`)")
     p.add_argument("--ray-address", default=None,
                    help="Ray to join with --backend ray (default: RAY_ADDRESS, e.g. inside `ray job submit`, "
                         "else a local Ray)")
@@ -152,12 +161,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from .backends import BackendOptions, load_backend
-    from .outputs import JsonlSink
-    from .planning import job_max_seq_len
+    from .offline.job import JobSpec, run_job
+    from .offline.source import InputSource
 
-    if args.chunk_size < 1:
-        raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
-    prompts = read_prompts_file(args.prompts) if args.prompts else humaneval_prompts(args.humaneval or None)
+    source = InputSource.file(args.prompts) if args.prompts else InputSource.humaneval(args.humaneval)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -181,65 +188,13 @@ def _generate(args: argparse.Namespace) -> int:
         expert_loading=args.expert_loading,
         trace=args.trace is not None,
     )
-    with JsonlSink(args.output, resume=args.resume, overwrite=args.overwrite) as sink:
-        sink.check_matches(prompts)
-        # Chunks are cut on input indices and a chunk is redone whole, with its own seed: a batch's rows share a
-        # random stream, so only whole chunks reproduce what an uninterrupted run writes.
-        size = args.chunk_size
-        unfinished = {i // size for i in range(len(prompts)) if i not in sink.done}
-        redo = {i for i in sink.done if i // size in unfinished}
-        if redo:
-            print(f"resuming {args.output}: {len(redo)} row(s) of unfinished chunks will be generated again",
-                  file=sys.stderr)
-            sink.forget(redo)
-        todo = [i for i in range(len(prompts)) if i not in sink.done]
-        if sink.done:
-            print(f"resuming {args.output}: {len(sink.done)} of {len(prompts)} prompts already done", file=sys.stderr)
-        if not todo:
-            print("nothing to do: every prompt has a row", file=sys.stderr)
-            return 0
-        if config.offloaded:  # size the KV caches to the job, as `specoffload plan` does
-            config = replace(config, max_seq_len=job_max_seq_len(config, prompts, args.max_new_tokens))
-        options = BackendOptions(progress=not args.no_progress, show_placement=args.show_placement, trace=args.trace,
-                                 ray_address=args.ray_address)
-        backend = load_backend(args.backend)(config, options)
-        tokens = drafted = accepted = 0
-        start = time.perf_counter()
-        try:
-            chunks: dict[int, list[int]] = {}
-            for i in todo:
-                chunks.setdefault(i // size, []).append(i)
-            for number, (c, indices) in enumerate(sorted(chunks.items()), 1):
-                chunk_params = params if params.seed is None else replace(params, seed=params.seed + c)
-                results = backend.generate([prompts[i] for i in indices], chunk_params)
-                rows = []
-                for r in sorted(results, key=lambda r: r.index):
-                    index = indices[r.index]
-                    rows.append({
-                        "index": index,
-                        "prompt": prompts[index] if isinstance(prompts[index], str) else None,
-                        "text": r.text,
-                        "token_ids": r.token_ids,
-                        "finish_reason": r.finish_reason,
-                        "num_drafted": r.num_drafted,
-                        "num_accepted": r.num_accepted,
-                    })
-                    tokens += len(r.token_ids)
-                    drafted += r.num_drafted
-                    accepted += r.num_accepted
-                sink.write(rows)
-                if len(chunks) > 1 and not args.no_progress:
-                    print(f"chunk {number}/{len(chunks)}: {len(rows)} rows written", file=sys.stderr)
-            wall = time.perf_counter() - start
-            rate = tokens / max(wall, 1e-9)
-            summary = f"{len(todo)} prompts, {tokens} new tokens in {wall:.1f} s: {rate:.1f} tokens/s"
-            if args.draft:
-                summary += f", acceptance {accepted / max(drafted, 1):.2f} ({accepted}/{drafted} draft tokens)"
-            backend.report()
-            print(summary, file=sys.stderr)
-        finally:
-            backend.close()
-    return 0
+    spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,
+                   overwrite=args.overwrite, chunk_size=args.chunk_size, params=params, progress=not args.no_progress,
+                   progress_interval=args.progress_interval)
+    options = BackendOptions(progress=not args.no_progress, show_placement=args.show_placement, trace=args.trace,
+                             ray_address=args.ray_address, replicas=args.replicas)
+    backend = load_backend(args.backend)  # an unknown name fails before any file is touched
+    return run_job(spec, config, lambda job_config: backend(job_config, options))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ family is runtime/models/ (config.py, checkpoint names in weights.py, layers.py)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 
 import torch
 
@@ -153,19 +154,27 @@ class Engine:
 
     # ---- generation -------------------------------------------------------------------------------------------------
     def generate(
-        self, prompts: Sequence[Prompt], params: SamplingParams | None = None, progress: bool = False
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
     ) -> list[GenerationResult]:
-        """Complete every prompt; results come back in input order."""
-        params = params or SamplingParams()
+        """Complete every prompt; results come back in input order.
+
+        params: one SamplingParams for every prompt, or one per prompt. max_new_tokens and the stop ids are per
+        request anyway; rows that share their warping (temperature, top-p, top-k, seed: `_warping`) run together,
+        each such group in one runner call, so every row is drawn from its own parameters' distribution.
+        """
         encoded = self._encode(prompts)
-        cfg = self.target.config
-        stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else frozenset(cfg.eos_token_ids)
-        )
-        requests = [Request(i, ids, min(params.max_new_tokens, self.max_seq_len - len(ids)), stop_ids)
-                    for i, ids in enumerate(encoded)]
+        per_row = _per_row(params, len(encoded))
+        eos = frozenset(self.target.config.eos_token_ids)
+        requests = [Request(i, ids, min(p.max_new_tokens, self.max_seq_len - len(ids)),
+                            frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos))
+                    for i, (ids, p) in enumerate(zip(encoded, per_row))]
+        groups: dict[tuple, list[Request]] = {}
+        for r, p in zip(requests, per_row):
+            groups.setdefault(_warping(p), []).append(r)
         with torch.inference_mode():
-            self.last_stats = self.runner.run(requests, params, progress)
+            stats = [self.runner.run(group, per_row[group[0].index], progress) for group in groups.values()]
+        self.last_stats = stats[0] if len(stats) == 1 else _sum_stats(stats)
         return [self._result(r) for r in requests]
 
     def _encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
@@ -222,6 +231,25 @@ class Engine:
         if self.workers is not None:
             self.workers.close()
             self.workers = None
+
+
+def _per_row(params: SamplingParams | Sequence[SamplingParams] | None, rows: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * rows
+    per_row = list(params)
+    if len(per_row) != rows or not all(isinstance(p, SamplingParams) for p in per_row):
+        raise ValueError(f"params: one SamplingParams, or a sequence of one per prompt ({rows}); got {len(per_row)}")
+    return per_row
+
+
+def _warping(p: SamplingParams) -> tuple:
+    """What rows must share to be drafted and verified together: the logit warping and the random stream."""
+    return ("greedy",) if p.greedy else (p.temperature, p.top_p, p.top_k, p.seed)
+
+
+def _sum_stats(stats: list[GenerateStats]) -> GenerateStats:
+    """Totals of the runner calls of one generate (the groups run one after another, so wall times add up)."""
+    return type(stats[0])(**{f.name: sum(getattr(s, f.name) for s in stats) for f in fields(stats[0])})
 
 
 __all__ = ["Engine", "GenerateStats", "OffloadStats", "PromptError", "Prompt", "VocabularyMismatchError"]

@@ -6,7 +6,6 @@ import gzip
 import json
 import os
 from importlib import resources
-from pathlib import Path
 
 HUMANEVAL_RESOURCE = "data/HumanEval.jsonl.gz"
 
@@ -48,48 +47,27 @@ def _humaneval_path():
 
 
 def read_prompts_file(path: str | os.PathLike[str]) -> list[Prompt]:
-    """Read prompts from a ``.jsonl`` or ``.txt`` file.
+    """Read every prompt of a ``.jsonl`` or ``.txt`` file into a list (for a handful: `specoffload plan`; a job
+    streams its input instead, see runtime/offline/).
 
     ``.jsonl``: one JSON value per non-blank line: an object with ``"prompt"`` (string) or
     ``"prompt_token_ids"`` / ``"token_ids"`` (list of ints), or a bare JSON string.
     ``.txt`` (or any other suffix): one prompt per line, blank lines skipped.
-    Raises :class:`PromptFileError` naming the file (and line number) for anything malformed.
+    Lines end at "\n" only (form feed, U+2028 and the like are text). Raises :class:`PromptFileError` naming the
+    file (and line number) for anything malformed.
     """
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise PromptFileError(f"{p}: cannot read prompt file: {err}") from err
-    lines = text.splitlines()
-    if p.suffix.lower() == ".jsonl":
-        prompts = [_jsonl_prompt(p, i, line) for i, line in enumerate(lines, start=1) if line.strip()]
-    else:
-        prompts = [line for line in lines if line.strip()]
+    from .offline.rows import RowError
+    from .offline.simple import SimpleFormat
+    from .offline.source import InputSource
+
+    source = InputSource.file(path)
+    fmt = SimpleFormat(text=source.text)
+    prompts: list[Prompt] = []
+    for raw in source.rows():
+        row = fmt.parse(raw)
+        if isinstance(row, RowError):
+            raise PromptFileError(f"{source.where(row.lineno)}: {row.message}")
+        prompts.append(row.prompt if isinstance(row.prompt, str) else list(row.prompt or ()))
     if not prompts:
-        raise PromptFileError(f"{p}: no prompts in file")
+        raise PromptFileError(f"{source.name}: no prompts in file")
     return prompts
-
-
-def _jsonl_prompt(path: Path, lineno: int, line: str) -> Prompt:
-    """Parse one ``.jsonl`` line into a prompt string or token-id list."""
-    where = f"{path}:{lineno}"
-    try:
-        value = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise PromptFileError(f"{where}: invalid JSON ({err.msg})") from err
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, dict):
-        raise PromptFileError(f"{where}: expected an object or a string, got {type(value).__name__}")
-    if "prompt" in value:
-        if not isinstance(value["prompt"], str):
-            raise PromptFileError(f"{where}: 'prompt' must be a string")
-        return value["prompt"]
-    for key in ("prompt_token_ids", "token_ids"):
-        if key in value:
-            ids = value[key]
-            ok = isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)
-            if not ok:
-                raise PromptFileError(f"{where}: '{key}' must be a non-empty list of non-negative ints")
-            return ids
-    raise PromptFileError(f"{where}: object has none of 'prompt', 'prompt_token_ids', 'token_ids'")

@@ -138,3 +138,84 @@ def test_ray_backend_needs_an_offloaded_config(tiny_models, tmp_path, capsys):
                "--no-progress"])
     assert rc == 2
     assert "--device-memory" in capsys.readouterr().err
+
+
+def _batch_line(custom_id: str, prompt: object, url: str = "/v1/completions", **body: object) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": {"prompt": prompt, **body}})
+
+
+def test_openai_batch_with_bad_rows_honours_each_rows_parameters(tiny_models, tmp_path, capsys):
+    from specoffload.runtime import Engine, EngineConfig, SamplingParams
+
+    lines = [
+        _batch_line("greedy", [5, 6, 7], max_tokens=4),
+        "{not json",
+        _batch_line("hot", [9, 4], max_tokens=6, temperature=1.0, seed=3),
+        _batch_line("embed", "x", url="/v1/embeddings"),
+        _batch_line("empty", [5], max_tokens=0),
+        _batch_line("long", list(range(1, 40))),  # longer than --max-seq-len
+        _batch_line("chat", None, url="/v1/chat/completions"),  # no messages
+        _batch_line("default", [3, 8]),
+    ]
+    batch, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    batch.write_text("\n".join(lines) + "\n")
+    cli = ["generate", "--target", str(tiny_models["llama"]), "--prompts", str(batch), "-o", str(out),
+           "--max-new-tokens", "3", "--ignore-eos", "--max-seq-len", "32", "--chunk-size", "3", "--no-progress"]
+    rc = main(cli)
+    err = capsys.readouterr().err
+    assert rc == 2  # finished, with failed rows
+    assert "5 of 8 rows failed" in err and f"{batch}:2: invalid JSON" in err and "Traceback" not in err
+    rows = _rows(out)
+    assert [r["custom_id"] for r in rows] == ["greedy", None, "hot", "embed", "empty", "long", "chat", "default"]
+    failed = {r["custom_id"]: r["error"]["code"] for r in rows if r["error"] is not None}
+    assert failed == {None: "invalid_json", "embed": "unknown_url", "empty": "invalid_parameter",
+                      "long": "prompt_too_long", "chat": "invalid_parameter"}
+    ok = {r["custom_id"]: r["response"]["body"]["choices"][0]["token_ids"] for r in rows if r["error"] is None}
+    engine = Engine(EngineConfig(tiny_models["llama"], max_seq_len=32))
+    ref = engine.generate([[5, 6, 7], [9, 4], [3, 8]], [SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                                       SamplingParams(max_new_tokens=6, temperature=1.0, seed=3,
+                                                                      ignore_eos=True),
+                                                       SamplingParams(max_new_tokens=3, ignore_eos=True)])
+    assert ok == {"greedy": ref[0].token_ids, "hot": ref[1].token_ids, "default": ref[2].token_ids}
+    assert [len(ids) for ids in ok.values()] == [4, 6, 3]  # each row's own max_tokens, else --max-new-tokens
+
+
+def test_resume_refuses_another_job_in_one_line(tiny_models, tmp_path, capsys):
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": [4 + i, 5]}) + "\n" for i in range(3)))
+    cli = ["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts), "-o", str(out),
+           "--max-new-tokens", "3", "--chunk-size", "2", "--no-progress"]
+    assert main(cli) == 0
+    written = out.read_text()
+    capsys.readouterr()
+    for change, field in ((["--max-new-tokens", "4"], "sampling.max_new_tokens"),
+                          (["--temperature", "0.5"], "sampling.temperature"), (["--seed", "1"], "sampling.seed"),
+                          (["--chunk-size", "1"], "chunk_size"), (["--target", str(tiny_models["mistral"])],
+                                                                  "models.target")):
+        assert main([*cli, *change, "--resume"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--resume refused" in err[0] and field in err[0], (change, err)
+    prompts.write_text("".join(json.dumps({"token_ids": [4 + i, 6]}) + "\n" for i in range(3)))  # other token ids
+    assert main([*cli, "--resume"]) == 2
+    assert "input.sha256" in capsys.readouterr().err
+    assert out.read_text() == written  # nothing was touched
+
+
+def test_a_second_run_on_a_locked_output_fails_at_once(tiny_models, tmp_path, capsys):
+    from specoffload.runtime.offline.output import OutputFile
+
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [4, 5]}) + "\n")
+    with OutputFile(out, overwrite=True):  # another run holds it
+        rc = main(["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts), "-o", str(out),
+                   "--overwrite", "--no-progress"])
+    assert rc == 2 and "another specoffload run" in capsys.readouterr().err
+
+
+def test_progress_lines_when_not_a_terminal(tiny_models, tmp_path, capsys):
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"token_ids": [3 + i]}) + "\n" for i in range(4)))
+    rc = main(["generate", "--target", str(tiny_models["llama"]), "--prompts", str(ids), "-o",
+               str(tmp_path / "o.jsonl"), "--max-new-tokens", "2", "--chunk-size", "1", "--progress-interval", "0"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "progress: 4/4 rows (100.0%)" in err and "ETA" in err and "tok/s" in err

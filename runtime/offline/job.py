@@ -1,0 +1,189 @@
+"""One offline job, start to end:
+
+  1. open the output (locked; an existing one needs --resume or --overwrite) and detect the input's format;
+  2. scan the input once, streamed: its SHA-256 and rows, and, when the KV length comes from the job, the longest
+     prompt + new tokens;
+  3. write the manifest, or on --resume check it and the rows already written, and cut back to the last whole chunk;
+  4. stream the remaining rows through parse -> prepare -> chunks into the backend, and append the chunks it
+     returns in input order (each row exactly once, error rows in their place);
+  5. print the summary. Exit status 0 when every row has a result, 2 when some are error rows (or a mistake stopped
+     the job before it began).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from dataclasses import asdict, dataclass, field, replace
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..config import EngineConfig
+from ..models.config import ModelConfig
+from ..planning import resolve_max_seq_len
+from ..prompts import PromptFileError
+from ..sampling import SamplingParams
+from ..tokenizer import load_tokenizer
+from .chunks import Chunk, ChunkDone, InOrder, chunked
+from .formats import Format, input_format
+from .manifest import Manifest, checkpoint_identity
+from .output import OutputFile, Resumed, StdoutOutput
+from .prepare import Limits, Preparer
+from .progress import Progress
+from .rows import RowError, RowJob
+from .source import InputSource
+
+#: failed rows reported one line each on stderr; the rest are counted (every one is an error row in the output)
+MAX_ERROR_LINES = 20
+
+
+class JobBackend(Protocol):
+    def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]: ...
+    def report(self) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    source: InputSource
+    output: Path | None = None
+    input_format: str = "auto"
+    resume: bool = False
+    overwrite: bool = False
+    chunk_size: int = 256
+    params: SamplingParams = field(default_factory=SamplingParams)
+    progress: bool = True
+    progress_interval: float = 10.0
+    window: int = 8  # chunks handed out ahead of the oldest unwritten one, per worker
+
+
+def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineConfig], JobBackend]) -> int:
+    if spec.chunk_size < 1:
+        raise ValueError(f"--chunk-size must be >= 1, got {spec.chunk_size}")
+    if spec.output is None and spec.resume:
+        raise ValueError("--resume needs --output (rows on stdout cannot be resumed)")
+    fmt = input_format(spec.source, spec.input_format)
+    out = OutputFile(spec.output, resume=spec.resume, overwrite=spec.overwrite) if spec.output else StdoutOutput()
+    with closing(out):
+        model = ModelConfig.from_dir(config.target)
+        tokenizer = load_tokenizer(config.target)
+        sha, total = spec.source.identity()
+        if total == 0:
+            raise PromptFileError(f"{spec.source.name}: no prompts in file")
+        limits = Limits(model.vocab_size, model.max_position_embeddings)
+        if config.offloaded and config.max_seq_len is None:  # size the KV caches to the job, as `specoffload plan`
+            config = replace(config, max_seq_len=_job_max_seq_len(spec, fmt, tokenizer, limits))
+        if config.max_seq_len is not None:
+            limits = replace(limits, max_seq_len=min(config.max_seq_len, limits.context))
+        preparer = Preparer(tokenizer, limits, spec.params, spec.chunk_size)
+        out.start(_manifest(spec, config, fmt, sha, total, limits))
+        resumed = out.resume(fmt, (fmt.parse(raw) for raw in spec.source.rows()), total, spec.chunk_size)
+        _say_resumed(spec, resumed, total)
+        if resumed.rows == total:
+            print("nothing to do: every prompt has a row", file=sys.stderr)
+            return 2 if resumed.failed else 0
+        rows = (preparer(fmt.parse(raw)) for raw in spec.source.rows(start=resumed.rows))
+        writer = _Writer(spec, fmt, out, preparer, model_name=Path(config.target).name)
+        progress = Progress(total, resumed.rows, spec.progress, spec.progress_interval)
+        backend = open_backend(config)
+        start = time.perf_counter()
+        try:
+            order = InOrder(first=resumed.rows // spec.chunk_size)
+            for done in backend.run(chunked(rows, spec.chunk_size), spec.window):
+                for ready in order.add(done):
+                    progress.update(*writer.write(ready))
+            progress.close()
+            _summary(progress, time.perf_counter() - start, config.draft is not None)
+            backend.report()
+        finally:
+            progress.close()
+            backend.close()
+        failed = resumed.failed + progress.tally.failed
+        if failed:
+            where = spec.output or "the output"
+            print(f"specoffload: {failed} of {total} rows failed: each has an error row in {where}", file=sys.stderr)
+        return 2 if failed else 0
+
+
+class _Writer:
+    """Turns a done chunk into output rows (stop strings applied, errors reported) and appends them."""
+
+    def __init__(self, spec: JobSpec, fmt: Format, out: OutputFile | StdoutOutput, preparer: Preparer,
+                 model_name: str) -> None:
+        self.spec, self.fmt, self.out, self.preparer, self.model = spec, fmt, out, preparer, model_name
+        self.errors = 0
+
+    def write(self, done: ChunkDone) -> tuple[int, int, int, int, int]:
+        """Append the chunk's rows; returns (rows, failed, tokens, drafted, accepted) for the progress."""
+        results = iter(done.results)
+        lines: list[dict[str, Any]] = []
+        failed = tokens = drafted = accepted = 0
+        for row in done.chunk.rows:
+            if isinstance(row, RowError):
+                lines.append(self.fmt.error_row(row))
+                failed += 1
+                self._report(row)
+                continue
+            result = self.preparer.finish(row, next(results))
+            lines.append(self.fmt.result_row(row, result, self.model))
+            tokens += len(result.token_ids)
+            drafted += result.num_drafted
+            accepted += result.num_accepted
+        self.out.append(lines)
+        return len(lines), failed, tokens, drafted, accepted
+
+    def _report(self, error: RowError) -> None:
+        self.errors += 1
+        if self.errors <= MAX_ERROR_LINES:
+            what = f" (custom_id {error.custom_id!r})" if error.custom_id is not None else ""
+            print(f"specoffload: error: {self.spec.source.where(error.lineno)}{what}: {error.message}", file=sys.stderr)
+        elif self.errors == MAX_ERROR_LINES + 1:
+            print("specoffload: more rows failed; they are counted in the summary", file=sys.stderr)
+
+
+def _job_max_seq_len(spec: JobSpec, fmt: Format, tokenizer: Any, limits: Limits) -> int:
+    """The longest row's prompt + new tokens (rows that cannot run do not count), at most the context."""
+    preparer = Preparer(tokenizer, limits, spec.params, spec.chunk_size)
+    longest = 0
+    for raw in spec.source.rows():
+        job = preparer(fmt.parse(raw))
+        if isinstance(job, RowJob):
+            longest = max(longest, len(job.token_ids) + job.params.max_new_tokens)
+    return min(longest, limits.context) if longest else resolve_max_seq_len(None, limits.context)
+
+
+def _manifest(spec: JobSpec, config: EngineConfig, fmt: Format, sha: str, total: int, limits: Limits) -> Manifest:
+    try:
+        ours = version("specoffload")
+    except PackageNotFoundError:
+        ours = None
+    return Manifest(
+        input={"sha256": sha, "rows": total, "format": fmt.name},
+        models={"target": checkpoint_identity(config.target), "draft": checkpoint_identity(config.draft)},
+        engine={"dtype": config.dtype, "num_draft_tokens": config.num_draft_tokens,
+                "max_batch_size": config.max_batch_size, "max_seq_len": limits.max_seq_len},
+        sampling=asdict(spec.params),
+        chunk_size=spec.chunk_size,
+        info={"input": spec.source.name, "target": str(config.target),
+              "draft": None if config.draft is None else str(config.draft), "specoffload": ours,
+              "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+    )
+
+
+def _say_resumed(spec: JobSpec, resumed: Resumed, total: int) -> None:
+    if resumed.dropped:
+        print(f"resuming {spec.output}: {resumed.dropped} row(s) of unfinished chunks will be generated again",
+              file=sys.stderr)
+    if resumed.rows:
+        print(f"resuming {spec.output}: {resumed.rows} of {total} prompts already done", file=sys.stderr)
+
+
+def _summary(progress: Progress, wall: float, drafting: bool) -> None:
+    t = progress.tally
+    line = f"{t.rows} prompts, {t.tokens} new tokens in {wall:.1f} s: {t.tokens / max(wall, 1e-9):.1f} tokens/s"
+    if drafting:
+        line += f", acceptance {t.acceptance:.2f} ({t.accepted}/{t.drafted} draft tokens)"
+    print(line, file=sys.stderr)

@@ -1,0 +1,129 @@
+"""The manifest beside an output (`out.jsonl.manifest.json`): what the rows were written by.
+
+`--resume` continues an output only if every compared field equals this run's: the input's content (SHA-256) and
+format, the checkpoints' identity (from their provenance), the engine and sampling parameters that can change a
+row, the chunk size, and the manifest's format version. The first field that differs is named in one line.
+`info` (paths, version, time) is for the reader and is not compared: moving the input or the models is fine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+#: provenance.json key with {file name: SHA-256} of a converted checkpoint (scripts/get_models.py writes it)
+PROVENANCE_HASHES = "safetensors_sha256"
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, unreadable, or written for another job."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    input: dict[str, Any]  # sha256, rows, format
+    models: dict[str, Any]  # target, draft: checkpoint identities
+    engine: dict[str, Any]  # dtype, num_draft_tokens, max_batch_size, max_seq_len
+    sampling: dict[str, Any]  # the command line's SamplingParams (rows may override some)
+    chunk_size: int
+    format_version: int = FORMAT_VERSION
+    info: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def compared(self) -> dict[str, Any]:
+        """Every compared field as "section.key" -> value, format version first."""
+        flat: dict[str, Any] = {"format_version": self.format_version}
+        for section in ("input", "models", "engine", "sampling"):
+            flat |= {f"{section}.{k}": v for k, v in getattr(self, section).items()}
+        return flat | {"chunk_size": self.chunk_size}
+
+    def first_difference(self, written: Manifest) -> str | None:
+        """'<field>: <written> in the output's manifest, <this> now' for the first field that differs."""
+        mine, theirs = self.compared(), written.compared()
+        for key in [*theirs, *(k for k in mine if k not in theirs)]:
+            if _norm(mine.get(key)) != _norm(theirs.get(key)):
+                return f"{key}: {theirs.get(key)!r} in the output's manifest, {mine.get(key)!r} now"
+        return None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ManifestError(f"format_version {version!r}, this specoffload writes {FORMAT_VERSION}")
+        return cls(input=dict(data["input"]), models=dict(data["models"]), engine=dict(data["engine"]),
+                   sampling=dict(data["sampling"]), chunk_size=int(data["chunk_size"]), format_version=version,
+                   info=dict(data.get("info", {})))
+
+
+def _norm(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value  # JSON has lists only
+
+
+def manifest_path(output: Path) -> Path:
+    return output.with_name(output.name + ".manifest.json")
+
+
+def read_manifest(path: Path) -> Manifest:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ManifestError(f"{path} is missing: nothing says what the rows beside it were written by; "
+                            "use another --output, or --overwrite") from None
+    except OSError as err:
+        raise ManifestError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        return Manifest.from_json(text)
+    except ManifestError as err:
+        raise ManifestError(f"{path}: {err}; use another --output, or --overwrite") from None
+    except (ValueError, KeyError, TypeError):
+        raise ManifestError(f"{path} is not a specoffload manifest; use another --output, or --overwrite") from None
+
+
+def write_manifest(path: Path, manifest: Manifest) -> None:
+    """Write atomically (a temporary file renamed over it); the temporary file never outlives an error."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def checkpoint_identity(directory: str | Path | None) -> str | None:
+    """What identifies a checkpoint's weights: the SHA-256 of its safetensors files recorded in its provenance.json,
+    else the pinned GGUF it was converted from (and the dtype), else the SHA-256 of the files themselves."""
+    if directory is None:
+        return None
+    d = Path(directory)
+    try:
+        record = json.loads((d / "provenance.json").read_text())
+    except (OSError, ValueError):
+        record = None
+    if isinstance(record, dict):
+        hashes = record.get(PROVENANCE_HASHES)
+        if isinstance(hashes, dict) and hashes:
+            return "safetensors-sha256:" + hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
+        if isinstance(record.get("gguf_sha256"), str):
+            return f"gguf-sha256:{record['gguf_sha256']}:{record.get('dtype')}"
+    digest = hashlib.sha256()
+    for path in sorted([*d.glob("*.safetensors"), *d.glob("*.safetensors.index.json")]):
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+    return "files-sha256:" + digest.hexdigest()

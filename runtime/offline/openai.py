@@ -1,0 +1,205 @@
+"""The OpenAI Batch API format (what `vllm run-batch` and the hosted Batch API read and write).
+
+Input, one request per line:
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "m", "prompt": "def f():", "max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "seed": 3,
+              "stop": ["\\n\\n"]}}
+    {"custom_id": "r2", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "Write a sort."}], "max_tokens": 128}}
+
+`body.prompt` is a string or a list of token ids; `body.messages` goes through the target's chat template. The
+body's max_tokens (max_completion_tokens), temperature, top_p, top_k, seed and stop are the row's own; a field the
+body leaves out takes the command line's value. Output, one line per input line, in input order:
+
+    {"id": "batch_req_0", "custom_id": "r1", "response": {"status_code": 200, "request_id": "req_0",
+     "body": {"object": "text_completion", "choices": [{"index": 0, "text": "...", "finish_reason": "stop"}],
+              "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}, ...}}, "error": null}
+    {"id": "batch_req_1", "custom_id": "r2", "response": null,
+     "error": {"code": "unknown_url", "message": "line 2: unknown url '/v1/embeddings' ..."}}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from .rows import RowError, RowJob, RowRequest, RowResult
+from .simple import OutputMismatch
+from .source import RawRow
+
+URLS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+#: body fields accepted only at the value that means "nothing special" (what this engine does anyway)
+NEUTRAL = {"n": (1,), "best_of": (1,), "stream": (False,), "echo": (False,), "logprobs": (None, False, 0),
+           "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0)}
+IGNORED = ("user",)
+
+
+class BadRow(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class OpenAIBatchFormat:
+    name = "openai"
+
+    def parse(self, raw: RawRow) -> RowRequest | RowError:
+        custom_id = None
+        try:
+            try:
+                value = json.loads(raw.data)
+            except UnicodeDecodeError as err:
+                raise BadRow("invalid_utf8", f"not UTF-8 ({err.reason})") from None
+            except json.JSONDecodeError as err:
+                raise BadRow("invalid_json", f"invalid JSON ({err.msg})") from None
+            if not isinstance(value, dict):
+                raise BadRow("invalid_request", f"expected a JSON object, got {type(value).__name__}")
+            custom_id = value.get("custom_id")
+            if not isinstance(custom_id, str):
+                custom_id = None
+                raise BadRow("invalid_request", "'custom_id' must be a string")
+            if value.get("method", "POST") != "POST":
+                raise BadRow("invalid_request", f"method {value.get('method')!r}: only POST")
+            url = value.get("url")
+            if url not in URLS:
+                raise BadRow("unknown_url", f"unknown url {url!r}: this engine serves {' and '.join(URLS)}")
+            body = value.get("body")
+            if not isinstance(body, dict):
+                raise BadRow("invalid_request", "'body' must be an object")
+            return self._request(raw, custom_id, URLS[url], body)
+        except BadRow as bad:
+            return RowError(raw.index, raw.lineno, bad.code, str(bad), custom_id)
+
+    def _request(self, raw: RawRow, custom_id: str, endpoint: str, body: dict[str, Any]) -> RowRequest:
+        body = dict(body)
+        prompt = messages = None
+        if endpoint == "completions":
+            prompt = _prompt(body.pop("prompt", None))
+            max_keys = ("max_tokens",)
+        else:
+            messages = _messages(body.pop("messages", None))
+            max_keys = ("max_completion_tokens", "max_tokens")
+        overrides: dict[str, Any] = {}
+        for key in max_keys:
+            if body.get(key) is not None:
+                overrides["max_new_tokens"] = _integer(key, body.pop(key), minimum=1)
+            body.pop(key, None)
+        for key in ("temperature", "top_p"):
+            if body.get(key) is not None:
+                overrides[key] = _number(key, body.pop(key))
+            body.pop(key, None)
+        if body.get("top_k") is not None:
+            overrides["top_k"] = max(_integer("top_k", body.pop("top_k"), minimum=-1), 0)  # -1 / 0: off
+        if body.get("seed") is not None:
+            overrides["seed"] = _integer("seed", body.pop("seed"))
+        stop = body.pop("stop", None)
+        if stop is not None:
+            overrides["stop"] = _stop(stop)
+        model = body.pop("model", None)
+        if model is not None and not isinstance(model, str):
+            raise BadRow("invalid_parameter", "'model' must be a string")
+        return_ids = body.pop("return_token_ids", False)
+        if not isinstance(return_ids, bool):
+            raise BadRow("invalid_parameter", "'return_token_ids' must be true or false")
+        for key in list(body):
+            if key in IGNORED or body[key] is None:
+                continue
+            if key in NEUTRAL:
+                if not any(type(body[key]) is type(v) and body[key] == v for v in NEUTRAL[key]):
+                    raise BadRow("invalid_parameter", f"{key} = {body[key]!r} is not supported "
+                                                      f"(only {NEUTRAL[key][0]!r})")
+                continue
+            raise BadRow("invalid_parameter", f"unsupported parameter {key!r}")
+        return RowRequest(raw.index, raw.lineno, endpoint, prompt=prompt, messages=messages, custom_id=custom_id,
+                          overrides=overrides, model=model, return_token_ids=return_ids)
+
+    def result_row(self, job: RowJob, result: RowResult, model: str) -> dict[str, Any]:
+        r = job.request
+        usage = {"prompt_tokens": len(job.token_ids), "completion_tokens": len(result.token_ids),
+                 "total_tokens": len(job.token_ids) + len(result.token_ids)}
+        if r.endpoint == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                                      "logprobs": None, "finish_reason": result.finish_reason}
+            kind, prefix = "chat.completion", "chatcmpl"
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            kind, prefix = "text_completion", "cmpl"
+        if r.return_token_ids or result.text is None:  # no tokenizer: the tokens are the output
+            choice["token_ids"] = list(result.token_ids)
+        body = {"id": f"{prefix}-{r.index}", "object": kind, "created": int(time.time()), "model": r.model or model,
+                "choices": [choice], "usage": usage}
+        return {"id": f"batch_req_{r.index}", "custom_id": r.custom_id,
+                "response": {"status_code": 200, "request_id": f"req_{r.index}", "body": body}, "error": None}
+
+    def error_row(self, error: RowError) -> dict[str, Any]:
+        return {"id": f"batch_req_{error.index}", "custom_id": error.custom_id, "response": None,
+                "error": {"code": error.code, "message": f"line {error.lineno}: {error.message}"}}
+
+    def failed(self, row: dict[str, Any]) -> bool:
+        return row.get("error") is not None
+
+    def check_resumed(self, row: dict[str, Any], expected: RowRequest | RowError | None, total: int) -> None:
+        if "custom_id" not in row or not ("response" in row or "error" in row):
+            raise OutputMismatch("not a line of an OpenAI batch output (custom_id with response or error): "
+                                 "cannot resume it")
+        if expected is None:
+            raise OutputMismatch(f"more output lines than the input has requests ({total}): it was written for "
+                                 "another input; use another --output")
+        if row["custom_id"] != expected.custom_id:
+            raise OutputMismatch(f"custom_id {row['custom_id']!r} where the input's request {expected.index} has "
+                                 f"{expected.custom_id!r} (another input, or lines missing or twice): cannot resume it")
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value):
+        return tuple(value)
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        raise BadRow("invalid_parameter", "one prompt per request: a list of several prompts is not supported")
+    raise BadRow("invalid_parameter", "'prompt' must be a string or a non-empty list of non-negative token ids")
+
+
+def _messages(value: Any) -> tuple[dict[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise BadRow("invalid_parameter", "'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise BadRow("invalid_parameter", f"messages[{i}] needs a role in {ROLES}")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRow("invalid_parameter", f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRow("invalid_parameter", f"messages[{i}].content must be a string or a list of text parts")
+        out.append({"role": m["role"], "content": content})
+    return tuple(out)
+
+
+def _integer(key: str, value: Any, minimum: int | None = None) -> int:
+    if type(value) is not int or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise BadRow("invalid_parameter", f"'{key}' must be an integer{bound}, got {value!r}")
+    return value
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRow("invalid_parameter", f"'{key}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRow("invalid_parameter", "'stop' must be a non-empty string or a list of them")
+    return tuple(stops)

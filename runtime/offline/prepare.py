@@ -1,0 +1,121 @@
+"""From a parsed row to what the engine runs: token ids and the row's own SamplingParams; and, after the run,
+the row's stop strings.
+
+The engine stops on token ids. A stop string that is exactly one token becomes a stop id (the run ends there);
+every stop string is also looked for in the generated text afterwards, which is cut before the first one (a
+string spanning several tokens included): the same text as stopping in the run, at the cost of the tokens
+generated past it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..sampling import SamplingParams
+from .rows import RowError, RowJob, RowRequest, RowResult
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a prompt must fit: the target's vocabulary and context, and the KV length per row (None while the job's
+    own is being measured)."""
+
+    vocab_size: int
+    context: int
+    max_seq_len: int | None = None
+
+
+class Preparer:
+    """RowRequest -> RowJob (or RowError). defaults: the command line's sampling parameters, for what a row leaves
+    out; a row without its own seed gets `defaults.seed + its chunk number`, so a resumed chunk draws as before."""
+
+    def __init__(self, tokenizer: Any | None, limits: Limits, defaults: SamplingParams, chunk_size: int) -> None:
+        self.tokenizer, self.limits, self.defaults, self.chunk_size = tokenizer, limits, defaults, chunk_size
+        self._stop_ids: dict[str, int | None] = {}
+
+    def __call__(self, item: RowRequest | RowError) -> RowJob | RowError:
+        if isinstance(item, RowError):
+            return item
+        ids = self._encode(item)
+        if isinstance(ids, RowError):
+            return ids
+        try:
+            params = self._params(item)
+        except ValueError as err:
+            return _error(item, "invalid_parameter", str(err))
+        return RowJob(item, tuple(ids), params, tuple(item.overrides.get("stop", ())))
+
+    def _encode(self, r: RowRequest) -> list[int] | RowError:
+        tok = self.tokenizer
+        if r.messages is not None:
+            if tok is None or not getattr(tok, "chat_template", None):
+                return _error(r, "no_chat_template", "the target has no chat template: send /v1/completions requests "
+                                                     "(text or token ids) instead")
+            try:
+                text = tok.apply_chat_template(list(r.messages), tokenize=False, add_generation_prompt=True)
+            except Exception as err:  # noqa: BLE001 - a template may raise anything (jinja); the row fails, not the job
+                return _error(r, "invalid_parameter", f"the chat template refused the messages: {err}")
+            ids = tok.encode(text, add_special_tokens=False)
+        elif isinstance(r.prompt, str):
+            if tok is None:
+                return _error(r, "invalid_request", "the prompt is text but the target has no tokenizer: "
+                                                    "send token ids")
+            ids = tok.encode(r.prompt, add_special_tokens=False)
+        else:
+            ids = list(r.prompt or ())
+            vocab = self.limits.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                return _error(r, "invalid_request", f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        n, lim = len(ids), self.limits
+        if n == 0:
+            return _error(r, "empty_prompt", "the prompt is empty")
+        if n >= lim.context:
+            return _error(r, "prompt_too_long", f"the prompt has {n} tokens; the target's context is {lim.context} "
+                                                "tokens (a prompt must leave room for at least one new token)")
+        if lim.max_seq_len is not None and n >= lim.max_seq_len:
+            return _error(r, "prompt_too_long", f"the prompt has {n} tokens; the KV caches hold {lim.max_seq_len} "
+                                                "tokens per row (--max-seq-len)")
+        return ids
+
+    def _params(self, r: RowRequest) -> SamplingParams:
+        d, o = self.defaults, r.overrides
+        seed = o.get("seed", None if d.seed is None else d.seed + r.index // self.chunk_size)
+        stop_ids = d.stop_token_ids + tuple(t for s in o.get("stop", ()) if (t := self._stop_id(s)) is not None)
+        if "stop" in o and self.tokenizer is None:
+            raise ValueError("stop strings need the target's tokenizer (it has none)")
+        return replace(d, max_new_tokens=o.get("max_new_tokens", d.max_new_tokens),
+                       temperature=o.get("temperature", d.temperature), top_p=o.get("top_p", d.top_p),
+                       top_k=o.get("top_k", d.top_k), seed=seed, stop_token_ids=stop_ids)
+
+    def _stop_id(self, stop: str) -> int | None:
+        """The token id of a stop string that is exactly one token, else None."""
+        if stop not in self._stop_ids and self.tokenizer is not None:
+            ids = self.tokenizer.encode(stop, add_special_tokens=False)
+            one = len(ids) == 1 and self.tokenizer.decode(ids) == stop
+            self._stop_ids[stop] = ids[0] if one else None
+        return self._stop_ids.get(stop)
+
+    def finish(self, job: RowJob, result: RowResult) -> RowResult:
+        """Cut the text before the first stop string and the tokens after the one that completes it."""
+        if not job.stop or result.text is None:
+            return result
+        hits = [i for s in job.stop if (i := result.text.find(s)) >= 0]
+        if not hits:
+            return result
+        ids = list(result.token_ids)
+
+        def has_stop(n: int) -> bool:
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            return any(s in text for s in job.stop)
+
+        lo, hi = 1, len(ids)  # the fewest tokens whose text contains a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
+        return replace(result, text=result.text[: min(hits)], token_ids=tuple(ids[:lo]), finish_reason="stop")
+
+
+def _error(r: RowRequest, code: str, message: str) -> RowError:
+    return RowError(r.index, r.lineno, code, message, r.custom_id)

@@ -1,0 +1,86 @@
+"""What a user watches while a job runs, and the summary it ends with.
+
+On a terminal: a tqdm bar over rows with tokens/s, acceptance and failed rows. Elsewhere (a Ray job's log, a file):
+one line every `interval` seconds: rows done of total, tokens/s, acceptance, ETA.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from tqdm import tqdm
+
+
+@dataclass
+class Tally:
+    """Totals of one job (or of one worker)."""
+
+    rows: int = 0
+    failed: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    chunks: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class Progress:
+    total: int  # rows of the whole input
+    done_before: int = 0  # rows kept from a resumed output
+    enabled: bool = True
+    interval: float = 10.0
+    stream: TextIO = field(default_factory=lambda: sys.stderr)
+
+    def __post_init__(self) -> None:
+        self.tally = Tally()
+        self.start = self.last = time.monotonic()
+        tty = self.enabled and self.stream.isatty()
+        self.bar = tqdm(total=self.total, initial=self.done_before, unit="row", desc="generate", file=self.stream,
+                        disable=not tty, dynamic_ncols=True)
+        self.lines = self.enabled and not tty
+
+    def update(self, rows: int, failed: int, tokens: int, drafted: int, accepted: int) -> None:
+        t = self.tally
+        t.rows, t.failed, t.tokens = t.rows + rows, t.failed + failed, t.tokens + tokens
+        t.drafted, t.accepted, t.chunks = t.drafted + drafted, t.accepted + accepted, t.chunks + 1
+        self.bar.update(rows)
+        self.bar.set_postfix_str(self._postfix(), refresh=False)
+        now = time.monotonic()
+        if self.lines and now - self.last >= self.interval:
+            self.last = now
+            print(f"progress: {self.line()}", file=self.stream, flush=True)
+
+    def rate(self) -> float:
+        return self.tally.tokens / max(time.monotonic() - self.start, 1e-9)
+
+    def _postfix(self) -> str:
+        t = self.tally
+        text = f"{self.rate():.1f} tok/s"
+        if t.drafted:
+            text += f", acceptance {t.acceptance:.2f}"
+        return text + (f", {t.failed} failed" if t.failed else "")
+
+    def line(self) -> str:
+        t = self.tally
+        done = self.done_before + t.rows
+        elapsed = time.monotonic() - self.start
+        eta = (self.total - done) * elapsed / t.rows if t.rows else float("nan")
+        return (f"{done}/{self.total} rows ({100 * done / max(self.total, 1):.1f}%), {self._postfix()}, "
+                f"ETA {_duration(eta)}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds:  # NaN: nothing measured yet
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

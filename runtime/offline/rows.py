@@ -1,0 +1,69 @@
+"""The row types of a job: parsed from the input, failed, or ready for the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sampling import SamplingParams
+
+#: endpoints a row can ask for: the simple format's plain completion, and the two OpenAI Batch API urls
+ENDPOINTS = ("simple", "completions", "chat")
+
+
+@dataclass(frozen=True)
+class RowRequest:
+    """One input row, parsed and checked for shape (not yet tokenised).
+
+    prompt: text or token ids (simple, completions); messages: the chat (chat). overrides: the row's own sampling
+    fields, by SamplingParams name (max_new_tokens, temperature, top_p, top_k, seed) plus `stop` (strings).
+    """
+
+    index: int
+    lineno: int
+    endpoint: str = "simple"
+    prompt: str | tuple[int, ...] | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    custom_id: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None  # what the row named (echoed in its response)
+    return_token_ids: bool = False
+
+
+@dataclass(frozen=True)
+class RowError:
+    """A row that cannot run; it becomes an error row in the output, in its place."""
+
+    index: int
+    lineno: int
+    code: str  # invalid_json, invalid_request, unknown_url, invalid_parameter, empty_prompt, prompt_too_long, ...
+    message: str
+    custom_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RowJob:
+    """A row ready for the engine: its prompt's token ids and its own sampling parameters."""
+
+    request: RowRequest
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()  # stop strings, applied to the text after the run
+
+    @property
+    def index(self) -> int:
+        return self.request.index
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """What the engine made of a `RowJob` (the fields of GenerationResult that travel back)."""
+
+    token_ids: tuple[int, ...]
+    text: str | None
+    finish_reason: str
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+
+Row = RowJob | RowError
