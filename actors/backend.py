@@ -5,11 +5,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 
+from ray.exceptions import RayError
+
 from specoffload.runtime.backends import BackendError, BackendOptions
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.offline.chunks import Chunk, ChunkDone
 
-from .client import connect
+from .client import EngineLost, connect, first_line
 
 
 class RayBackend:
@@ -21,7 +23,10 @@ class RayBackend:
             raise BackendError("--backend ray runs the offloaded engine: give --device-memory")
         if options.trace is not None:
             raise BackendError("--trace is recorded by the local backend only; drop it or use --backend local")
-        self.pool = connect(config, options.ray_address, replicas=options.replicas or 1)
+        try:
+            self.pool = connect(config, options.ray_address, replicas=options.replicas or 1)
+        except (RayError, ConnectionError, TimeoutError) as exc:  # Ray could not start or be reached: one line
+            raise EngineLost(f"could not start the Ray backend: {type(exc).__name__}: {first_line(exc)}") from None
         if options.show_placement:
             print(self.pool.placement, file=sys.stderr)
 

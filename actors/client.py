@@ -10,26 +10,33 @@ do (they stay in shared memory between the coordinator and the roles, on the coo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Prompt
 from specoffload.runtime.request import GenerationResult
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.arena import sweep_dead_arenas
-from specoffload.runtime.transport.procs import pid_alive
-from specoffload.runtime.transport.shm import sweep_dead_sockets
+from specoffload.runtime.transport.channel import ChannelConfig
+from specoffload.runtime.transport.procs import pid_exited
+from specoffload.runtime.transport.shm import ARENA_TAG, sweep_dead_sockets
 
 from .coordinator import Coordinator
 from .launcher import launch, plan_resources
+from .proxy import CALL_TIMEOUT_S
 from .replicas import ReplicaPool
 from .roles import RoleInfo
+
+logger = logging.getLogger("specoffload.actors")
 
 
 class EngineHandle:
@@ -51,44 +58,47 @@ class EngineHandle:
     def stats(self) -> dict[str, Any]:
         """The last generate's totals (OffloadStats fields, tokens_per_s, acceptance_rate), recoveries from lost
         actors, the role processes' pids and calls made to each."""
-        return _get(self._coordinator.stats.remote())
+        return _get(self._coordinator.stats.remote(), CONTROL_TIMEOUT_S)
 
     def progress(self) -> dict[str, Any]:
         """The generate in flight: running, verify rounds done, recoveries from lost actors."""
-        return _get(self._coordinator.progress.remote())
+        return _get(self._coordinator.progress.remote(), CONTROL_TIMEOUT_S)
 
     def pids(self) -> dict[str, int]:
         """Process id of the coordinator and of each role actor now (a restarted role has a new one)."""
-        return _get(self._coordinator.pids.remote())
+        return _get(self._coordinator.pids.remote(), CONTROL_TIMEOUT_S)
 
     def roles(self) -> dict[str, RoleInfo]:
         """Each role's pid, socket and shared slot arenas."""
-        return _get(self._coordinator.role_infos.remote())
+        return _get(self._coordinator.role_infos.remote(), CONTROL_TIMEOUT_S)
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop the role actors and the coordinator (their shared memory is unlinked); disconnect from a Ray this
-        handle started."""
+        handle started. Always cleans up, whatever state the coordinator or Ray is in (dead, hung, gone)."""
         if self._coordinator is None:
             return
+        coordinator, self._coordinator = self._coordinator, None
         pids = set(self._pids.values())
         socket_dirs = set()
         try:
-            pids |= set(self.pids().values())
-            socket_dirs = {str(info.channel.socket_dir) for info in self.roles().values()}
-            ray.get(self._coordinator.shutdown.remote(), timeout=timeout_s)
-        except (RayActorError, GetTimeoutError):
-            pass  # a dead coordinator's roles die with it (fate sharing); the sweeps below clean up
-        ray.kill(self._coordinator, no_restart=True)
-        self._coordinator = None
-        deadline = time.monotonic() + 10.0
-        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        # On this node (the usual case): whatever a killed actor could not remove itself.
-        sweep_dead_arenas()
-        for folder in socket_dirs:
-            sweep_dead_sockets(folder)
-        if self._owns_ray:
-            ray.shutdown()
+            pids |= set(_get(coordinator.pids.remote(), timeout_s).values())
+            socket_dirs = {str(i.channel.socket_dir) for i in _get(coordinator.role_infos.remote(), timeout_s).values()}
+            _get(coordinator.shutdown.remote(), timeout_s)
+        except SpecOffloadError as exc:  # dead or hung: its roles die with it (fate sharing); the sweeps clean up
+            logger.warning("engine shutdown: %s", exc)
+        try:
+            with contextlib.suppress(RayError, ConnectionError, ValueError):
+                ray.kill(coordinator, no_restart=True)
+            deadline = time.monotonic() + 10.0
+            while not all(pid_exited(p) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # On this node (the usual case): whatever a killed actor could not remove itself.
+            sweep_dead_arenas(ARENA_TAG)
+            for folder in socket_dirs or {str(ChannelConfig("probe").socket_dir)}:
+                sweep_dead_sockets(folder)
+        finally:
+            if self._owns_ray:
+                ray.shutdown()
 
     def __enter__(self) -> EngineHandle:
         return self
@@ -98,13 +108,15 @@ class EngineHandle:
 
 
 def connect(config: EngineConfig, address: str | None = None, *, max_restarts: int = 3,
-            replicas: int | str | None = None, **ray_init: Any) -> EngineHandle | ReplicaPool:
+            call_timeout_s: float = CALL_TIMEOUT_S, replicas: int | str | None = None,
+            **ray_init: Any) -> EngineHandle | ReplicaPool:
     """Start the Ray backend for `config` (an offloaded config: device_memory set) and return its handle.
 
     address: None: start a local Ray (or join one found on this machine, as `ray.init()` does); "auto": join the
     running cluster; "ray://host:port": Ray client (needs `ray[client]`). Ignored when this process is already
     connected to Ray: that connection is used. ray_init: more keyword arguments for `ray.init`. max_restarts:
-    restarts of each role actor (and recoveries per generate) before a lost actor fails the call.
+    how often each role actor may be lost (died, or hung past call_timeout_s and killed) over the engine's life;
+    one more fails the call at once (`RestartsExhausted`). A dead coordinator fails the call with `EngineLost`.
     replicas: a number or "auto": a `ReplicaPool` of that many engines, one per node (replicas.py), instead of one.
     """
     if not config.offloaded:
@@ -121,8 +133,10 @@ def connect(config: EngineConfig, address: str | None = None, *, max_restarts: i
                 ray.shutdown()
             raise
     resources = plan_resources(config)
-    coordinator = launch(Coordinator, config, None, max_restarts, resources=resources["coordinator"],
-                         max_concurrency=4)
+    # The coordinator is not restarted: a restarted one would have lost its engine (its role actors die with it,
+    # fate sharing); a call in flight fails with EngineLost instead, and the caller reconnects.
+    coordinator = launch(Coordinator, config, None, max_restarts, call_timeout_s, resources=resources["coordinator"],
+                         max_restarts=0, max_concurrency=4)
     try:
         started = _get(coordinator.start.remote())
     except BaseException:
@@ -133,9 +147,32 @@ def connect(config: EngineConfig, address: str | None = None, *, max_restarts: i
     return EngineHandle(coordinator, started, owns_ray)
 
 
-def _get(ref: Any) -> Any:
-    """ray.get, re-raising an error of the coordinator as its own type (e.g. PromptError), not RayTaskError."""
+class EngineLost(SpecOffloadError):
+    """The coordinator actor, or Ray itself, is gone: this engine cannot go on (rows already written stay)."""
+
+
+#: seconds a control call (stats, pids, progress) may take before the coordinator counts as unresponsive
+CONTROL_TIMEOUT_S = 60.0
+
+
+def _get(ref: Any, timeout_s: float | None = None) -> Any:
+    """ray.get, re-raising an error of the coordinator as its own type (e.g. PromptError), not RayTaskError, and
+    a dead coordinator or Ray as one `EngineLost` line. timeout_s: None for generate (it may take hours)."""
     try:
-        return ray.get(ref)
+        return ray.get(ref, timeout=timeout_s)
     except RayTaskError as exc:
         raise exc.as_instanceof_cause() from None
+    except GetTimeoutError:
+        raise EngineLost(f"the coordinator did not answer a control call within {timeout_s:.0f} s") from None
+    except RayActorError as exc:
+        raise EngineLost(f"the coordinator actor died ({first_line(exc)}); its role actors died with it. "
+                         "Reconnect to go on (with the CLI: rerun with --resume)") from None
+    except RayError as exc:
+        raise EngineLost(f"Ray failed under the engine: {type(exc).__name__}: {first_line(exc)}") from None
+    except ConnectionError as exc:
+        raise EngineLost(f"the connection to Ray was lost: {first_line(exc)}") from None
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__

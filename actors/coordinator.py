@@ -40,11 +40,11 @@ from specoffload.runtime.offload.drafters import Drafter, NoDrafter
 from specoffload.runtime.offload.workers import WeightPlan, Workers, worker_classes
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.arena import sweep_dead_arenas
-from specoffload.runtime.transport.procs import pid_alive
-from specoffload.runtime.transport.shm import ShmTensors
+from specoffload.runtime.transport.procs import pid_exited
+from specoffload.runtime.transport.shm import ARENA_TAG, ShmTensors
 
 from .launcher import ActorResources, Bundle, current_node_id, launch, plan_resources
-from .proxy import LanePool, RoleProxy, WorkerLost, proxy_class
+from .proxy import CALL_TIMEOUT_S, LanePool, RoleProxy, WorkerLost, proxy_class
 from .roles import Role, RoleInfo, normal_priority
 
 logger = logging.getLogger("specoffload.actors")
@@ -69,6 +69,11 @@ class RoleGroup:
     def drop(self, role: str) -> None:
         """End a role that turned out not to be needed (the planner chose no draft)."""
         ray.kill(self.actors.pop(role), no_restart=True)
+
+    def restart(self, role: str) -> None:
+        """Kill a role whose process is alive but does not answer (hung): Ray restarts it (one of its
+        max_restarts), and the next `setup` reaches the fresh process."""
+        ray.kill(self.actors[role], no_restart=False)
 
     def setup(self, plan: WeightPlan, timeout_s: float = SETUP_TIMEOUT_S) -> dict[str, RoleInfo]:
         """Set every role up for `plan` (the prefetch role first: the others attach its slots); retries while an
@@ -108,45 +113,61 @@ class RoleGroup:
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         deadline = time.monotonic() + 10.0
-        while any(pid_alive(pid) for pid in self.pids().values()) and time.monotonic() < deadline:
+        while not all(pid_exited(pid) for pid in self.pids().values()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        sweep_dead_arenas()
+        sweep_dead_arenas(ARENA_TAG)
         self.actors = {}
+
+
+class RestartsExhausted(WorkerLost):
+    """A role actor was lost more often than max_restarts allows: the engine gives up at once, with this error."""
 
 
 class RoleWorkers:
     """The engine's workers as role actors: its `WorkerFactory` (`__call__`) and its `Recovery` (`recover`).
 
-    group: the role actors (`RoleGroup`, or anything with its setup / drop / pids / shutdown, e.g. roles run
-    in-process by a test). max_restarts: recoveries one `generate` may make (as Ray restarts each actor).
+    group: the role actors (`RoleGroup`, or anything with its setup / drop / restart / pids / shutdown, e.g. roles
+    run in-process by a test). max_restarts: how often each role may be lost over the engine's lifetime, the
+    same budget Ray's `max_restarts` gives each actor (so a spent budget fails at once, never waits on an actor
+    Ray will not restart). call_timeout_s: a call without a reply for this long while its role is alive counts
+    as a hang: the role is killed and restarted.
     """
 
-    def __init__(self, group: RoleGroup, max_restarts: int = 3) -> None:
-        self.group, self.max_restarts = group, max_restarts
+    def __init__(self, group: RoleGroup, max_restarts: int = 3, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
+        self.group, self.max_restarts, self.call_timeout_s = group, max_restarts, call_timeout_s
         self.shm = ShmTensors("coordinator")
         self.lanes = LanePool()
         self.proxies: dict[str, RoleProxy] = {}
         self.weights: WeightPlan | None = None
-        self.recoveries = 0
+        self.recoveries = 0  # in the current generate (reset by the Coordinator), for stats
+        self.lost: dict[str, int] = {}  # role -> times lost over the engine's lifetime
 
     def __call__(self, config: EngineConfig, weights: WeightPlan, plan: Plan) -> Workers:
         if not plan.drafting and "draft" in self.group.actors:
             self.group.drop("draft")  # the plan does not speculate: its actor is not needed
         self.weights = weights
         classes = worker_classes(config)
-        self.proxies = {role: proxy_class(classes[role])(info, self.shm, self.lanes)
+        self.proxies = {role: proxy_class(classes[role])(info, self.shm, self.lanes, timeout_s=self.call_timeout_s)
                         for role, info in self.group.setup(weights).items()}
         drafter: Drafter = self.proxies["draft"] if plan.drafting else NoDrafter()  # type: ignore[assignment]
         return Workers(self.proxies["prefetch"], self.proxies["attention"], self.proxies["verifier"],  # type: ignore[arg-type]
                        drafter)
 
     def recover(self, error: BaseException) -> bool:
-        """After a failed op: if a role actor was lost and the budget allows, set every role up again (Ray has
-        restarted the dead one) and rebind the proxies; the pipeline then replays from the committed tokens."""
+        """After a failed op: if a role actor was lost (dead, or alive but hung) and its budget allows, restart it
+        and set every role up again, rebinding the proxies; the pipeline then replays from the committed tokens.
+        A spent budget raises `RestartsExhausted` at once."""
         lost = _lost_worker(error) or next((p.role for p in self.proxies.values() if not p.alive()), None)
-        if lost is None or self.weights is None or self.recoveries >= self.max_restarts:
+        if lost is None or self.weights is None:
             return False
+        self.lost[lost] = self.lost.get(lost, 0) + 1
+        if self.lost[lost] > self.max_restarts:
+            raise RestartsExhausted(lost, f"lost {self.lost[lost]} times, more than max_restarts = "
+                                          f"{self.max_restarts}; giving up (last: {error})")
         self.recoveries += 1
+        if self.proxies[lost].alive():  # hung, not dead: its server thread is stuck in a call; kill it
+            logger.warning("the %s actor does not answer (%s); killing it for a restart", lost, error)
+            self.group.restart(lost)
         logger.warning("recovering from a lost %s actor (%s); replaying from the committed tokens", lost, error)
         for role, info in self.group.setup(self.weights).items():
             self.proxies[role].rebind(info)
@@ -183,11 +204,11 @@ class Coordinator:
     engine are serialised (the actor is threaded so that progress and stats answer meanwhile)."""
 
     def __init__(self, config: EngineConfig, resources: dict[str, ActorResources] | None = None,
-                 max_restarts: int = 3, bundle: Bundle | None = None) -> None:
+                 max_restarts: int = 3, call_timeout_s: float = CALL_TIMEOUT_S, bundle: Bundle | None = None) -> None:
         self.resources = resources or plan_resources(config)  # here: threads from this node's cores
         torch.set_num_threads(self.resources["coordinator"].threads)
         normal_priority()  # the executor threads (and the roles they wait for) are the engine, not background work
-        self.config, self.max_restarts = config, max_restarts
+        self.config, self.max_restarts, self.call_timeout_s = config, max_restarts, call_timeout_s
         self.engine: Engine | None = None
         self.roles: RoleWorkers | None = None
         self.bundle, self.lock = bundle, threading.Lock()
@@ -204,7 +225,7 @@ class Coordinator:
         # The actors start (import torch, ...) while this process reads the checkpoints and places the model.
         roles = ["prefetch", "attention", "verifier"] + (["draft"] if self.config.draft is not None else [])
         group = RoleGroup(self.config, roles, self.resources, self.max_restarts, self.bundle)
-        self.roles = RoleWorkers(group, self.max_restarts)
+        self.roles = RoleWorkers(group, self.max_restarts, self.call_timeout_s)
         try:
             self.engine = Engine(self.config, workers=self.roles, recovery=self.roles)
         except BaseException:
@@ -238,7 +259,8 @@ class Coordinator:
         if engine.last_stats is not None:
             s = engine.last_stats
             out = dataclasses.asdict(s) | {"tokens_per_s": s.tokens_per_s, "acceptance_rate": s.acceptance_rate}
-        return out | {"recoveries": roles.recoveries, "pids": roles.pids(), "calls": roles.calls(),
+        return out | {"recoveries": roles.recoveries, "lost": dict(roles.lost), "pids": roles.pids(),
+                      "calls": roles.calls(),
                       "k": engine.replanner.k, "batch_size": engine.plan.batch}
 
     def progress(self) -> dict[str, Any]:

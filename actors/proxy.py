@@ -52,7 +52,10 @@ class WorkerLost(SpecOffloadError):
 
     def __init__(self, role: str, reason: str) -> None:
         super().__init__(f"the {role} worker actor was lost: {reason}")
-        self.role = role
+        self.role, self.reason = role, reason
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses Ray to the client as itself
+        return type(self), (self.role, self.reason)
 
 
 class Lane:

@@ -78,7 +78,8 @@ class Replica:
     recoveries: int = 0  # role actors recovered inside it
     bytes_read: int = 0
     passes: int = 0
-    gone: bool = False
+    down: bool = False  # lost its lease; not back yet
+    gone: bool = False  # will not come back in this job
 
     def describe(self) -> str:
         text = (f"replica {self.index} (node {self.node[:12]}): {self.rows} rows, {self.tokens} tokens in "
@@ -187,6 +188,7 @@ class ReplicaPool:
         """A lease ended without a result: count it and ask the replica to come back (Ray restarts its
         coordinator, on another node if its own is gone)."""
         replica.lost_leases += 1
+        replica.down = True
         self.metrics.inc("lost_leases", 1, replica.index)
         first, last = chunk.rows[0].index, chunk.rows[-1].index
         self.log(f"replica {replica.index} (node {replica.node[:12]}) lost its lease on chunk {chunk.number} (rows "
@@ -204,6 +206,7 @@ class ReplicaPool:
             self.log(f"replica {replica.index} is gone for this job: {_first_line(exc)}")
             return
         replica.restarts += 1
+        replica.down = False
         replica.node = info["node"]
         free.append(replica)
         self.log(f"replica {replica.index} is back, on node {replica.node[:12]}")
@@ -248,6 +251,8 @@ class ReplicaPool:
         """End every replica (each unlinks its shared memory), remove the placement group, sweep what the dead left."""
         refs = []
         for r in self.replicas:
+            if r.down or r.gone:  # a call to it could wait for a restart that never comes
+                continue
             with contextlib.suppress(RayError):
                 refs.append(r.actor.shutdown.remote())
         if refs:

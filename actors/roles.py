@@ -62,6 +62,8 @@ class RoleInfo:
     slot_paths: tuple[str, ...] = ()
 
 
+#: seconds `setup` / `shutdown` wait for the server thread to finish its call in flight
+SERVER_STOP_TIMEOUT_S = 10.0
 #: the role that creates the ring slot arenas (the others attach them)
 SLOT_OWNER = "prefetch"
 ROLES = ("prefetch", "attention", "verifier", "draft")
@@ -192,7 +194,9 @@ class Role:
     def _stop_server(self) -> None:
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()
+            self._thread.join(timeout=SERVER_STOP_TIMEOUT_S)
+            if self._thread.is_alive():  # stuck in a worker call: only a restart of this process frees it
+                raise RuntimeError(f"the {self.role} server thread is stuck in a call; restart this actor")
             self._thread = None
         if self._server is not None:
             self._server.close()

@@ -132,6 +132,26 @@ def test_pid_alive_counts_a_zombie_as_dead():
     assert pid_alive(os.getpid())
 
 
+def test_pid_exited_waits_for_every_thread():
+    """A killed multi-threaded child is exited only once no thread is left (its sockets are closed by then)."""
+    from specoffload.runtime.transport.procs import pid_exited
+
+    code = "import threading, time; [threading.Thread(target=time.sleep, args=(60,)).start() for _ in range(4)]; " \
+           "time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.3)
+        assert not pid_exited(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while not pid_exited(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pid_exited(child.pid) and not pid_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
 class InProcessGroup:
     """The roles served by threads of this process over their real sockets and arenas: the wire without Ray."""
 
@@ -257,7 +277,9 @@ def dense_engine(ray_session, tiny_models):
     """llama + draft at the minimum budget, shared by the tests below (an actor group starts in ~10 s)."""
     from specoffload.actors import connect
 
-    handle = connect(_config(tiny_models, "llama", "qwen2_draft", _min_budget(tiny_models, "llama", "qwen2_draft")))
+    # calls of tiny models take milliseconds: 8 s without a reply from a live role is a hang
+    handle = connect(_config(tiny_models, "llama", "qwen2_draft", _min_budget(tiny_models, "llama", "qwen2_draft")),
+                     call_timeout_s=8.0)
     SEEN_PIDS.update(handle.pids().values())
     yield handle
     handle.shutdown()
@@ -286,20 +308,7 @@ def test_ray_roles_talk_over_ipc_and_share_the_loaders_slots(dense_engine):
 def test_a_role_killed_mid_generation_is_restarted_and_nothing_changes(dense_engine, reference, role):
     expected = reference("llama", "qwen2_draft", LONG)
     victim = dense_engine.pids()[role]
-    out: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            out["results"] = dense_engine.generate(PROMPTS, LONG)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            out["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not ((p := dense_engine.progress())["running"] and p["verified"] >= 2):
-        assert time.monotonic() < deadline and thread.is_alive(), f"generation did not get going: {out}"
-        time.sleep(0.01)
+    thread, out = _run_in_thread(dense_engine, LONG)
     os.kill(victim, signal.SIGKILL)
     thread.join(timeout=120)
     assert not thread.is_alive(), "generate hung after the kill"
@@ -312,6 +321,68 @@ def test_a_role_killed_mid_generation_is_restarted_and_nothing_changes(dense_eng
     new_pid = dense_engine.pids()[role]
     assert new_pid != victim and not pid_alive(victim)
     SEEN_PIDS.update((victim, new_pid))
+
+
+def _run_in_thread(handle, params: SamplingParams) -> tuple[threading.Thread, dict]:
+    """Start handle.generate(PROMPTS, params) in a thread; return when it has verified two rounds."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            out["results"] = handle.generate(PROMPTS, params)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not ((p := handle.progress())["running"] and p["verified"] >= 2):
+        assert time.monotonic() < deadline and thread.is_alive(), f"generation did not get going: {out}"
+        time.sleep(0.01)
+    return thread, out
+
+
+def test_a_hung_role_is_killed_restarted_and_nothing_changes(dense_engine, reference):
+    """SIGSTOP leaves the attention actor alive but silent: after the call timeout it counts as hung, is killed
+    (Ray restarts it) and the generation replays; the tokens are those of an undisturbed run."""
+    expected = reference("llama", "qwen2_draft", LONG)
+    victim = dense_engine.pids()["attention"]
+    thread, out = _run_in_thread(dense_engine, LONG)
+    os.kill(victim, signal.SIGSTOP)
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "generate hung on a stopped role"
+    assert "error" not in out, out.get("error")
+    assert [r.token_ids for r in out["results"]] == expected
+    stats = dense_engine.stats()
+    assert stats["recoveries"] == 1 and stats["lost"]["attention"] >= 1
+    assert dense_engine.pids()["attention"] != victim
+    SEEN_PIDS.add(dense_engine.pids()["attention"])
+
+
+def test_a_spent_restart_budget_fails_at_once_and_a_dead_coordinator_is_one_clear_error(ray_session, tiny_models):
+    """max_restarts = 0: the first lost role fails the call at once with RestartsExhausted (no wait on an actor Ray
+    will not restart). Then the coordinator itself is killed: the next call is an EngineLost line, and shutdown
+    still removes every arena and socket."""
+    from specoffload.actors import connect
+    from specoffload.actors.client import EngineLost
+    from specoffload.actors.coordinator import RestartsExhausted
+
+    handle = connect(_config(tiny_models, "llama", None, _min_budget(tiny_models, "llama", None)), max_restarts=0)
+    pids = set(handle.pids().values())
+    try:
+        thread, out = _run_in_thread(handle, LONG)
+        start = time.monotonic()
+        os.kill(handle.pids()["verifier"], signal.SIGKILL)
+        thread.join(timeout=60)
+        assert not thread.is_alive() and time.monotonic() - start < 30
+        assert isinstance(out.get("error"), RestartsExhausted), out
+        assert "max_restarts = 0" in str(out["error"])
+        os.kill(handle.pids()["coordinator"], signal.SIGKILL)
+        with pytest.raises(EngineLost, match="coordinator actor died"):
+            handle.generate(PROMPTS, GREEDY)
+    finally:
+        handle.shutdown()
+    assert _files_of(pids) == []
 
 
 def test_shutdown_after_the_kills_leaves_no_shared_memory_or_socket(dense_engine):
