@@ -17,7 +17,9 @@ from .sampling import SamplingParams
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete prompts from a file (or HumanEval) into JSONL")
     p.add_argument("--target", required=True, help="target checkpoint directory (HF safetensors)")
-    p.add_argument("--draft", default=None, help="draft checkpoint directory (same vocabulary); omit for none")
+    p.add_argument("--draft", default=None,
+                   help="draft checkpoint directory (same vocabulary); 'self': an MoE target drafts with its resident "
+                        "experts (needs --device-memory); omit for none")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", type=Path,
                      help=".jsonl ({'prompt': ...} or {'token_ids': [...]}, or OpenAI batch requests) or .txt file")
@@ -65,6 +67,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="prompt + output tokens per row the KV caches are sized for (default: the job's longest "
                         "prompt + --max-new-tokens, as `specoffload plan` sizes them)")
     o.add_argument("--expert-loading", default="auto", choices=["auto", "selected", "all"])
+    o.add_argument("--resident-experts", type=int, default=None,
+                   help="with --draft self: routed experts per layer the drafter keeps (default: a quarter)")
+    o.add_argument("--migrate-interval", type=int, default=8,
+                   help="with --draft self: re-choose the resident experts every this many verify rounds (0: never)")
     o.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace JSON of the pipeline")
     o.add_argument("--show-placement", action="store_true", help="print the memory placement table to stderr")
 
@@ -186,6 +192,8 @@ def _generate(args: argparse.Namespace) -> int:
         num_buffers=args.num_buffers,
         max_seq_len=args.max_seq_len,
         expert_loading=args.expert_loading,
+        resident_experts=args.resident_experts,
+        migrate_interval=args.migrate_interval,
         trace=args.trace is not None,
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,

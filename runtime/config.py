@@ -22,7 +22,8 @@ class EngineConfig:
     """What to run and how.
 
     target: HF checkpoint directory of the model whose output we reproduce.
-    draft: checkpoint directory of a small model on the same vocabulary, or None for plain decoding.
+    draft: checkpoint directory of a small model on the same vocabulary; "self" (an MoE target, offloaded): the
+        target drafts for itself with only its resident experts (runtime/offload/drafters.py); None: plain decoding.
     num_draft_tokens: k, tokens the draft proposes per verification step (0 = no speculation: the draft is not
         loaded; unused without a draft), or "auto" (offloaded only, and its default): the planner picks k
         (0 included) from the measured hardware profile and re-plans it online from the observed acceptance rate.
@@ -47,6 +48,12 @@ class EngineConfig:
     expert_loading: MoE only: "selected" loads only the experts the router picks for the batch, "all" loads
         every expert of a layer ahead of use, "auto" picks by the expected number of distinct experts.
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
+
+    Self-drafting (draft="self"):
+    resident_experts: routed experts per MoE layer the drafter keeps resident (>= 1, at most the layer's experts;
+        default: a quarter of them, at least 1).
+    migrate_interval: every this many verify rounds the drafter re-chooses its resident experts from the
+        routing the target did meanwhile, when the gain in hit rate is worth moving the bytes (0: never).
     """
 
     target: str | Path
@@ -65,6 +72,8 @@ class EngineConfig:
     trace: bool = False
     acceptance_prior: float = 0.7
     replan_interval: int = 8
+    resident_experts: int | None = None
+    migrate_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -102,6 +111,15 @@ class EngineConfig:
             raise ConfigError(f"num_buffers must be an integer >= 1, got {self.num_buffers!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
+        if self.draft == "self" and self.device_memory is None:
+            raise ConfigError("draft='self' drafts with the target's resident experts: it needs device_memory "
+                              "(offloaded); without a budget every expert is resident and there is nothing to skip")
+        if self.resident_experts is not None and (
+                isinstance(self.resident_experts, bool) or not isinstance(self.resident_experts, int)
+                or self.resident_experts < 1):
+            raise ConfigError(f"resident_experts must be an integer >= 1, got {self.resident_experts!r}")
+        if not isinstance(self.migrate_interval, int) or self.migrate_interval < 0:
+            raise ConfigError(f"migrate_interval must be an integer >= 0, got {self.migrate_interval!r}")
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
 
@@ -118,6 +136,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def self_draft(self) -> bool:
+        """The target drafts for itself with its resident experts (draft="self")."""
+        return self.draft == "self"
 
     @property
     def unified_memory(self) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import fields
+from functools import reduce
 
 import torch
 
@@ -32,6 +33,7 @@ from specoffload.planner.plan import Plan
 
 from .config import ConfigError, EngineConfig
 from .models.model import Transformer
+from .offload.drafters import resident_expert_count
 from .offload.pipeline import Pipeline, Recovery
 from .offload.profiler import load_or_measure
 from .offload.replan import KReplanner
@@ -76,11 +78,15 @@ class Engine:
         dtype = config.torch_dtype
         self.target = Transformer(config.target, dtype=dtype, device=config.device)  # headers only: nothing loaded
         self.tokenizer = load_tokenizer(config.target)
-        draft_model = Transformer(config.draft, dtype=dtype, device=config.device) if config.draft else None
-        if draft_model is not None:
-            self._check_vocabularies(draft_model)
         cfg = self.target.config
-        self.models = ModelPair.of(self.target, draft_model)
+        draft_model = None
+        if config.self_draft:  # the target drafts for itself: no second vocabulary to check
+            self.models = ModelPair.of(self.target, None, resident_expert_count(config, cfg))
+        else:
+            draft_model = Transformer(config.draft, dtype=dtype, device=config.device) if config.draft else None
+            if draft_model is not None:
+                self._check_vocabularies(draft_model)
+            self.models = ModelPair.of(self.target, draft_model)
         resident_context = None if config.offloaded else cfg.max_position_embeddings  # the resident KV grows
         max_seq_len = resolve_max_seq_len(config.max_seq_len or resident_context, cfg.max_position_embeddings)
         self.profile: HardwareProfile | None = None
@@ -104,7 +110,8 @@ class Engine:
                                     self.placement)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,
-                                               self.tracer, recovery, config.num_threads)
+                                               self.tracer, recovery, config.num_threads,
+                                               adapt_interval=config.migrate_interval if config.self_draft else 0)
 
     # ---- construction -----------------------------------------------------------------------------------------------
     def _check_vocabularies(self, draft: Transformer) -> None:
@@ -249,7 +256,14 @@ def _warping(p: SamplingParams) -> tuple:
 
 def _sum_stats(stats: list[GenerateStats]) -> GenerateStats:
     """Totals of the runner calls of one generate (the groups run one after another, so wall times add up)."""
-    return type(stats[0])(**{f.name: sum(getattr(s, f.name) for s in stats) for f in fields(stats[0])})
+    return type(stats[0])(**{f.name: reduce(_add, (getattr(s, f.name) for s in stats)) for f in fields(stats[0])})
+
+
+def _add(a: object, b: object) -> object:
+    """Counts add up; tuples of counts (per layer, per expert) add up element by element."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return tuple(_add(x, y) for x, y in zip(a, b)) if a and b and len(a) == len(b) else (a or b)
+    return a + b  # type: ignore[operator]
 
 
 __all__ = ["Engine", "GenerateStats", "OffloadStats", "PromptError", "Prompt", "VocabularyMismatchError"]

@@ -21,7 +21,7 @@ from specoffload.planner import HardwareProfile, ModelCosts, Workload, search
 from specoffload.planner.placement import Placement, PlacementPolicy, minimum_device_memory, place
 from specoffload.planner.plan import MAX_AUTO_K, Plan, fixed_plan, planned
 from specoffload.planner.search import DEFAULT_BATCHES
-from specoffload.planner.shapes import ModelShape
+from specoffload.planner.shapes import ModelShape, self_draft_shape
 
 from .config import ConfigError, EngineConfig
 from .models.config import ModelConfig
@@ -47,17 +47,22 @@ class ModelPair:
     draft_top_k: int = 0  # the same for an MoE draft
 
     @classmethod
-    def of(cls, target: Transformer, draft: Transformer | None) -> ModelPair:
-        """From executors constructed on the checkpoints (their headers are read, no weight is loaded)."""
+    def of(cls, target: Transformer, draft: Transformer | None, self_draft_experts: int = 0) -> ModelPair:
+        """From executors constructed on the checkpoints (their headers are read, no weight is loaded).
+        self_draft_experts > 0: the draft is the target's own resident-expert drafter with that many experts per
+        layer (planner/shapes.py `self_draft_shape`)."""
         cfg = target.config
-        return cls(
-            target=target.loader.shape("target"),
-            draft=draft.loader.shape("draft") if draft is not None else None,
-            context=cfg.max_position_embeddings,
-            dtype_bytes=target.dtype.itemsize,
-            top_k=cfg.num_experts_per_tok if cfg.num_experts else 0,
-            draft_top_k=draft.config.num_experts_per_tok if draft is not None and draft.config.num_experts else 0,
-        )
+        shape = target.loader.shape("target")
+        top_k = cfg.num_experts_per_tok if cfg.num_experts else 0
+        if self_draft_experts:
+            draft_shape, draft_top_k = self_draft_shape(shape, self_draft_experts), min(top_k, self_draft_experts)
+        elif draft is not None:
+            draft_shape = draft.loader.shape("draft")
+            draft_top_k = draft.config.num_experts_per_tok if draft.config.num_experts else 0
+        else:
+            draft_shape, draft_top_k = None, 0
+        return cls(target=shape, draft=draft_shape, context=cfg.max_position_embeddings,
+                   dtype_bytes=target.dtype.itemsize, top_k=top_k, draft_top_k=draft_top_k)
 
     def costs(self, drafting: bool) -> ModelCosts:
         """FLOPs and bytes per layer for the cost model (the draft only when it is loaded)."""

@@ -33,7 +33,21 @@ class GenerateStats:
 
 @dataclass(frozen=True)
 class OffloadStats(GenerateStats):
-    """GenerateStats plus what moved: bytes read from the weights tier, and the pipeline's target passes."""
+    """GenerateStats plus what moved: bytes read from the weights tier, and the pipeline's target passes.
+
+    With a resident-expert drafter: expert_picks = the target's routing picks (token, expert) seen by `adapt`,
+    expert_hits = those whose expert was resident in the drafter at the time; migrated_* = what moving the
+    resident set cost; expert_hotness[j][e] = tokens the target routed to expert e of layer j ([] if dense)."""
 
     bytes_read: int = 0
     passes: int = 0
+    expert_hits: int = 0
+    expert_picks: int = 0
+    migrated_bytes: int = 0
+    migrated_experts: int = 0
+    migrations: int = 0
+    expert_hotness: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def expert_hit_rate(self) -> float | None:
+        return self.expert_hits / self.expert_picks if self.expert_picks else None

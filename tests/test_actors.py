@@ -39,7 +39,8 @@ SEEN_PIDS: set[int] = set()  # every process of the shared Ray engine, killed on
 
 
 def _config(tiny_models, target: str, draft: str | None, budget: int | str = "1GiB") -> EngineConfig:
-    return EngineConfig(tiny_models[target], draft=tiny_models[draft] if draft else None, max_batch_size=3,
+    """draft: a tiny model's name, "self" (the target's resident experts) or None."""
+    return EngineConfig(tiny_models[target], draft=tiny_models.get(draft, draft), max_batch_size=3,
                         max_seq_len=48, num_draft_tokens=3, device_memory=budget, num_threads=1)
 
 
@@ -185,7 +186,8 @@ def in_process_engine(config: EngineConfig) -> tuple[Engine, RoleWorkers]:
 
 
 @pytest.mark.parametrize(
-    ("target", "draft"), [("llama", "qwen2_draft"), ("llama", None), ("qwen2_moe", "qwen2_draft"), ("mixtral", None)]
+    ("target", "draft"),
+    [("llama", "qwen2_draft"), ("llama", None), ("qwen2_moe", "qwen2_draft"), ("mixtral", None), ("mixtral", "self")],
 )
 def test_roles_over_sockets_and_arenas_match_the_local_backend(tiny_models, reference, single_thread, target, draft):
     engine, roles = in_process_engine(_config(tiny_models, target, draft, _min_budget(tiny_models, target, draft)))

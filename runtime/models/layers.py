@@ -148,16 +148,23 @@ def dense_mlp_forward(cfg: ModelConfig, w: DenseMLPWeights, hidden: Tensor) -> T
     return hidden + gated_mlp(rms_norm(hidden, w.post_norm, cfg.rms_norm_eps), w.mlp, cfg.hidden_act)
 
 
-def route(cfg: ModelConfig, w: RouterWeights, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def route(cfg: ModelConfig, w: RouterWeights, hidden: Tensor,
+          allowed: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Post-attention norm and top-k routing.
 
     hidden [B, T, H] -> (normed [N, H], topk_ids [N, k] long, topk_weights [N, k]). Softmax over all experts in
-    float32, top-k, renormalise if cfg.norm_topk_prob (always for Mixtral).
+    float32, top-k, renormalise if cfg.norm_topk_prob (always for Mixtral). allowed [E] bool: route among these
+    experts only (the others' logits are -inf before the softmax, so the architecture's own normalisation
+    applies to the allowed set; with fewer than k allowed, the rest get weight 0 on an allowed expert's id).
     """
     normed = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps).reshape(-1, hidden.shape[-1])  # [N, H]
     logits = linear(normed, w.gate)  # [N, E]
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
     topk_weights, topk_ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [N, k]
+    if allowed is not None:  # fewer allowed experts than k: point the zero-weight picks at an allowed one
+        topk_ids = torch.where(topk_weights > 0, topk_ids, topk_ids[:, :1])
     if cfg.norm_topk_prob:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     if cfg.family == "qwen2_moe":

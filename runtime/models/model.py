@@ -45,6 +45,8 @@ class Transformer:
         self.fetch: Callable[[list[PartKey]], dict[PartKey, Weights]] | None = None
         #: keep linear weights in oneDNN's packed layout (float32 on CPU; faster GEMV/GEMM, see linear.py)
         self.pack = can_pack(dtype, self.device)
+        #: observer of MoE routing: called with (layer, topk_ids [N, k], token_mask [N] or None) after each route
+        self.on_route: Callable[[int, Tensor, Tensor | None], None] | None = None
 
     def preload(self, keys: Iterable[PartKey] | None = None) -> None:
         """Make these parts (default: all) resident now, so the first forward pays no loading."""
@@ -70,15 +72,19 @@ class Transformer:
         return layers.attention_forward(self.config, w, hidden, cache, layer, self.rope)
 
     @torch.inference_mode()
-    def ffn(self, layer: int, hidden: Tensor, token_mask: Tensor | None = None) -> Tensor:
+    def ffn(self, layer: int, hidden: Tensor, token_mask: Tensor | None = None,
+            allowed: Tensor | None = None) -> Tensor:
         """FFN block of `layer`: [B, T, H] -> [B, T, H]. For MoE, loads only the experts valid tokens select.
 
         token_mask [B, T] bool marks valid tokens; padded tokens then select no expert (their output is junk).
+        allowed [E] bool: route among these experts only (see layers.route).
         """
         if not self.config.is_moe_layer(layer):
             return layers.dense_mlp_forward(self.config, self._weights(PartKey("dense_mlp", layer)), hidden)
         router = self._weights(PartKey("router", layer))
-        routing = layers.route(self.config, router, hidden)
+        routing = layers.route(self.config, router, hidden, allowed)
+        if self.on_route is not None:
+            self.on_route(layer, routing[1], None if token_mask is None else token_mask.reshape(-1))
         keys = [PartKey("expert", layer, e) for e in layers.selected_experts(routing[1], token_mask)]
         experts = {key.expert: w for key, w in self._weights_many(keys).items()}
         return layers.moe_combine(self.config, router, hidden, routing, experts, token_mask)
@@ -96,12 +102,14 @@ class Transformer:
         num_new: Tensor | None = None,
         output_positions: Tensor | None = None,
         compute_logits: bool = True,
+        allowed_experts: dict[int, Tensor] | None = None,
     ) -> Tensor | None:
         """Run all layers on input_ids [B, T] and advance the cache by num_new [B] (default T per row).
 
         Row b's tokens t >= num_new[b] are padding: they are written past the row's valid length (and later
         overwritten), route to no expert, and their logits are junk. Returns logits [B, T, V] float32, or only
         at output_positions [B, P] (indices into T) -> [B, P, V], or None if not compute_logits.
+        allowed_experts: layer -> [E] bool, the experts each MoE layer may route to (default: all).
         """
         batch, steps = input_ids.shape
         token_mask = None
@@ -112,7 +120,8 @@ class Transformer:
         hidden = self.embed(input_ids)  # [B, T, H]
         for layer in range(self.config.num_layers):
             hidden = self.attention(layer, hidden, cache)
-            hidden = self.ffn(layer, hidden, token_mask)
+            allowed = allowed_experts.get(layer) if allowed_experts is not None else None
+            hidden = self.ffn(layer, hidden, token_mask, allowed)
         cache.advance(num_new if num_new is not None else steps)
         if not compute_logits:
             return None

@@ -1,8 +1,10 @@
 """Drafters: who proposes the draft tokens the target verifies. One small interface; a new drafter is a new class.
 
-    Drafter      the interface (a Protocol): per-batch state managed by the coordinator, and `propose`
-    NoDrafter    no speculation (k = 0): holds nothing, is never asked to propose
-    ModelDrafter an external draft model on the target's vocabulary, resident where compute happens
+    Drafter               the interface (a Protocol): per-batch state managed by the coordinator, `propose`,
+                          and `adapt` (what the target routed since the last call; a no-op but for the next one)
+    NoDrafter             no speculation (k = 0): holds nothing, is never asked to propose
+    ModelDrafter          an external draft model on the target's vocabulary, resident where compute happens
+    ResidentExpertDrafter the MoE target drafts for itself with only its resident ("hot") routed experts
 
 `drafter_class(config)` is the class the config names (every drafter is built as cls(config, weights, slots),
 like the workers, so a draft role can build it in its own process); `make_drafter(config, plan, weights)` builds
@@ -20,9 +22,11 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from specoffload.planner.plan import Plan
+from specoffload.planner.shapes import PartKey
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..kv_cache import KVCache
+from ..models.config import ModelConfig
 from ..models.model import Transformer
 from ..sampling import SamplingParams, warp_logits
 from .batch_kv import BatchKV
@@ -49,6 +53,11 @@ class Drafter(Protocol):
                 params: SamplingParams) -> tuple[Tensor, Tensor | None]:
         """Feed ids [rows, T] (row r: its first num_new[r] valid) and draw the next token per row: (token [rows],
         probs [rows, vocab] of the warped draft distribution, or None when greedy)."""
+        ...
+
+    def adapt(self, routing_counts: list[list[int]]) -> list[int]:
+        """The target's routing since the last call (per layer, tokens per expert; [] for a dense layer): the
+        drafter may re-choose what it keeps. Returns [hits, picks, bytes moved, experts moved]."""
         ...
 
 
@@ -90,6 +99,9 @@ class NoDrafter:
                 params: SamplingParams) -> tuple[Tensor, Tensor | None]:
         raise RuntimeError("NoDrafter was asked to propose: the plan has k = 0 (schedule bug)")
 
+    def adapt(self, routing_counts: list[list[int]]) -> list[int]:
+        return [0, 0, 0, 0]
+
 
 class ModelDrafter(BatchKV, BatchRNG):
     """An external draft model (same vocabulary as the target), resident, one KV cache per batch."""
@@ -112,18 +124,130 @@ class ModelDrafter(BatchKV, BatchRNG):
 
         Returns (token [rows], probs [rows, vocab] or None when greedy).
         """
-        with torch.inference_mode():
-            last = (num_new - 1)[:, None]  # [rows, 1]
-            logits = self.model.forward(ids, self.caches[batch], num_new=num_new, output_positions=last)[:, 0]
-            if params.greedy:
-                return logits.argmax(dim=-1), None  # [rows]
-            probs = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, vocab]
-            return torch.multinomial(probs, 1, generator=self.generators.get(batch)).squeeze(1), probs
+        return draft_next(self.model, self.caches[batch], ids, num_new, params, self.generators.get(batch))
+
+    @wire
+    def adapt(self, routing_counts: list[list[int]]) -> list[int]:
+        """An external draft model keeps nothing of the target's: nothing to re-choose."""
+        return [0, 0, 0, 0]
+
+
+def draft_next(model: Transformer, cache: KVCache, ids: Tensor, num_new: Tensor, params: SamplingParams,
+               generator: torch.Generator | None,
+               allowed_experts: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+    """One draft token per row: feed ids [rows, T] (row r: its first num_new[r] valid) through `model` and draw
+    from its (warped) distribution at each row's last fed position: (token [rows], probs [rows, vocab] or None
+    when greedy). allowed_experts: MoE routing restricted to these experts per layer."""
+    with torch.inference_mode():
+        last = (num_new - 1)[:, None]  # [rows, 1]
+        logits = model.forward(ids, cache, num_new=num_new, output_positions=last,
+                               allowed_experts=allowed_experts)[:, 0]  # [rows, vocab]
+        if params.greedy:
+            return logits.argmax(dim=-1), None  # [rows]
+        probs = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, vocab]
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
+
+
+class ResidentExpertDrafter(BatchKV, BatchRNG):
+    """The MoE target drafts for itself: its embedding, attention, routers (and shared expert), head, and only
+    `n` resident routed experts per layer, chosen by hotness (self-assisted speculative decoding, SpecMoE).
+
+    Routing: the router's logits of non-resident experts are masked before the architecture's own softmax /
+    top-k / renormalisation (`layers.route`), so a token whose favourite expert is not resident goes to the
+    best-scoring resident one (affinity-based substitution). Verification by the full target keeps the output
+    lossless whatever the drafter proposes.
+
+    KV cache: its own, one per batch, like an external draft model's. Its hidden states differ from the target's
+    (other experts ran), so it cannot share the target's cache without drafting from states it never computed;
+    the price is a second KV cache of the target's shape, which placement counts (planner/shapes.py
+    `self_draft_shape`).
+
+    Resident set: experts 0..n-1 per layer until the first `adapt`; then, from the target's routing counts
+    (decayed by `decay` per call), a layer's set moves to its n hottest experts when that raises the layer's hit
+    rate by at least `min_gain` (moving an expert costs its bytes; a small gain is not worth them).
+    """
+
+    def __init__(self, config: EngineConfig, weights: WeightPlan | None = None, slots: Sequence[Tensor] | None = None,
+                 *, decay: float = 0.5, min_gain: float = 0.02) -> None:
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
+        cfg = self.model.config
+        self.n = resident_expert_count(config, cfg)
+        self.decay, self.min_gain = decay, min_gain
+        self.moe_layers = [j for j in range(cfg.num_layers) if cfg.is_moe_layer(j)]
+        self.resident: dict[int, list[int]] = {j: list(range(self.n)) for j in self.moe_layers}
+        keep = [key for key in self.model.loader.parts() if key.kind != "expert" or key.expert < self.n]
+        self.model.preload(keep)
+        self.model.fetch = self._missing
+        self.allowed = {j: self._mask(experts) for j, experts in self.resident.items()}
+        self.heat = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.float64)  # [L, E]
+        self.caches: dict[int, KVCache] = {}
+        self.generators: dict[int, torch.Generator] = {}
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        return self.model.new_cache(rows, capacity)
+
+    @wire
+    def propose(self, batch: int, ids: Tensor, num_new: Tensor,
+                params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+        """Feed ids [rows, T] and draw the next token per row, routing among the resident experts only."""
+        return draft_next(self.model, self.caches[batch], ids, num_new, params, self.generators.get(batch),
+                          self.allowed)
+
+    @wire
+    def adapt(self, routing_counts: list[list[int]]) -> list[int]:
+        """Count the target's picks that hit the resident set, then migrate layers whose hottest n experts would
+        raise their hit rate by min_gain. Returns [hits, picks, bytes moved, experts moved]."""
+        hits = picks = moved_bytes = moved = 0
+        for j in self.moe_layers:
+            counts = torch.tensor(routing_counts[j], dtype=torch.float64)  # [E]
+            hits += int(counts[self.resident[j]].sum())
+            picks += int(counts.sum())
+            self.heat[j] = self.decay * self.heat[j] + counts
+            total = float(self.heat[j].sum())
+            if total <= 0:
+                continue
+            hottest = sorted(torch.topk(self.heat[j], self.n).indices.tolist())
+            gain = (float(self.heat[j][hottest].sum()) - float(self.heat[j][self.resident[j]].sum())) / total
+            if gain < self.min_gain:
+                continue
+            added = [e for e in hottest if e not in self.resident[j]]
+            for e in self.resident[j]:
+                if e not in hottest:
+                    del self.model.resident[PartKey("expert", j, e)]
+            for e in added:
+                key = PartKey("expert", j, e)
+                self.model.preload([key])
+                moved_bytes += self.model.loader.nbytes(key)
+            moved += len(added)
+            self.resident[j] = hottest
+            self.allowed[j] = self._mask(hottest)
+        return [hits, picks, moved_bytes, moved]
+
+    def _mask(self, experts: list[int]) -> Tensor:
+        mask = torch.zeros(self.model.config.num_experts, dtype=torch.bool)  # [E]
+        mask[experts] = True
+        return mask.to(self.model.device)
+
+    def _missing(self, keys: list[PartKey]) -> dict:
+        raise RuntimeError(f"the resident-expert drafter was asked for non-resident parts {keys} (routing bug)")
+
+
+def resident_expert_count(config: EngineConfig, model: ModelConfig) -> int:
+    """Routed experts per layer a resident-expert drafter keeps: config.resident_experts, default a quarter."""
+    if not model.num_experts:
+        raise ConfigError(f"draft='self' needs an MoE target; {config.target} is dense (no routed experts)")
+    n = config.resident_experts if config.resident_experts is not None else max(1, model.num_experts // 4)
+    if n > model.num_experts:
+        raise ConfigError(f"resident_experts = {n} but {config.target} has {model.num_experts} experts per layer")
+    return n
 
 
 def drafter_class(config: EngineConfig) -> type:
-    """The drafter `config.draft` names: a checkpoint directory is an external draft model; none, NoDrafter."""
-    return NoDrafter if config.draft is None else ModelDrafter
+    """The drafter `config.draft` names: "self", the target's resident experts; a checkpoint directory, an
+    external draft model; None, NoDrafter."""
+    if config.draft is None:
+        return NoDrafter
+    return ResidentExpertDrafter if config.self_draft else ModelDrafter
 
 
 def make_drafter(config: EngineConfig, plan: Plan, weights: WeightPlan) -> Drafter:

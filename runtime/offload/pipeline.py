@@ -58,11 +58,15 @@ class Pipeline:
     """Runs requests through the interleaved schedule; see the module docstring."""
 
     def __init__(self, plan: Plan, weights: WeightPlan, num_layers: int, workers: Workers, replanner: KReplanner,
-                 tracer: Tracer, recovery: Recovery | None = None, compute_threads: int | None = None) -> None:
+                 tracer: Tracer, recovery: Recovery | None = None, compute_threads: int | None = None,
+                 adapt_interval: int = 0) -> None:
+        """adapt_interval: every this many verify rounds (and after the first), the drafter gets the target's
+        routing counts (`Drafter.adapt`, e.g. to migrate its resident experts; traced as "migrate"); 0: never."""
         self.plan, self.weights, self.num_layers = plan, weights, num_layers
         self.workers, self.replanner, self.tracer = workers, replanner, tracer
         self.recovery = recovery or NoRecovery()
         self.compute_threads = compute_threads or torch.get_num_threads()
+        self.adapt_interval = adapt_interval if plan.drafting else 0
         self.verified = 0  # verify ops run in the current run (progress reports)
         self.running = False
 
@@ -74,6 +78,9 @@ class Pipeline:
         bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
         self.params = params
         self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update)
+        self.rounds_since_adapt, self.adapted = 0, 0
+        self.adaptation = [0, 0, 0, 0]  # hits, picks, bytes moved, experts moved (Drafter.adapt)
+        self.hotness: list[list[int]] = []
         bytes_before = self.workers.bytes_read
         totals = {"steps": 0, "passes": 0}
         try:
@@ -107,6 +114,12 @@ class Pipeline:
             verify_s=busy["verify"],
             bytes_read=self.workers.bytes_read - bytes_before,
             passes=totals["passes"],
+            expert_hits=self.adaptation[0],
+            expert_picks=self.adaptation[1],
+            migrated_bytes=self.adaptation[2],
+            migrated_experts=self.adaptation[3],
+            migrations=self.adapted,
+            expert_hotness=tuple(tuple(layer) for layer in self.hotness),
         )
 
     def _recover(self, error: SpecOffloadError) -> None:
@@ -216,7 +229,19 @@ class Pipeline:
             self.workers.drafter.truncate(b.index, [c + min(a, k - 1) for c, a in zip(b.committed, accepted)])
         b.drafts = b.p = b.logits = None
         self.verified += 1
+        self.rounds_since_adapt += 1
         self.batches.retire_finished(b)
+
+    def _adapt(self) -> None:
+        """Hand the target's routing since the last call to the drafter (on its own "migrate" trace track: moving
+        resident experts is a cost of its own)."""
+        counts = self.workers.verifier.routing_counts()
+        with self.tracer.span("migrate", "migrate"):
+            result = self.workers.drafter.adapt(counts)
+        self.adaptation = [a + r for a, r in zip(self.adaptation, result)]
+        self.hotness = [[a + c for a, c in zip(acc, layer)] for acc, layer in zip(self.hotness, counts)] or counts
+        self.rounds_since_adapt = 0
+        self.adapted += 1
 
     def _draft(self, op: Op) -> None:
         b = self.batches[op.batch]
@@ -226,6 +251,8 @@ class Pipeline:
         # longest remaining budget of the batch (those tokens could not be accepted).
         if op.token == 0:
             b.round_k = self.replanner.k
+            if self.adapt_interval and self.rounds_since_adapt >= (self.adapt_interval if self.adapted else 1):
+                self._adapt()
         limit = min(b.round_k, max(r.remaining for r in b.rows) - 1)
         if op.token >= limit:
             return

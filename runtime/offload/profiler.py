@@ -30,6 +30,7 @@ from ..models import layers
 from ..models.linear import can_pack, pack_weights
 from ..models.model import Transformer
 from .direct_io import drop_page_cache
+from .drafters import ResidentExpertDrafter
 from .streamer import WeightStreamer
 
 PROFILE_DIR = Path(os.environ.get("SPECOFFLOAD_CACHE", Path.home() / ".cache" / "specoffload")) / "profiles"
@@ -48,10 +49,16 @@ def fingerprint(config: EngineConfig) -> dict[str, str | int]:
     return {
         "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count() or 1, "torch": torch.__version__,
         "device": torch.device(config.device).type, "target": Path(config.target).name,
-        "draft": Path(config.draft).name if config.draft else "", "dtype": config.dtype,
+        "draft": _draft_name(config), "dtype": config.dtype,
         "weights_tier": config.weights_tier, "threads": torch.get_num_threads(),
         "profiler": PROFILER_VERSION,
     }
+
+
+def _draft_name(config: EngineConfig) -> str:
+    if config.self_draft:
+        return f"self:{config.resident_experts or 'default'}"
+    return Path(config.draft).name if config.draft else ""
 
 
 def profile_path(config: EngineConfig) -> Path:
@@ -187,9 +194,15 @@ def _attention_fit(target: Transformer, reps: int, quick: bool) -> tuple[float, 
 
 
 def _draft_steps(config: EngineConfig, reps: int, quick: bool) -> tuple[tuple[int, float], ...]:
+    """One draft token step versus rows: the draft model's, or the target's with only its resident experts."""
     assert config.draft is not None
-    draft = Transformer(config.draft, dtype=config.torch_dtype, device=config.device)
-    draft.preload()
+    allowed = None
+    if config.self_draft:
+        drafter = ResidentExpertDrafter(config)
+        draft, allowed = drafter.model, drafter.allowed
+    else:
+        draft = Transformer(config.draft, dtype=config.torch_dtype, device=config.device)
+        draft.preload()
     out = []
     for rows in DRAFT_ROWS[:3] if quick else DRAFT_ROWS:
         cache = draft.new_cache(rows, 80, growable=False)
@@ -198,7 +211,8 @@ def _draft_steps(config: EngineConfig, reps: int, quick: bool) -> tuple[tuple[in
         last = torch.zeros(rows, 1, dtype=torch.long)
 
         def step(cache=cache, ids=ids, last=last) -> None:
-            draft.forward(ids, cache, num_new=torch.zeros(ids.shape[0], dtype=torch.long), output_positions=last)
+            draft.forward(ids, cache, num_new=torch.zeros(ids.shape[0], dtype=torch.long), output_positions=last,
+                          allowed_experts=allowed)
 
         out.append((rows, _time(step, reps)))
     return tuple(out)

@@ -210,6 +210,9 @@ class VerifierWorker(BatchRNG):
         experts = _slot_streamer(self.model, plan, config, slots, loads=True) if plan.selected_experts else None
         self.reader = _SlotReader(views, plan, experts)
         self.model.fetch = self.reader
+        self.model.on_route = self._count_routing
+        cfg = self.model.config
+        self.routing = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.long)  # [L, E] since read
         self.generators: dict[int, torch.Generator] = {}
 
     @property
@@ -228,6 +231,18 @@ class VerifierWorker(BatchRNG):
         index = positions.to(hidden.device)[:, :, None].expand(-1, -1, hidden.shape[-1])
         with self.reader.bind(self.model.config.num_layers, slot):
             return self.model.logits(torch.gather(hidden, 1, index))
+
+    @wire
+    def routing_counts(self) -> list[list[int]]:
+        """Tokens the target routed to each (layer, expert) since the last call (expert hotness; [] for a dense
+        layer), counting every valid token of every pass, prefill included; resets the counts."""
+        counts, self.routing = self.routing, torch.zeros_like(self.routing)
+        cfg = self.model.config
+        return [counts[j].tolist() if cfg.is_moe_layer(j) else [] for j in range(cfg.num_layers)]
+
+    def _count_routing(self, layer: int, topk_ids: Tensor, token_mask: Tensor | None) -> None:
+        ids = topk_ids if token_mask is None else topk_ids[token_mask.to(topk_ids.device)]  # [n, k]
+        self.routing[layer] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.routing.shape[1])
 
     @wire
     def verify(self, batch: int, logits: Tensor, drafts: Tensor, p: Tensor | None,

@@ -1,0 +1,150 @@
+"""The resident-expert drafter (draft="self"): an MoE target drafts for itself with only some of its experts.
+
+Lossless whatever it proposes (greedy equals the target's own decoding, token for token; seeded sampling is
+reproducible), accepts everything when every expert is resident, migrates its resident set toward the experts
+the target routes to, is counted by placement, and runs behind the same wire interface as any drafter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specoffload.planner.shapes import self_draft_shape
+from specoffload.runtime.config import ConfigError, EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.models.config import ModelConfig
+from specoffload.runtime.models.model import Transformer
+from specoffload.runtime.offload.drafters import ResidentExpertDrafter
+from specoffload.runtime.sampling import SamplingParams
+
+PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
+GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(name: str) -> list[list[int]]:
+        if name not in cache:
+            engine = Engine(EngineConfig(tiny_models[name], max_batch_size=3))
+            cache[name] = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+        return cache[name]
+
+    return get
+
+
+def _config(tiny_models, target: str, **kw) -> EngineConfig:
+    base = dict(target=tiny_models[target], draft="self", max_batch_size=3, max_seq_len=48, num_draft_tokens=3,
+                device_memory="1GiB")
+    return EngineConfig(**(base | kw))
+
+
+def _min_budget(tiny_models, target: str, **kw) -> int:
+    return Engine(_config(tiny_models, target, **kw)).minimum_device_memory()
+
+
+@pytest.mark.parametrize("target", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("resident", [1, 2, 4])
+def test_self_draft_is_lossless_at_the_minimum_budget(tiny_models, reference, single_thread, target, resident):
+    budget = _min_budget(tiny_models, target, resident_experts=resident)
+    engine = Engine(_config(tiny_models, target, resident_experts=resident, device_memory=budget, migrate_interval=2))
+    assert engine.placement.streamed_layers and engine.placement.device_bytes() <= budget
+    out = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == reference(target)
+    stats = engine.last_stats
+    assert stats.num_drafted > 0 and stats.expert_picks > 0 and stats.migrations >= 1
+    if resident == 4:  # every expert resident: the drafter is the target, every draft is accepted
+        assert stats.num_accepted == stats.num_drafted and stats.expert_hit_rate == 1.0
+    else:
+        assert 0.0 < stats.expert_hit_rate < 1.0
+    hotness = stats.expert_hotness
+    cfg = ModelConfig.from_dir(tiny_models[target])
+    assert len(hotness) == cfg.num_layers and all(len(layer) == 4 for layer in hotness if layer)
+    # every valid token of every pass picks top_k experts in every MoE layer
+    assert sum(hotness[0]) == stats.expert_picks // sum(1 for layer in hotness if layer)
+
+
+def test_seeded_sampling_with_self_draft_is_reproducible(tiny_models, single_thread):
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = Engine(_config(tiny_models, "qwen2_moe", resident_experts=2))
+        runs.append([r.token_ids for r in engine.generate(PROMPTS, params)])
+        assert engine.last_stats.num_drafted > 0
+    assert runs[0] == runs[1] and all(len(t) == 8 for t in runs[0])
+
+
+def test_migration_moves_the_resident_set_to_the_hottest_experts(tiny_models, single_thread):
+    """Literal routing counts: layer 0's traffic goes to experts 2 and 3, so one resident expert (0) is replaced
+    by the hottest (3), its bytes are counted, and the drafter now routes there; a small gain is not worth it."""
+    drafter = ResidentExpertDrafter(_config(tiny_models, "mixtral", resident_experts=1))
+    assert drafter.resident == {0: [0], 1: [0]}
+    counts = [[1, 0, 5, 30], [10, 0, 0, 0]]
+    hits, picks, moved_bytes, moved = drafter.adapt(counts)
+    assert (hits, picks, moved) == (1 + 10, 36 + 10, 1)
+    assert moved_bytes == drafter.model.loader.nbytes(drafter.model.loader.parts()[3]) > 0  # one expert's bytes
+    assert drafter.resident == {0: [3], 1: [0]}
+    assert drafter.allowed[0].tolist() == [False, False, False, True]
+    from specoffload.planner.shapes import PartKey
+
+    assert PartKey("expert", 0, 3) in drafter.model.resident and PartKey("expert", 0, 0) not in drafter.model.resident
+    # decayed heat of layer 1 still favours expert 0: nothing moves
+    assert drafter.adapt([[0, 0, 0, 0], [0, 1, 0, 0]])[2:] == [0, 0]
+
+
+def test_restricted_routing_only_uses_allowed_experts(tiny_models):
+    model = Transformer(tiny_models["qwen2_moe"])
+    picked: list[torch.Tensor] = []
+    model.on_route = lambda layer, ids, mask: picked.append(ids)
+    allowed = torch.tensor([False, True, False, False])
+    ids = torch.tensor([PROMPTS[3]])
+    full = model.forward(ids, model.new_cache(1, 8))
+    picked.clear()
+    moe_layers = [j for j in range(model.config.num_layers) if model.config.is_moe_layer(j)]
+    restricted = model.forward(ids, model.new_cache(1, 8), allowed_experts=dict.fromkeys(moe_layers, allowed))
+    assert len(picked) == len(moe_layers) >= 2
+    assert all(set(p.unique().tolist()) == {1} for p in picked)  # top-2 with one allowed: both picks on it
+    assert not torch.allclose(full, restricted)
+
+
+def test_placement_counts_the_drafter_and_its_cache(tiny_models):
+    engine = Engine(_config(tiny_models, "mixtral", resident_experts=2))
+    shape = self_draft_shape(engine.models.target, 2)
+    assert engine.models.draft == shape
+    experts = [key for key, _ in shape.parts if key.kind == "expert"]
+    assert sorted({key.expert for key in experts}) == [0, 1] and len(experts) == 2 * 2
+    items = {item.name: item.nbytes for item in engine.placement.items}
+    assert items["draft weights"] == shape.total_bytes
+    assert items["draft KV cache"] == items["target KV cache"]  # a second cache of the target's shape
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(target="llama"), "needs an MoE target"),
+        (dict(target="mixtral", resident_experts=5), "has 4 experts per layer"),
+    ],
+)
+def test_bad_self_draft_configs_are_one_line(tiny_models, kwargs, match):
+    target = kwargs.pop("target")
+    with pytest.raises(ConfigError, match=match):
+        Engine(_config(tiny_models, target, **kwargs))
+
+
+def test_self_draft_needs_a_budget(tiny_models):
+    with pytest.raises(ConfigError, match="needs device_memory"):
+        EngineConfig(tiny_models["mixtral"], draft="self")
+
+
+def test_migration_is_traced_on_its_own_track_and_the_breakdown_adds_up(tiny_models, single_thread):
+    engine = Engine(_config(tiny_models, "qwen2_moe", resident_experts=1, migrate_interval=1, trace=True))
+    engine.generate(PROMPTS, GREEDY)
+    spans = [s for s in engine.tracer.spans if s.name == "migrate"]
+    assert len(spans) == engine.last_stats.migrations >= 2 and {s.resource for s in spans} == {"migrate"}
+    table = engine.tracer.breakdown()
+    assert "migrate" in [usage.resource for usage in table.resources]
+    for usage in table.resources:
+        assert usage.busy + usage.idle == pytest.approx(table.wall, abs=1e-9)
+    assert sum(t for _, t in table.overlap) == pytest.approx(table.wall, abs=1e-9)
