@@ -28,8 +28,11 @@ time, as on the real device. The embedding costs nothing.
 
     tokens_per_step = B * E(alpha, k) with E = expected_tokens (acceptance.py; k = 0: B).
 
-Not modelled: io contending with compute for the cores, the draft's first token of a round feeding ~E tokens,
-selected-expert loading (io is the worst case: every expert of a streamed layer).
+Selected-expert loading (planner/experts.py): when the engine loads only routed experts, a streamed MoE layer's
+load_j counts its experts' bytes times E[distinct experts hit by n tokens] / num_experts (uniform routing: a
+skewed router hits fewer, so this errs high).
+
+Not modelled: io contending with compute for the cores, the draft's first token of a round feeding ~E tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from .acceptance import expected_tokens
+from .experts import expected_distinct_experts, selects_experts
 from .placement import Placement
 from .profile import HardwareProfile, ProfileError
 from .shapes import ModelShape, PartKey
@@ -179,28 +183,43 @@ class WorkloadEstimate:
     step: StepEstimate
 
 
-def stream_bytes(placement: Placement, target: ModelShape) -> dict[int, int]:
-    """Slot group -> bytes streamed per pass (layer j, or num_layers for the head); resident groups absent."""
-    groups: dict[int, int] = {}
+def stream_bytes(placement: Placement, target: ModelShape, expert_share: float = 1.0) -> dict[int, float]:
+    """Slot group -> bytes streamed per pass (layer j, or num_layers for the head); resident groups absent.
+    expert_share: the fraction of a streamed layer's experts a pass reads (selected loading; planner/experts.py)."""
+    groups: dict[int, float] = {}
     for key, nbytes in target.parts:
         if placement.is_streamed(key):
             group = target.num_layers if key.kind == "head" else key.layer
-            groups[group] = groups.get(group, 0) + nbytes
+            groups[group] = groups.get(group, 0) + nbytes * (expert_share if key.kind == "expert" else 1.0)
     return groups
 
 
+def _expert_share(costs: ModelCosts, placement: Placement, expert_loading: str, plan_tokens: int, fed: int) -> float:
+    """The share of a streamed MoE layer's experts one pass of `fed` tokens reads: all of them, unless the engine
+    loads only routed experts (decided once for its plan's batch x (k + 1) tokens, as runtime/engine.py does),
+    then the expected distinct share for `fed` tokens under uniform routing."""
+    e, top_k = costs.num_experts, costs.top_k
+    if not selects_experts(placement, expert_loading, e, top_k, plan_tokens):
+        return 1.0
+    return expected_distinct_experts(e, top_k, fed) / e
+
+
 def estimate_step(
-    profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, alpha: float, context: int
+    profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, alpha: float, context: int,
+    expert_loading: str = "auto",
 ) -> StepEstimate:
-    """One decode step: a target pass over `batch` rows of k + 1 tokens each, KV length `context` (docstring)."""
+    """One decode step: a target pass over `batch` rows of k + 1 tokens each, KV length `context` (docstring).
+    expert_loading: the engine's mode for streamed MoE layers ("auto", "selected", "all"; planner/experts.py)."""
     _check_plan(profile, costs, placement, batch, k)
     fed = batch * (k + 1)
     t_draft = k * profile.draft_seconds(batch) if k else 0.0
-    return _pass(profile, costs, placement, fed, fed, context, t_draft, batch * expected_tokens(alpha, k))
+    share = _expert_share(costs, placement, expert_loading, fed, fed)
+    return _pass(profile, costs, placement, fed, fed, context, t_draft, batch * expected_tokens(alpha, k), share)
 
 
 def estimate_prefill(
-    profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, prompt_len: float
+    profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, prompt_len: float,
+    expert_loading: str = "auto",
 ) -> StepEstimate:
     """A batch's first pass (prefill merged into it): `batch` rows of prompt_len tokens, one token out per row.
 
@@ -211,7 +230,8 @@ def estimate_prefill(
     _check_plan(profile, costs, placement, batch, k)
     fed = max(batch, round(batch * prompt_len))
     t_draft = profile.draft_seconds(fed) + (k - 1) * profile.draft_seconds(batch) if k else 0.0
-    return _pass(profile, costs, placement, fed, batch, math.ceil(prompt_len), t_draft, float(batch))
+    share = _expert_share(costs, placement, expert_loading, batch * (k + 1), fed)
+    return _pass(profile, costs, placement, fed, batch, math.ceil(prompt_len), t_draft, float(batch), share)
 
 
 def estimate_workload(
@@ -222,6 +242,7 @@ def estimate_workload(
     k: int,
     alpha: float,
     workload: Workload,
+    expert_loading: str = "auto",
 ) -> WorkloadEstimate:
     """Whole-workload time, in waves of num_batches batches (2 with a draft, k >= 1; else 1):
 
@@ -235,8 +256,8 @@ def estimate_workload(
     rows = min(batch, math.ceil(workload.num_prompts / num_batches))
     waves = math.ceil(workload.num_prompts / (rows * num_batches))
     context = round(workload.prompt_len + workload.new_tokens / 2)
-    step = estimate_step(profile, costs, placement, rows, k, alpha, context)
-    prefill = estimate_prefill(profile, costs, placement, rows, k, workload.prompt_len)
+    step = estimate_step(profile, costs, placement, rows, k, alpha, context, expert_loading)
+    prefill = estimate_prefill(profile, costs, placement, rows, k, workload.prompt_len, expert_loading)
     decode_steps = num_batches * math.ceil((workload.new_tokens - 1) / expected_tokens(alpha, k))
     prefill_s = waves * num_batches * prefill.t_step
     decode_s = waves * decode_steps * step.t_step
@@ -304,9 +325,11 @@ def _pass(
     context: int,
     t_draft: float,
     tokens: float,
+    expert_share: float = 1.0,
 ) -> StepEstimate:
     target = costs.target
-    loads = {j: nbytes / profile.stream_bytes_per_s for j, nbytes in stream_bytes(placement, target).items()}
+    streamed = stream_bytes(placement, target, expert_share)
+    loads = {j: nbytes / profile.stream_bytes_per_s for j, nbytes in streamed.items()}
     expert_rows = max(1.0, fed * costs.expert_fraction)
     attn = profile.attention_seconds(fed, context)
     layers = []

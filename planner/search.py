@@ -99,6 +99,7 @@ def search(
     top_k: int = 0,
     draft_top_k: int = 0,
     k_ceiling: int = 0,
+    expert_loading: str = "auto",
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
@@ -133,7 +134,7 @@ def search(
             except PlacementError as exc:
                 infeasible.append((batch, k, str(exc)))
                 continue
-            estimate = estimate_workload(profile, costs, placement, batch, k, alpha, workload)
+            estimate = estimate_workload(profile, costs, placement, batch, k, alpha, workload, expert_loading)
             feasible.append(_policy(batch, k, alpha, placement, estimate))
     if not feasible:
         reasons = "; ".join(f"batch={b}, k={k}: {why}" for b, k, why in infeasible[:3])
@@ -150,6 +151,7 @@ def replan_k(
     alpha: float,
     context: int,
     ks: Iterable[int] = range(0, 9),
+    expert_loading: str = "auto",
 ) -> int:
     """The k of `ks` with the highest predicted decode tokens/s at a fixed batch and placement (online re-planning).
 
@@ -159,7 +161,8 @@ def replan_k(
     candidates = [k for k in ks if k == 0 or costs.draft is not None]
     if not candidates:
         raise ValueError("no candidate k: ks is empty, or holds only k >= 1 and there is no draft model")
-    rates = {k: estimate_step(profile, costs, placement, batch, k, alpha, context).tokens_per_s for k in candidates}
+    rates = {k: estimate_step(profile, costs, placement, batch, k, alpha, context, expert_loading).tokens_per_s
+             for k in candidates}
     return min(rates, key=lambda k: (-_rounded(rates[k]), k))
 
 

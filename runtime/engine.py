@@ -28,6 +28,7 @@ import torch
 
 from specoffload.planner import HardwareProfile
 from specoffload.planner.errors import SpecOffloadError
+from specoffload.planner.experts import selects_experts
 from specoffload.planner.placement import Placement
 from specoffload.planner.plan import Plan
 
@@ -107,7 +108,7 @@ class Engine:
         self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
                                                      self._select_experts())
         self.replanner = KReplanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
-                                    self.placement)
+                                    self.placement, config.expert_loading)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,
                                                self.tracer, recovery, config.num_threads,
@@ -131,20 +132,11 @@ class Engine:
             )
 
     def _select_experts(self) -> bool:
-        """MoE: load only the experts the router picks for the batch? Needs attention and routers resident (they
-        run before routing) and the disk tier (the ffn op reads the routed experts itself)."""
-        cfg, policy = self.target.config, self.config.expert_loading
+        """MoE: load only the experts the router picks for the pass (planner/experts.py)."""
+        cfg = self.target.config
         assert self.placement is not None
-        if not cfg.num_experts or policy == "all" or self.config.weights_tier != "disk":
-            return False
-        if any(self.placement.is_streamed(k) for k in self.placement.tiers if k.kind in ("attention", "router")):
-            return False
-        if policy == "selected":
-            return True
-        # auto: expected distinct experts among the routing picks of one pass (tokens x top_k, uniform routing)
-        tokens = self.plan.batch * (self.plan.k + 1)
-        expected = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** tokens)
-        return expected < 0.75 * cfg.num_experts
+        return selects_experts(self.placement, self.config.expert_loading, cfg.num_experts, cfg.num_experts_per_tok,
+                               self.plan.batch * (self.plan.k + 1))
 
     # ---- what it decided --------------------------------------------------------------------------------------------
     @property

@@ -11,7 +11,7 @@ import sys
 from types import MappingProxyType
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specoffload.planner import (
@@ -538,3 +538,51 @@ def test_resident_layers_use_the_resident_gemm_rate() -> None:
     assert HardwareProfile.from_json(packed.to_json()) == packed
     with pytest.raises(ProfileError, match="resident_ffn_flops_per_s"):
         make_profile(resident_ffn_flops_per_s=((1, -1.0),))
+
+
+# --- routed-expert loading -------------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(experts=st.integers(2, 16), data=st.data())
+def test_expected_distinct_experts_matches_monte_carlo(experts: int, data: st.DataObject) -> None:
+    from specoffload.planner.experts import expected_distinct_experts
+
+    top_k = data.draw(st.integers(1, experts))
+    tokens = data.draw(st.integers(1, 40))
+    rng = random.Random(experts * 1000 + top_k * 100 + tokens)
+    trials = 400
+    mean = sum(len({e for _ in range(tokens) for e in rng.sample(range(experts), top_k)})
+               for _ in range(trials)) / trials
+    assert expected_distinct_experts(experts, top_k, tokens) == pytest.approx(mean, abs=0.35)
+    assert expected_distinct_experts(experts, top_k, 1) == pytest.approx(top_k)
+
+
+def test_selected_expert_loading_cuts_the_predicted_bytes_of_a_small_pass() -> None:
+    """8 experts, top-1, 2 tokens a pass: selected loading reads E[distinct] / 8 = (8 - 8 * (7/8)^2) / 8 of the
+    experts' bytes; "all" reads every one; with the routers streamed it cannot select."""
+    from specoffload.planner.experts import selects_experts
+
+    shape = ModelShape("moe", ((PartKey("embedding"), 10), (PartKey("attention", 0), 10), (PartKey("router", 0), 1),
+                               *((PartKey("expert", 0, e), 100) for e in range(8)), (PartKey("head"), 10)), 1, 4)
+    policy = PlacementPolicy(batch_size=2, num_batches=1, context=8, num_buffers=1, unified_memory=False)
+    resident = {PartKey("attention", 0), PartKey("router", 0), PartKey("head")}
+    placement = manual_placement_for(shape, policy, resident)
+    costs = ModelCosts.from_shapes(shape, None, dtype_bytes=2, top_k=1)
+    profile = make_profile(stream_bytes_per_s=100.0)
+    selected = estimate_step(profile, costs, placement, 2, 0, 0.5, 4, expert_loading="selected")
+    everything = estimate_step(profile, costs, placement, 2, 0, 0.5, 4, expert_loading="all")
+    assert everything.t_io == pytest.approx(800 / 100)
+    assert selected.t_io == pytest.approx(800 * (1 - (7 / 8) ** 2) / 100)
+    assert selects_experts(placement, "auto", 8, 1, 2)  # 1.9 of 8 expected: fewer than 3/4
+    assert not selects_experts(placement, "auto", 8, 1, 64)
+    streamed_router = manual_placement_for(shape, policy, {PartKey("attention", 0)})
+    assert not selects_experts(streamed_router, "selected", 8, 1, 2)
+
+
+def manual_placement_for(shape: ModelShape, policy: PlacementPolicy, resident: set[PartKey]) -> Placement:
+    """Every part of `shape` on the device if in `resident`, else on disk (the embedding rows are read there)."""
+    tiers = {key: ("device" if key in resident else "disk") for key, _ in shape.parts}
+    streamed = tuple(sorted({shape.num_layers if k.kind == "head" else k.layer for k, t in tiers.items()
+                             if t == "disk" and k.kind != "embedding"}))
+    return Placement(MappingProxyType(tiers), streamed, 1000, policy.num_buffers, policy, (), 0, 0)

@@ -21,8 +21,9 @@ class KReplanner:
     """Holds the current k; `record` each verified batch's acceptance; see the module docstring."""
 
     def __init__(self, plan: Plan, interval: int, profile: HardwareProfile | None = None,
-                 costs: ModelCosts | None = None, placement: Placement | None = None) -> None:
-        self.plan, self.interval = plan, interval
+                 costs: ModelCosts | None = None, placement: Placement | None = None,
+                 expert_loading: str = "auto") -> None:
+        self.plan, self.interval, self.expert_loading = plan, interval, expert_loading
         self.profile, self.costs, self.placement = profile, costs, placement
         self.k = plan.k
         self.tracker = AcceptanceTracker(half_life=64)
@@ -44,7 +45,7 @@ class KReplanner:
         if estimate is None:
             return
         new_k = replan_k(self.profile, self.costs, self.placement, self.plan.batch, estimate.alpha,
-                         self.plan.max_seq_len, ks=range(1, self.plan.k_max + 1))
+                         self.plan.max_seq_len, ks=range(1, self.plan.k_max + 1), expert_loading=self.expert_loading)
         if new_k != self.k:
             self.replans.append({"round": self.rounds, "alpha": estimate.alpha, "k_from": self.k, "k_to": new_k})
             logger.info("re-plan after %d rounds: alpha %.3f -> k %d (was %d)", self.rounds, estimate.alpha, new_k,
