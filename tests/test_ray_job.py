@@ -1,106 +1,57 @@
-"""Integration: `ray start --head` (token authentication, dashboard on), `ray job submit -- specoffload generate
---backend ray` on a tiny corpus, the job SUCCEEDED and its rows equal the local backend's; an interrupted output is
-completed by a resubmission with --resume; a user mistake fails the job with one line. The cluster this
-test started is stopped (only its own processes: never `ray stop`, which ends every Ray on the machine).
+"""Integration: a real multi-node Ray cluster on this machine (scripts/local_cluster.py: a head and two worker nodes
+started with `ray start`, each its own raylet, token authentication on, dashboard on), `ray job submit -- specoffload
+generate --backend ray` on tiny corpora.
 
-The cluster uses free ports for everything and its own temp dir, so it does not collide with a local cluster
-this session (or anyone else on the machine) runs. Needs `ray[default]` (the Jobs API lives in the dashboard).
+1. One replica: the job SUCCEEDED and its rows equal the local backend's; an interrupted output is completed by a
+   resubmission with --resume; a user mistake fails the job with one line.
+2. Two replicas on the two worker nodes, an OpenAI batch file with bad rows, and one worker node's raylet SIGKILLed
+   mid-job: every custom_id appears exactly once, in input order, with the local backend's output; the lost node's
+   lease was redone on the other replica.
+
+The cluster uses free ports for everything and its own temp dir, so it does not collide with a local cluster this
+session (or anyone else on the machine) runs, and it is stopped by ending only its own processes (never `ray stop`).
+Needs `ray[default]` (the Jobs API lives in the dashboard).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from scripts.local_cluster import BIN, LocalCluster
+from specoffload.runtime.cli import main
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.sampling import SamplingParams
+from specoffload.runtime.transport.arena import SHM_DIR, ArenaName
 
-BIN = Path(sys.executable).parent
 PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(5)]
 NEW_TOKENS = 8
-PORTS = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "ray-client-server-port",
-         "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port")
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _session_processes(sid: int) -> list[int]:
-    """Live (non-zombie) processes of session `sid`: everything `ray start` spawned, workers included."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):  # fields: state, ppid, pgrp, session
-            pids.append(int(stat.parent.name))
-    return pids
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[LocalCluster]:
+    """A head (the job drivers run there) and two worker nodes that offer one replica each; node deaths are noticed
+    within ~3 s (health checks every second)."""
+    with LocalCluster(head_cpus=1, health_check_s=1.0) as cluster:
+        for _ in range(2):
+            cluster.add_worker(cpus=1, resources={"specoffload_replica": 1})
+        yield cluster
 
 
 @pytest.fixture(scope="module")
-def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
-    """A Ray head started here with token auth on; yields (dashboard address, environment for the CLI)."""
-    tmp = Path(tempfile.mkdtemp(prefix="so-ray-", dir="/tmp"))  # short: Ray's socket paths live under it
-    token = tmp / "token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PATH": f"{BIN}:{env.get('PATH', '')}"}
-    ports = {name: _free_port() for name in PORTS}
-    args = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--object-store-memory=100000000",
-            f"--temp-dir={tmp / 'ray'}", "--disable-usage-stats", "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1", *[f"--{name}={port}" for name, port in ports.items()]]
-    with open(tmp / "head.log", "w") as log:
-        head = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{ports['dashboard-port']}"
-    try:
-        deadline = time.monotonic() + 90
-        while not _dashboard_up(address):
-            assert head.poll() is None, f"ray start exited: {(tmp / 'head.log').read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "the dashboard did not come up in 90 s"
-            time.sleep(0.5)
-        yield address, env
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            head.kill()
-        for pid in _session_processes(head.pid):  # anything left of this cluster only
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _dashboard_up(address: str) -> bool:
-    try:
-        urllib.request.urlopen(f"{address}/api/version", timeout=2)
-    except urllib.error.HTTPError:  # 401: up, and asking for the token
-        return True
-    except OSError:
-        return False
-    return True
+def ray_head(ray_cluster: LocalCluster) -> tuple[str, dict[str, str]]:
+    """(dashboard address, environment for the CLI: token, no RAY_ADDRESS)."""
+    return ray_cluster.dashboard, {k: v for k, v in ray_cluster.env.items() if k != "RAY_ADDRESS"}
 
 
 def _ray(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -115,17 +66,24 @@ def test_cluster_refuses_the_cli_without_its_token(ray_head):
     assert _ray(env, "job", "list", f"--address={address}", timeout=60).returncode == 0
 
 
-def _submit(env: dict[str, str], address: str, *cli: str) -> dict:
-    """`ray job submit -- specoffload ...`, waited for; returns the job's record from the Jobs REST API."""
+def _submit(env: dict[str, str], address: str, *cli: str, wait: bool = True) -> dict:
+    """`ray job submit -- specoffload ...` (waited for unless `wait` is False); returns the job's record from the
+    Jobs REST API (with the cluster's token) and the CLI's output."""
     job_id = f"specoffload-test-{secrets.token_hex(4)}"
-    submit = _ray(env, "job", "submit", f"--address={address}", f"--submission-id={job_id}", "--",
-                  str(BIN / "specoffload"), *cli)
-    token = Path(env["RAY_AUTH_TOKEN_PATH"]).read_text()
-    request = urllib.request.Request(f"{address}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=30) as response:  # the Jobs REST API, with the cluster's token
-        job = json.load(response)
+    submit = _ray(env, "job", "submit", f"--address={address}", f"--submission-id={job_id}",
+                  *([] if wait else ["--no-wait"]), "--", str(BIN / "specoffload"), *cli)
+    job = _job(env, address, job_id)
     job["cli_output"] = submit.stdout[-3000:] + submit.stderr[-3000:]
     return job
+
+
+def _job(env: dict[str, str], address: str, job_id: str) -> dict:
+    import urllib.request
+
+    token = Path(env["RAY_AUTH_TOKEN_PATH"]).read_text()
+    request = urllib.request.Request(f"{address}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response) | {"submission_id": job_id}
 
 
 def test_job_submit_runs_the_cli_on_the_ray_backend_and_resumes(ray_head, tiny_models, tmp_path):
@@ -169,3 +127,72 @@ def test_job_submit_runs_the_cli_on_the_ray_backend_and_resumes(ray_head, tiny_m
     job = _submit(env, address, *cli)  # the output exists and neither --resume nor --overwrite is given
     assert job["status"] == "FAILED"
     assert "already exists" in job["cli_output"] and "Traceback" not in job["cli_output"]
+
+
+def _batch(rows: int) -> tuple[list[str], set[int]]:
+    """An OpenAI batch: completions on token ids, every fourth sampled with its own seed, and three bad rows."""
+    lines = []
+    for i in range(rows):
+        body: dict = {"prompt": [1, 5 + i % 7, 9, 33 + i, 70 + i % 5][: 2 + i % 4], "max_tokens": 10 + i % 3}
+        if i % 4 == 1:
+            body |= {"temperature": 0.9, "seed": 100 + i}
+        lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body}))
+    bad = {3: "{broken", 11: json.dumps({"custom_id": "req-11", "url": "/v1/embeddings", "body": {"input": "x"}}),
+           17: json.dumps({"custom_id": "req-17", "url": "/v1/completions", "body": {"prompt": list(range(1, 60))}})}
+    for i, line in bad.items():
+        lines[i] = line
+    return lines, set(bad)
+
+
+def _comparable(row: dict) -> dict:
+    """An output line without what differs between runs (the creation time)."""
+    if row.get("response"):
+        row = json.loads(json.dumps(row))
+        del row["response"]["body"]["created"]
+    return row
+
+
+def _arenas_of(pids: set[int]) -> list[str]:
+    return [p.name for p in SHM_DIR.iterdir() if (n := ArenaName.parse(p.name)) is not None and n.pid in pids]
+
+
+def test_two_replicas_on_two_nodes_survive_a_lost_node(ray_cluster, tiny_models, tmp_path):
+    """Runs last: it kills a worker node."""
+    address, env = ray_cluster.dashboard, {k: v for k, v in ray_cluster.env.items() if k != "RAY_ADDRESS"}
+    lines, bad = _batch(24)
+    batch, out, ref = tmp_path / "batch.jsonl", tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
+    batch.write_text("\n".join(lines) + "\n")
+    cli = ["generate", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["qwen2_draft"]),
+           "--prompts", str(batch), "--max-new-tokens", "10", "--ignore-eos", "--batch-size", "3", "--max-seq-len",
+           "48", "-k", "3", "--threads", "1", "--device-memory", "1GiB", "--chunk-size", "2", "--no-progress"]
+    old = torch.get_num_threads()
+    try:
+        assert main([*cli, "-o", str(ref)]) == 2  # the local backend: the reference rows (and three failed)
+    finally:
+        torch.set_num_threads(old)
+    job = _submit(env, address, *cli, "-o", str(out), "--backend", "ray", "--replicas", "2", wait=False)
+    victim = ray_cluster.nodes[2]
+    deadline = time.monotonic() + 180
+    while not out.exists() or out.read_text().count("\n") < 2:  # the first chunk is written: both replicas busy
+        assert _job(env, address, job["submission_id"])["status"] in ("PENDING", "RUNNING"), "job ended early"
+        assert time.monotonic() < deadline, "no chunk was written in 180 s"
+        time.sleep(0.2)
+    victim_pids = set(victim.processes())
+    ray_cluster.kill_raylet(victim)
+    while (record := _job(env, address, job["submission_id"]))["status"] in ("PENDING", "RUNNING"):
+        assert time.monotonic() < deadline + 120, "the job did not finish after the node was lost"
+        time.sleep(1)
+    logs = _ray(env, "job", "logs", f"--address={address}", job["submission_id"]).stdout
+    assert record["status"] == "FAILED", logs  # exit status 2: three rows failed; everything else is written
+    assert "3 of 24 rows failed" in logs and "Traceback" not in logs, logs
+    assert "lost its lease on chunk" in logs and "goes back to the queue" in logs, logs
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = [row["custom_id"] for row in rows]
+    assert ids == [None if i == 3 else f"req-{i}" for i in range(24)]  # every row once, in input order
+    assert {i for i, row in enumerate(rows) if row["error"] is not None} == bad
+    reference = [json.loads(line) for line in ref.read_text().splitlines()]
+    assert [_comparable(r) for r in rows] == [_comparable(r) for r in reference]  # the local backend's output
+    deadline = time.monotonic() + 30
+    while _arenas_of(victim_pids) and time.monotonic() < deadline:  # the dead replica's shared memory is swept
+        time.sleep(0.5)
+    assert _arenas_of(victim_pids) == []

@@ -183,7 +183,9 @@ def _say_resumed(spec: JobSpec, resumed: Resumed, total: int) -> None:
 
 def _summary(progress: Progress, wall: float, drafting: bool) -> None:
     t = progress.tally
-    line = f"{t.rows} prompts, {t.tokens} new tokens in {wall:.1f} s: {t.tokens / max(wall, 1e-9):.1f} tokens/s"
+    failed = f" ({t.failed} failed)" if t.failed else ""
+    line = (f"{t.rows - t.failed} prompts{failed}, {t.tokens} new tokens in {wall:.1f} s: "
+            f"{t.tokens / max(wall, 1e-9):.1f} tokens/s")
     if drafting:
         line += f", acceptance {t.acceptance:.2f} ({t.accepted}/{t.drafted} draft tokens)"
     print(line, file=sys.stderr)
