@@ -5,6 +5,7 @@
     k_max        the most draft tokens a round may take: online re-planning moves k within 1..k_max; 0 means no
                  drafter is loaded and one batch is verified every pass (layer streaming only, FlexGen style)
     max_seq_len  prompt + output tokens per row the KV caches are sized for
+    draft_experts  with a resident-expert drafter (draft="self"): the routed experts per layer it keeps
 
 Speculation off is k = 0 (and k_max = 0) everywhere; nothing else encodes it. The planner's `Policy` (when the
 planner chose) rides along for reports. `fixed_plan` and `planned` are the only constructors the runtime uses:
@@ -31,6 +32,7 @@ class Plan:
     max_seq_len: int
     policy: Policy | None = None
     alternatives: tuple[Policy, ...] = ()
+    draft_experts: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (("batch", 1), ("k", 0), ("k_max", 0), ("max_seq_len", 2)):
@@ -60,14 +62,14 @@ class Plan:
         return f"batch={self.batch}, {spec}, max_seq_len={self.max_seq_len} ({how})"
 
 
-def fixed_plan(batch: int, k: int, max_seq_len: int) -> Plan:
+def fixed_plan(batch: int, k: int, max_seq_len: int, draft_experts: int = 0) -> Plan:
     """The user chose batch and k (k = 0: no speculation)."""
-    return Plan(batch=batch, k=k, k_max=k, max_seq_len=max_seq_len)
+    return Plan(batch=batch, k=k, k_max=k, max_seq_len=max_seq_len, draft_experts=draft_experts if k else 0)
 
 
-def planned(result: SearchResult, max_seq_len: int, replan_k: bool) -> Plan:
+def planned(result: SearchResult, max_seq_len: int, replan_k: bool, draft_experts: int = 0) -> Plan:
     """The planner's best policy. replan_k: k was "auto", so online re-planning may move it up to MAX_AUTO_K."""
     best = result.best
     k_max = max(best.k, MAX_AUTO_K) if best.k and replan_k else best.k
     return Plan(batch=best.decode_batch, k=best.k, k_max=k_max, max_seq_len=max_seq_len, policy=best,
-                alternatives=result.alternatives)
+                alternatives=result.alternatives, draft_experts=draft_experts if best.k else 0)

@@ -106,7 +106,7 @@ class Engine:
             return
         self.placement = place_plan(config, plan, self.models)  # PlacementError (with the minimum) if too small
         self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
-                                                     self._select_experts())
+                                                     self._select_experts(), plan.draft_experts)
         self.replanner = KReplanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
                                     self.placement, config.expert_loading)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)

@@ -45,6 +45,7 @@ class ModelPair:
     dtype_bytes: int
     top_k: int = 0  # experts per token of an MoE target (0: dense)
     draft_top_k: int = 0  # the same for an MoE draft
+    self_draft_experts: int = 0  # > 0: the draft is the target's resident-expert drafter keeping that many
 
     @classmethod
     def of(cls, target: Transformer, draft: Transformer | None, self_draft_experts: int = 0) -> ModelPair:
@@ -62,7 +63,8 @@ class ModelPair:
         else:
             draft_shape, draft_top_k = None, 0
         return cls(target=shape, draft=draft_shape, context=cfg.max_position_embeddings,
-                   dtype_bytes=target.dtype.itemsize, top_k=top_k, draft_top_k=draft_top_k)
+                   dtype_bytes=target.dtype.itemsize, top_k=top_k, draft_top_k=draft_top_k,
+                   self_draft_experts=self_draft_experts)
 
     def costs(self, drafting: bool) -> ModelCosts:
         """FLOPs and bytes per layer for the cost model (the draft only when it is loaded)."""
@@ -113,7 +115,7 @@ def make_plan(
     has_draft = models.draft is not None
     if not config.planned:
         k = int(config.num_draft_tokens) if has_draft else 0
-        return fixed_plan(int(config.max_batch_size), k, max_seq_len)
+        return fixed_plan(int(config.max_batch_size), k, max_seq_len, models.self_draft_experts)
     if profile is None:
         profile = load_or_measure(config, log=log or logger.info)
     if workload is None:
@@ -135,9 +137,30 @@ def make_plan(
         top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
         expert_loading=config.expert_loading,
     )
-    plan = planned(result, max_seq_len, replan_k=auto_k)
+    plan = planned(result, max_seq_len, replan_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
     return plan
+
+
+@dataclass(frozen=True)
+class DrafterOption:
+    """One way to draft for a job: its config (draft None / a directory / "self" with resident_experts), the models'
+    shapes under it, and the acceptance rate measured for it (self-drafting's depends on the resident experts)."""
+
+    name: str
+    config: EngineConfig
+    models: ModelPair
+    alpha: float
+
+
+def compare_drafters(options: list[DrafterOption], max_seq_len: int, workload: Workload,
+                     profiles: dict[str, HardwareProfile]) -> list[tuple[DrafterOption, Plan]]:
+    """The planner's best plan for each drafter option (no draft, an external model, self-drafting with n
+    experts, ...), best predicted throughput first: the choice among drafters, and with it k, the batch and the
+    resident experts. profiles: option name -> its measured profile (the draft step differs per drafter)."""
+    plans = [(option, make_plan(option.config, option.models, max_seq_len, workload=workload, alpha=option.alpha,
+                                profile=profiles[option.name])) for option in options]
+    return sorted(plans, key=lambda pair: -pair[1].policy.predicted_tokens_per_s)
 
 
 def placement_policy(config: EngineConfig, plan: Plan) -> PlacementPolicy:

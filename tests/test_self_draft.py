@@ -148,3 +148,42 @@ def test_migration_is_traced_on_its_own_track_and_the_breakdown_adds_up(tiny_mod
     for usage in table.resources:
         assert usage.busy + usage.idle == pytest.approx(table.wall, abs=1e-9)
     assert sum(t for _, t in table.overlap) == pytest.approx(table.wall, abs=1e-9)
+
+
+def test_the_planner_chooses_among_drafters_from_their_measured_acceptance(tiny_models):
+    """A synthetic MoE far larger than its budget, on an io-bound profile (slow stream, fast compute): a
+    resident-expert drafter whose drafts are all accepted beats no draft (9 tokens per row per pass for a little
+    more io); the same drafter at acceptance 0.05 loses. The winning plan carries its resident experts."""
+    from specoffload.planner import HardwareProfile, Workload
+    from specoffload.planner.shapes import ModelShape, PartKey
+    from specoffload.runtime.planning import DrafterOption, ModelPair, compare_drafters
+
+    parts = [(PartKey("embedding"), 10_000)]
+    for j in range(4):
+        parts += [(PartKey("attention", j), 10_000), (PartKey("router", j), 100)]
+        parts += [(PartKey("expert", j, e), 1_000_000) for e in range(8)]
+    target = ModelShape("big-moe", (*parts, (PartKey("head"), 10_000)), 4, 64)
+    io_bound = HardwareProfile(
+        provenance={"synthetic": True}, device="cpu", shared_compute=True, weights_tier="disk",
+        stream_bytes_per_s=1e7, ffn_flops_per_s=((1, 1e12), (256, 1e13)), attention_fit=(1e-7, 0.0, 0.0),
+        draft_step_s=((1, 1e-6), (64, 1e-5)),
+    )
+    path = tiny_models["mixtral"]  # only its config is read: the shapes above stand for the model
+    budget = 24_000_000  # the ring alone (two whole-layer slots) is 16 MB
+    none = ModelPair(target, None, context=64, dtype_bytes=2, top_k=2)
+    selfish = ModelPair(target, self_draft_shape(target, 1), context=64, dtype_bytes=2, top_k=2, draft_top_k=1,
+                        self_draft_experts=1)
+    base = EngineConfig(path, device_memory=budget, max_seq_len=48)
+    workload = Workload(num_prompts=64, prompt_len=8, new_tokens=32)
+
+    def options(alpha: float) -> list[DrafterOption]:
+        self_config = EngineConfig(path, draft="self", resident_experts=1, device_memory=budget, max_seq_len=48)
+        return [DrafterOption("none", base, none, 0.0), DrafterOption("self:1", self_config, selfish, alpha)]
+
+    profiles = {"none": io_bound, "self:1": io_bound}
+    ranked = compare_drafters(options(1.0), 48, workload, profiles)
+    assert [p.policy.predicted_tokens_per_s for _, p in ranked] == sorted(
+        (p.policy.predicted_tokens_per_s for _, p in ranked), reverse=True)
+    assert ranked[0][0].name == "self:1" and ranked[0][1].k >= 1 and ranked[0][1].draft_experts == 1
+    ranked = compare_drafters(options(0.05), 48, workload, profiles)
+    assert ranked[0][1].k == 0 and ranked[0][1].draft_experts == 0

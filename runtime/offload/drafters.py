@@ -171,7 +171,8 @@ class ResidentExpertDrafter(BatchKV, BatchRNG):
                  *, decay: float = 0.5, min_gain: float = 0.02) -> None:
         self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
         cfg = self.model.config
-        self.n = resident_expert_count(config, cfg)
+        self.n = weights.draft_experts if weights is not None and weights.draft_experts else resident_expert_count(
+            config, cfg)
         self.decay, self.min_gain = decay, min_gain
         self.moe_layers = [j for j in range(cfg.num_layers) if cfg.is_moe_layer(j)]
         self.resident: dict[int, list[int]] = {j: list(range(self.n)) for j in self.moe_layers}

@@ -68,12 +68,16 @@ class Pipeline:
         self.compute_threads = compute_threads or torch.get_num_threads()
         self.adapt_interval = adapt_interval if plan.drafting else 0
         self.verified = 0  # verify ops run in the current run (progress reports)
+        #: per verify op of the current run: (perf_counter at its end, batch, tokens it committed, rows); the
+        #: steady-state decode rate of a window of passes is read off it (scripts/bench_moe.py)
+        self.verify_log: list[tuple[float, int, int, int]] = []
         self.running = False
 
     def run(self, requests: list[Request], params: SamplingParams, progress: bool = False) -> OffloadStats:
         start = time.perf_counter()
         self.tracer.clear()
         self.verified = 0
+        self.verify_log = []
         self.running = True
         bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
         self.params = params
@@ -217,10 +221,13 @@ class Pipeline:
         k = b.pass_k
         drafts = b.drafts if b.drafts is not None else torch.zeros((len(b.rows), 0), dtype=torch.long)  # [rows, k]
         accepted, emitted = self.workers.verifier.verify(b.index, b.logits, drafts, b.p, self.params)
+        before = sum(len(r.output) for r in b.rows)
         for n, r in enumerate(b.rows):
             r.num_drafted += k
             r.num_accepted += accepted[n]
             r.commit(emitted[n][: accepted[n] + 1])
+        self.verify_log.append((time.perf_counter(), b.index, sum(len(r.output) for r in b.rows) - before,
+                                len(b.rows)))
         if k >= 1:
             self.replanner.record(accepted, k)
         # The target cache keeps pending + the accepted drafts; the draft cache saw committed + d_1..d_{k-1}.

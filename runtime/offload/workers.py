@@ -53,9 +53,11 @@ class WeightPlan:
     embedding_tier: str
     selected_experts: bool
     attention_streamed: tuple[int, ...] = field(default=())
+    draft_experts: int = 0  # a resident-expert drafter's experts per layer (the plan's; 0: another drafter)
 
     @classmethod
-    def from_placement(cls, placement: Placement, num_layers: int, num_experts: int, selected: bool) -> WeightPlan:
+    def from_placement(cls, placement: Placement, num_layers: int, num_experts: int, selected: bool,
+                       draft_experts: int = 0) -> WeightPlan:
         embedding = PartKey("embedding")
         resident = [key for key, tier in placement.tiers.items() if tier == "device"]
         if placement.tier(embedding) == "host":
@@ -76,6 +78,7 @@ class WeightPlan:
             embedding_tier=placement.tier(embedding),
             selected_experts=selected,
             attention_streamed=tuple(sorted(j for j, ks in groups.items() if any(k.kind == "attention" for k in ks))),
+            draft_experts=draft_experts,
         )
 
     def streamed_layers(self) -> list[int]:
