@@ -57,17 +57,19 @@ class ModelShape:
         return self.kv_bytes_per_token * context * rows
 
 
-def self_draft_shape(target: ModelShape, experts_per_layer: int, name: str = "self-draft") -> ModelShape:
+def self_draft_shape(target: ModelShape, experts_per_layer: int, name: str = "self-draft",
+                     shares_kv: bool = False) -> ModelShape:
     """The target's own resident-expert drafter as a model of its own (runtime/offload/drafters.py): every part
     but the routed experts (embedding, attention, routers with any shared expert, head), plus the first
     `experts_per_layer` experts of each MoE layer (which ones are resident changes, their bytes do not: experts of
-    one layer are the same size). Its KV cache is a second one of the target's shape."""
+    one layer are the same size). Its KV cache: none when it drafts into the target's own cache (shares_kv, the
+    local backend), else a second one of the target's shape."""
     if experts_per_layer < 1:
         raise ValueError(f"{target.name}: a resident-expert drafter keeps at least 1 expert per layer")
     if not any(key.kind == "expert" for key, _ in target.parts):
         raise ValueError(f"{target.name} has no routed experts: it cannot draft with a subset of them")
     parts = tuple((key, n) for key, n in target.parts if key.kind != "expert" or key.expert < experts_per_layer)
-    return ModelShape(name, parts, target.num_layers, target.kv_bytes_per_token)
+    return ModelShape(name, parts, target.num_layers, 0 if shares_kv else target.kv_bytes_per_token)
 
 
 def experts_per_layer(shape: ModelShape) -> int:

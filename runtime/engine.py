@@ -82,7 +82,9 @@ class Engine:
         cfg = self.target.config
         draft_model = None
         if config.self_draft:  # the target drafts for itself: no second vocabulary to check
-            self.models = ModelPair.of(self.target, None, resident_expert_count(config, cfg))
+            # in this process it drafts into the target's own KV cache (no second cache); a backend's drafter
+            # lives in another process and keeps its own
+            self.models = ModelPair.of(self.target, None, resident_expert_count(config, cfg), shares_kv=workers is None)
         else:
             draft_model = Transformer(config.draft, dtype=dtype, device=config.device) if config.draft else None
             if draft_model is not None:

@@ -148,6 +148,16 @@ class KVCache:
             v[:, :, :, : self.capacity] = self.v
         self.k, self.v = k, v
 
+    def scratch_view(self) -> KVCache:
+        """A cache over the same storage with its own copy of `lengths` and no growth: writes past this cache's
+        valid positions land in the shared storage where the owner will write its own keys and values later
+        (a drafter drafting into the target's cache, see runtime/offload/drafters.py). Allocates nothing."""
+        view = KVCache.__new__(KVCache)
+        view.__dict__.update(self.__dict__)
+        view.growable = False
+        view._set_lengths(self._lengths)
+        return view
+
     def nbytes(self) -> int:
         """Bytes of allocated storage (keys and values)."""
         return 2 * self.k.numel() * self.k.element_size()

@@ -48,15 +48,17 @@ class ModelPair:
     self_draft_experts: int = 0  # > 0: the draft is the target's resident-expert drafter keeping that many
 
     @classmethod
-    def of(cls, target: Transformer, draft: Transformer | None, self_draft_experts: int = 0) -> ModelPair:
+    def of(cls, target: Transformer, draft: Transformer | None, self_draft_experts: int = 0,
+           shares_kv: bool = False) -> ModelPair:
         """From executors constructed on the checkpoints (their headers are read, no weight is loaded).
         self_draft_experts > 0: the draft is the target's own resident-expert drafter with that many experts per
-        layer (planner/shapes.py `self_draft_shape`)."""
+        layer (planner/shapes.py `self_draft_shape`), drafting into the target's KV cache when shares_kv."""
         cfg = target.config
         shape = target.loader.shape("target")
         top_k = cfg.num_experts_per_tok if cfg.num_experts else 0
         if self_draft_experts:
-            draft_shape, draft_top_k = self_draft_shape(shape, self_draft_experts), min(top_k, self_draft_experts)
+            draft_shape = self_draft_shape(shape, self_draft_experts, shares_kv=shares_kv)
+            draft_top_k = min(top_k, self_draft_experts)
         elif draft is not None:
             draft_shape = draft.loader.shape("draft")
             draft_top_k = draft.config.num_experts_per_tok if draft.config.num_experts else 0

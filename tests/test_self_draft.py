@@ -110,14 +110,34 @@ def test_restricted_routing_only_uses_allowed_experts(tiny_models):
 
 
 def test_placement_counts_the_drafter_and_its_cache(tiny_models):
+    """In this process the drafter drafts into the target's KV cache: placement counts its weights and no second
+    cache. Its scratch positions live in the target cache's k + 1 speculative slack."""
     engine = Engine(_config(tiny_models, "mixtral", resident_experts=2))
-    shape = self_draft_shape(engine.models.target, 2)
-    assert engine.models.draft == shape
+    shape = self_draft_shape(engine.models.target, 2, shares_kv=True)
+    assert engine.models.draft == shape and shape.kv_bytes_per_token == 0
     experts = [key for key, _ in shape.parts if key.kind == "expert"]
     assert sorted({key.expert for key in experts}) == [0, 1] and len(experts) == 2 * 2
     items = {item.name: item.nbytes for item in engine.placement.items}
-    assert items["draft weights"] == shape.total_bytes
-    assert items["draft KV cache"] == items["target KV cache"]  # a second cache of the target's shape
+    assert items["draft weights"] == shape.total_bytes and items["draft KV cache"] == 0
+    assert engine.workers.drafter.target_kv is engine.workers.attention.caches
+    own = self_draft_shape(engine.models.target, 2)  # a drafter in its own process (a backend role) keeps a cache
+    assert own.kv_bytes_per_token == engine.models.target.kv_bytes_per_token
+
+
+def test_drafting_into_the_target_cache_leaves_its_committed_state_alone(tiny_models, single_thread):
+    """The scratch view writes past the committed positions of the shared storage and never moves the target
+    cache's own lengths; the target's next pass overwrites the scratch."""
+    from specoffload.runtime.kv_cache import KVCache
+
+    target = KVCache(2, 2, 2, 4, capacity=16)
+    target.advance(torch.tensor([5, 3]))
+    view = target.scratch_view()
+    view.write(0, torch.ones(2, 2, 3, 4), torch.ones(2, 2, 3, 4))
+    view.advance(3)
+    assert target.lengths.tolist() == [5, 3] and view.lengths.tolist() == [8, 6]
+    assert view.k.data_ptr() == target.k.data_ptr() and float(target.k[0, 0, 0, 5:8].sum()) == 12.0
+    with pytest.raises(Exception, match="holds 16"):
+        view.ensure_capacity(17)  # a view never reallocates the shared storage
 
 
 @pytest.mark.parametrize(

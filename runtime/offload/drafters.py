@@ -157,9 +157,14 @@ class ResidentExpertDrafter(BatchKV, BatchRNG):
     best-scoring resident one (affinity-based substitution). Verification by the full target keeps the output
     lossless whatever the drafter proposes.
 
-    KV cache: its own, one per batch, like an external draft model's. Its hidden states differ from the target's
-    (other experts ran), so it cannot share the target's cache without drafting from states it never computed;
-    the price is a second KV cache of the target's shape, which placement counts (planner/shapes.py
+    KV cache: with `target_kv` (the local backend: the target's per-batch caches in this process), it drafts into
+    the target's own cache, so its committed context is the target's exact keys and values and it costs no second
+    cache. At each round's start (`lengths`) it takes a scratch view of the batch's target cache (same storage,
+    own lengths): its drafted positions are written past the committed ones, where the target's verify pass of
+    that batch writes its own keys and values next (the schedule never runs both on one batch at once; the cache
+    capacity has room for k + 1 positions). The coordinator's cache calls (reset, drop, truncate, select_rows)
+    are then the target's business: here they only drop the view. Without `target_kv` (a drafter role in its
+    own process) it keeps its own cache per batch, which placement then counts (planner/shapes.py
     `self_draft_shape`).
 
     Resident set: experts 0..n-1 per layer until the first `adapt`; then, from the target's routing counts
@@ -167,8 +172,11 @@ class ResidentExpertDrafter(BatchKV, BatchRNG):
     rate by at least `min_gain` (moving an expert costs its bytes; a small gain is not worth them).
     """
 
+    shares_target_kv = True
+
     def __init__(self, config: EngineConfig, weights: WeightPlan | None = None, slots: Sequence[Tensor] | None = None,
-                 *, decay: float = 0.5, min_gain: float = 0.02) -> None:
+                 *, target_kv: dict[int, KVCache] | None = None, decay: float = 0.5, min_gain: float = 0.02) -> None:
+        self.target_kv = target_kv
         self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
         cfg = self.model.config
         self.n = weights.draft_experts if weights is not None and weights.draft_experts else resident_expert_count(
@@ -186,6 +194,22 @@ class ResidentExpertDrafter(BatchKV, BatchRNG):
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         return self.model.new_cache(rows, capacity)
+
+    @wire
+    def reset(self, batch: int, rows: int, capacity: int) -> None:
+        """A new wave of batch `batch`: an empty cache of its own, or (drafting into the target's) nothing yet."""
+        if self.target_kv is None:
+            self.caches[batch] = self.new_cache(rows, capacity)
+        else:
+            self.caches.pop(batch, None)
+
+    @wire
+    def lengths(self, batch: int) -> list[int]:
+        """Committed tokens per row its cache holds; drafting into the target's cache, a fresh scratch view of it
+        (called at the start of every draft round)."""
+        if self.target_kv is not None:
+            self.caches[batch] = self.target_kv[batch].scratch_view()
+        return self.caches[batch].lengths.tolist()
 
     @wire
     def propose(self, batch: int, ids: Tensor, num_new: Tensor,
@@ -251,6 +275,13 @@ def drafter_class(config: EngineConfig) -> type:
     return ResidentExpertDrafter if config.self_draft else ModelDrafter
 
 
-def make_drafter(config: EngineConfig, plan: Plan, weights: WeightPlan) -> Drafter:
-    """The drafter the config asks for, or NoDrafter when the plan does not speculate."""
-    return drafter_class(config)(config, weights) if plan.drafting else NoDrafter()
+def make_drafter(config: EngineConfig, plan: Plan, weights: WeightPlan,
+                 target_kv: dict[int, KVCache] | None = None) -> Drafter:
+    """The drafter the config asks for, or NoDrafter when the plan does not speculate. target_kv: the target's
+    per-batch KV caches in this process, for a drafter that drafts into them (`shares_target_kv`)."""
+    if not plan.drafting:
+        return NoDrafter()
+    cls = drafter_class(config)
+    if getattr(cls, "shares_target_kv", False) and target_kv is not None:
+        return cls(config, weights, target_kv=target_kv)
+    return cls(config, weights)

@@ -298,6 +298,7 @@ def local_workers(config: EngineConfig, weights: WeightPlan, plan: Plan, drafter
     instead of the config's (e.g. a benchmark's random drafter), when the plan speculates."""
     prefetch = PrefetchWorker(config, weights)
     slots = prefetch.slots
+    attention = AttentionWorker(config, weights, slots)
     draft = drafter(config, weights, slots) if drafter is not None and plan.drafting else None
-    return Workers(prefetch, AttentionWorker(config, weights, slots), VerifierWorker(config, weights, slots),
-                   draft or make_drafter(config, plan, weights))
+    return Workers(prefetch, attention, VerifierWorker(config, weights, slots),
+                   draft or make_drafter(config, plan, weights, target_kv=attention.caches))
