@@ -58,6 +58,7 @@ class PlacementPolicy:
     num_buffers: int = 2  # ring slots for streamed layer weights (>= 1)
     weights_tier: str = "disk"  # where streamed target weights live: "disk" (safetensors) or "ram" (host memory)
     unified_memory: bool = True  # True on CPU: device memory IS host memory, host items count against both
+    pinned: frozenset[PartKey] = frozenset()  # target parts resident in every plan (a drafter shares them)
 
     def __post_init__(self) -> None:
         for name, low in (("batch_size", 1), ("context", 1), ("num_buffers", 1)):
@@ -160,7 +161,7 @@ class Placement:
             by_tier = counts.setdefault(key.kind, {})
             by_tier[tier] = by_tier.get(tier, 0) + 1
         return {
-            "policy": asdict(self.policy),
+            "policy": {**asdict(self.policy), "pinned": sorted(f"{k.kind}:{k.layer}" for k in self.policy.pinned)},
             "device_memory": self.device_memory,
             "host_memory": self.host_memory,
             "device_bytes": self.device_bytes(),
@@ -173,7 +174,7 @@ class Placement:
         }
 
 
-def priority_order(target: ModelShape) -> tuple[tuple[PartKey, ...], ...]:
+def priority_order(target: ModelShape, pinned: frozenset[PartKey] = frozenset()) -> tuple[tuple[PartKey, ...], ...]:
     """The steps in which target parts become resident, highest priority first; each step is all-or-nothing.
 
     1. routers, layer 0 upward: tiny and needed by every token to pick the experts;
@@ -189,6 +190,8 @@ def priority_order(target: ModelShape) -> tuple[tuple[PartKey, ...], ...]:
     by_kind: dict[str, list[PartKey]] = {}
     ffn: dict[int, list[PartKey]] = {}
     for key, _ in target.parts:
+        if key in pinned:  # resident in every plan: not a step
+            continue
         if _CATEGORY[key.kind] == "ffn":
             ffn.setdefault(key.layer, []).append(key)
         else:
@@ -240,8 +243,9 @@ def place(
     fitting = [k for k, (device, host) in enumerate(chain) if device <= device_memory and host <= host_memory]
     if not fitting:
         raise PlacementError(_no_fit_message(target, draft, policy, chain, device_memory, host_memory))
-    steps = priority_order(target)
-    layout = _layout(target, draft, policy, {key for step in steps[: fitting[-1]] for key in step})
+    steps = priority_order(target, policy.pinned)
+    resident = set(policy.pinned) | {key for step in steps[: fitting[-1]] for key in step}
+    layout = _layout(target, draft, policy, resident)
     return Placement(
         tiers=MappingProxyType(dict(layout.tiers)),
         streamed_layers=layout.streamed_layers,
@@ -258,7 +262,8 @@ def place(
 
 
 def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy) -> list[tuple[int, int]]:
-    """(device, host) footprint of every prefix of `priority_order(target)`: index k = first k steps resident.
+    """(device, host) footprint of every prefix of `priority_order(target)`: index k = first k steps resident
+    (the policy's pinned parts are resident in all of them).
 
     Incremental, O(steps * layers); the items `_layout` builds for a resident set add up to the same numbers.
     """
@@ -277,8 +282,9 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
         ring = policy.num_buffers * max(slots.values(), default=0)
         return draft_bytes + resident + ring + (host if policy.unified_memory else 0), host
 
-    chain = [footprint()]
-    for step in priority_order(target):
+    steps = priority_order(target, policy.pinned)
+    chain = []
+    for step in [tuple(policy.pinned), *steps]:
         for key in step:
             resident += nbytes[key]
             group = _slot_group(key, target.num_layers)

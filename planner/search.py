@@ -23,7 +23,7 @@ from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimat
 from .errors import SpecOffloadError
 from .placement import Placement, PlacementError, PlacementPolicy, place
 from .profile import HardwareProfile
-from .shapes import ModelShape
+from .shapes import ModelShape, PartKey
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -100,12 +100,14 @@ def search(
     draft_top_k: int = 0,
     k_ceiling: int = 0,
     expert_loading: str = "auto",
+    draft_pins: frozenset[PartKey] = frozenset(),
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
     context: tokens per row (prompt + new tokens; the engine's max_seq_len), default ceil(prompt_len) +
     new_tokens; the KV capacity placed is context + k_max + 1, as the engine sizes it, where k_max = k, or
     max(k, k_ceiling) for k >= 1 when online re-planning may raise k up to k_ceiling (`Plan.kv_capacity`).
+    draft_pins: target parts resident whenever there is a draft (a resident-expert drafter shares them).
     weights_tier defaults to
     the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
     top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
@@ -128,6 +130,7 @@ def search(
                 num_buffers=num_buffers,
                 weights_tier=tier,
                 unified_memory=unified,
+                pinned=draft_pins if k >= 1 else frozenset(),
             )
             try:
                 placement = place(target, draft if k >= 1 else None, policy, device_memory, host_memory)

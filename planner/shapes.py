@@ -59,16 +59,18 @@ class ModelShape:
 
 def self_draft_shape(target: ModelShape, experts_per_layer: int, name: str = "self-draft",
                      shares_kv: bool = False) -> ModelShape:
-    """The target's own resident-expert drafter as a model of its own (runtime/offload/drafters.py): every part
-    but the routed experts (embedding, attention, routers with any shared expert, head), plus the first
+    """The target's own resident-expert drafter as a model of its own (runtime/offload/drafters.py): the first
     `experts_per_layer` experts of each MoE layer (which ones are resident changes, their bytes do not: experts of
-    one layer are the same size). Its KV cache: none when it drafts into the target's own cache (shares_kv, the
-    local backend), else a second one of the target's shape."""
+    one layer are the same size), plus, unless it shares the target's in one process (shares_kv: the local
+    backend, where it also drafts into the target's KV cache), every other part (embedding, attention, routers
+    with any shared expert, head) and a second KV cache of the target's shape. Sharing needs those parts resident
+    in the target (runtime/engine.py checks the placement)."""
     if experts_per_layer < 1:
         raise ValueError(f"{target.name}: a resident-expert drafter keeps at least 1 expert per layer")
     if not any(key.kind == "expert" for key, _ in target.parts):
         raise ValueError(f"{target.name} has no routed experts: it cannot draft with a subset of them")
-    parts = tuple((key, n) for key, n in target.parts if key.kind != "expert" or key.expert < experts_per_layer)
+    kept = lambda key: key.expert < experts_per_layer if key.kind == "expert" else not shares_kv  # noqa: E731
+    parts = tuple((key, n) for key, n in target.parts if kept(key))
     return ModelShape(name, parts, target.num_layers, 0 if shares_kv else target.kv_bytes_per_token)
 
 

@@ -21,7 +21,7 @@ from specoffload.planner import HardwareProfile, ModelCosts, Workload, search
 from specoffload.planner.placement import Placement, PlacementPolicy, minimum_device_memory, place
 from specoffload.planner.plan import MAX_AUTO_K, Plan, fixed_plan, planned
 from specoffload.planner.search import DEFAULT_BATCHES
-from specoffload.planner.shapes import ModelShape, self_draft_shape
+from specoffload.planner.shapes import ModelShape, PartKey, self_draft_shape
 
 from .config import ConfigError, EngineConfig
 from .models.config import ModelConfig
@@ -46,6 +46,7 @@ class ModelPair:
     top_k: int = 0  # experts per token of an MoE target (0: dense)
     draft_top_k: int = 0  # the same for an MoE draft
     self_draft_experts: int = 0  # > 0: the draft is the target's resident-expert drafter keeping that many
+    draft_pins: frozenset[PartKey] = frozenset()  # target parts the drafter shares (resident whenever it drafts)
 
     @classmethod
     def of(cls, target: Transformer, draft: Transformer | None, self_draft_experts: int = 0,
@@ -64,9 +65,11 @@ class ModelPair:
             draft_top_k = draft.config.num_experts_per_tok if draft.config.num_experts else 0
         else:
             draft_shape, draft_top_k = None, 0
+        pins = frozenset(key for key, _ in shape.parts if key.kind in ("attention", "router", "dense_mlp", "head"))
         return cls(target=shape, draft=draft_shape, context=cfg.max_position_embeddings,
                    dtype_bytes=target.dtype.itemsize, top_k=top_k, draft_top_k=draft_top_k,
-                   self_draft_experts=self_draft_experts)
+                   self_draft_experts=self_draft_experts,
+                   draft_pins=pins if self_draft_experts and shares_kv else frozenset())
 
     def costs(self, drafting: bool) -> ModelCosts:
         """FLOPs and bytes per layer for the cost model (the draft only when it is loaded)."""
@@ -137,7 +140,7 @@ def make_plan(
         batches=batches, ks=ks, num_buffers=config.num_buffers, weights_tier=config.weights_tier,
         unified_memory=config.unified_memory, context=max_seq_len, dtype_bytes=models.dtype_bytes,
         top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
-        expert_loading=config.expert_loading,
+        expert_loading=config.expert_loading, draft_pins=models.draft_pins,
     )
     plan = planned(result, max_seq_len, replan_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
@@ -165,7 +168,7 @@ def compare_drafters(options: list[DrafterOption], max_seq_len: int, workload: W
     return sorted(plans, key=lambda pair: -pair[1].policy.predicted_tokens_per_s)
 
 
-def placement_policy(config: EngineConfig, plan: Plan) -> PlacementPolicy:
+def placement_policy(config: EngineConfig, plan: Plan, models: ModelPair) -> PlacementPolicy:
     return PlacementPolicy(
         batch_size=plan.batch,
         num_batches=plan.num_batches,
@@ -173,6 +176,7 @@ def placement_policy(config: EngineConfig, plan: Plan) -> PlacementPolicy:
         num_buffers=config.num_buffers,
         weights_tier=config.weights_tier,
         unified_memory=config.unified_memory,
+        pinned=models.draft_pins if plan.drafting else frozenset(),
     )
 
 
@@ -181,10 +185,11 @@ def place_plan(config: EngineConfig, plan: Plan, models: ModelPair) -> Placement
     if config.device_memory is None:
         raise ConfigError("placement needs device_memory (the budget that makes the target stream)")
     draft = models.draft if plan.drafting else None
-    return place(models.target, draft, placement_policy(config, plan), int(config.device_memory), config.host_budget)
+    policy = placement_policy(config, plan, models)
+    return place(models.target, draft, policy, int(config.device_memory), config.host_budget)
 
 
 def plan_minimum_device_memory(config: EngineConfig, plan: Plan, models: ModelPair) -> int:
     """The smallest device_memory that places `plan` (every streamable target part streamed, usually)."""
     draft = models.draft if plan.drafting else None
-    return minimum_device_memory(models.target, draft, placement_policy(config, plan))
+    return minimum_device_memory(models.target, draft, placement_policy(config, plan, models))

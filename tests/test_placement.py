@@ -447,3 +447,21 @@ def test_spread_order_is_a_permutation_whose_prefixes_spread(n):
         resident = sorted(order[: n // 2])
         gaps = [b - a for a, b in zip(resident, resident[1:])]
         assert max(gaps) <= 4
+
+
+@FAST
+@given(target=shapes(), draft=drafts, policy=policies, extra=st.integers(0, 40_000))
+def test_pinned_parts_are_resident_in_every_plan_and_counted_once(
+    target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy, extra: int
+) -> None:
+    """A drafter that shares the target's attention and routers pins them: they are resident whatever the budget,
+    the footprint is still what the tiers give (each byte once), and the minimum never drops below them."""
+    from dataclasses import replace
+
+    pinned = frozenset(key for key, _ in target.parts if key.kind in ("attention", "router"))
+    pinned_policy = replace(policy, pinned=pinned)
+    minimum = minimum_device_memory(target, draft, pinned_policy)
+    assert minimum >= minimum_device_memory(target, draft, policy)
+    p = place(target, draft, pinned_policy, minimum + extra, host_ceiling(target, policy))
+    assert all(p.tier(key) == "device" for key in pinned)
+    assert (p.device_bytes(), p.host_bytes()) == footprint_oracle(target, draft, pinned_policy, dict(p.tiers))

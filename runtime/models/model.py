@@ -47,6 +47,8 @@ class Transformer:
         self.pack = can_pack(dtype, self.device)
         #: observer of MoE routing: called with (layer, topk_ids [N, k], token_mask [N] or None) after each route
         self.on_route: Callable[[int, Tensor, Tensor | None], None] | None = None
+        #: embeds input ids instead of the embedding part (e.g. another worker's on-demand embedding rows)
+        self.embedder: Callable[[Tensor], Tensor] | None = None
 
     def preload(self, keys: Iterable[PartKey] | None = None) -> None:
         """Make these parts (default: all) resident now, so the first forward pays no loading."""
@@ -63,6 +65,8 @@ class Transformer:
     @torch.inference_mode()
     def embed(self, input_ids: Tensor) -> Tensor:
         """input_ids [B, T] -> hidden [B, T, H]."""
+        if self.embedder is not None:
+            return self.embedder(input_ids)
         return layers.embed(self._weights(PartKey("embedding")), input_ids.to(self.device))
 
     @torch.inference_mode()

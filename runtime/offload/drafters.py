@@ -16,7 +16,8 @@ truncates it to what the target accepted after verification.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -157,26 +158,27 @@ class ResidentExpertDrafter(BatchKV, BatchRNG):
     best-scoring resident one (affinity-based substitution). Verification by the full target keeps the output
     lossless whatever the drafter proposes.
 
-    KV cache: with `target_kv` (the local backend: the target's per-batch caches in this process), it drafts into
-    the target's own cache, so its committed context is the target's exact keys and values and it costs no second
-    cache. At each round's start (`lengths`) it takes a scratch view of the batch's target cache (same storage,
+    Sharing (`share`, the local backend: the target's workers in this process): it uses the target's resident
+    embedding, attention, routers and head (the same tensors; placement counts only its experts) and drafts into
+    the target's own KV cache, so its committed context is the target's exact keys and values and it costs no
+    second cache. At each round's start (`lengths`) it takes a scratch view of the batch's target cache (same storage,
     own lengths): its drafted positions are written past the committed ones, where the target's verify pass of
     that batch writes its own keys and values next (the schedule never runs both on one batch at once; the cache
     capacity has room for k + 1 positions). The coordinator's cache calls (reset, drop, truncate, select_rows)
-    are then the target's business: here they only drop the view. Without `target_kv` (a drafter role in its
-    own process) it keeps its own cache per batch, which placement then counts (planner/shapes.py
-    `self_draft_shape`).
+    are then the target's business: here they only drop the view. Without `share` (a drafter role in its own
+    process) it loads its own copies of those parts and keeps its own cache per batch, which placement then
+    counts (planner/shapes.py `self_draft_shape`).
 
     Resident set: experts 0..n-1 per layer until the first `adapt`; then, from the target's routing counts
     (decayed by `decay` per call), a layer's set moves to its n hottest experts when that raises the layer's hit
     rate by at least `min_gain` (moving an expert costs its bytes; a small gain is not worth them).
     """
 
-    shares_target_kv = True
+    shares_target = True
 
     def __init__(self, config: EngineConfig, weights: WeightPlan | None = None, slots: Sequence[Tensor] | None = None,
-                 *, target_kv: dict[int, KVCache] | None = None, decay: float = 0.5, min_gain: float = 0.02) -> None:
-        self.target_kv = target_kv
+                 *, share: TargetShare | None = None, decay: float = 0.5, min_gain: float = 0.02) -> None:
+        self.target_kv = share.kv if share is not None else None
         self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
         cfg = self.model.config
         self.n = weights.draft_experts if weights is not None and weights.draft_experts else resident_expert_count(
@@ -185,6 +187,14 @@ class ResidentExpertDrafter(BatchKV, BatchRNG):
         self.moe_layers = [j for j in range(cfg.num_layers) if cfg.is_moe_layer(j)]
         self.resident: dict[int, list[int]] = {j: list(range(self.n)) for j in self.moe_layers}
         keep = [key for key in self.model.loader.parts() if key.kind != "expert" or key.expert < self.n]
+        if share is not None:  # the target's own tensors, not copies; the embedding is the attention worker's
+            self.model.embedder = share.embed
+            missing = [key for key in keep if key.kind not in ("expert", "embedding") and key not in share.parts]
+            if missing:
+                raise RuntimeError(f"the target streams {missing[:3]}...: a sharing drafter needs them resident")
+            self.model.resident.update({key: share.parts[key] for key in keep if key in share.parts
+                                        and key.kind != "expert"})
+            keep = [key for key in keep if key.kind == "expert"]
         self.model.preload(keep)
         self.model.fetch = self._missing
         self.allowed = {j: self._mask(experts) for j, experts in self.resident.items()}
@@ -275,13 +285,22 @@ def drafter_class(config: EngineConfig) -> type:
     return ResidentExpertDrafter if config.self_draft else ModelDrafter
 
 
-def make_drafter(config: EngineConfig, plan: Plan, weights: WeightPlan,
-                 target_kv: dict[int, KVCache] | None = None) -> Drafter:
-    """The drafter the config asks for, or NoDrafter when the plan does not speculate. target_kv: the target's
-    per-batch KV caches in this process, for a drafter that drafts into them (`shares_target_kv`)."""
+@dataclass(frozen=True)
+class TargetShare:
+    """What the target's workers in this process lend a drafter built from the target itself: the per-batch KV
+    caches (the attention worker's), the resident parts (attention's and verifier's), and the embedding."""
+
+    kv: dict[int, KVCache]
+    parts: Mapping[PartKey, object]
+    embed: Callable[[Tensor], Tensor]
+
+
+def make_drafter(config: EngineConfig, plan: Plan, weights: WeightPlan, share: TargetShare | None = None) -> Drafter:
+    """The drafter the config asks for, or NoDrafter when the plan does not speculate. share: the target's state
+    in this process, for a drafter that drafts with it (`shares_target`)."""
     if not plan.drafting:
         return NoDrafter()
     cls = drafter_class(config)
-    if getattr(cls, "shares_target_kv", False) and target_kv is not None:
-        return cls(config, weights, target_kv=target_kv)
+    if getattr(cls, "shares_target", False) and share is not None:
+        return cls(config, weights, share=share)
     return cls(config, weights)

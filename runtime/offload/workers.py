@@ -29,7 +29,7 @@ from ..models.weights import Weights
 from ..sampling import SamplingParams, warp_logits
 from ..verify import verify_greedy, verify_sampling
 from .batch_kv import BatchKV
-from .drafters import BatchRNG, Drafter, drafter_class, make_drafter
+from .drafters import BatchRNG, Drafter, TargetShare, drafter_class, make_drafter
 from .embedding import EmbeddingRows
 from .streamer import TENSOR_ALIGN, WeightStreamer
 from .wire import wire
@@ -300,5 +300,6 @@ def local_workers(config: EngineConfig, weights: WeightPlan, plan: Plan, drafter
     slots = prefetch.slots
     attention = AttentionWorker(config, weights, slots)
     draft = drafter(config, weights, slots) if drafter is not None and plan.drafting else None
-    return Workers(prefetch, attention, VerifierWorker(config, weights, slots),
-                   draft or make_drafter(config, plan, weights, target_kv=attention.caches))
+    verifier = VerifierWorker(config, weights, slots)
+    share = TargetShare(attention.caches, {**attention.model.resident, **verifier.model.resident}, attention.embed)
+    return Workers(prefetch, attention, verifier, draft or make_drafter(config, plan, weights, share))
