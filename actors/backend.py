@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 from ray.exceptions import RayError
 
@@ -42,6 +43,10 @@ class RayBackend:
         print(f"weights read: {sum(r.bytes_read for r in replicas) / 1e9:.2f} GB in "
               f"{sum(r.passes for r in replicas)} streamed passes; {recoveries} recoveries from lost actors; "
               f"{lost} lost leases (chunks redone on another replica)", file=sys.stderr)
+
+    def summary(self) -> dict[str, Any]:
+        return {"backend": "ray", "replicas": self.pool.stats(), "events": self.pool.events,
+                "driver_s": self.pool.driver_s, "bundle": self.pool.bundle}
 
     def close(self) -> None:
         self.pool.shutdown()

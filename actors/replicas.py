@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from specoffload.planner.errors import SpecOffloadError
@@ -57,6 +57,8 @@ REPLICA_RESOURCE = "specoffload_replica"
 READY_TIMEOUT_S = 300.0
 #: with no replica left to lease to, seconds to wait for one to come back (a rescheduled node) before giving up
 COMEBACK_TIMEOUT_S = 600.0
+#: seconds between asking an unreachable replica to come back
+COMEBACK_RETRY_S = 2.0
 
 
 class ReplicaError(SpecOffloadError):
@@ -78,6 +80,8 @@ class Replica:
     recoveries: int = 0  # role actors recovered inside it
     bytes_read: int = 0
     passes: int = 0
+    engine_s: float = 0.0  # seconds its engine spent on its chunks
+    call_s: float = 0.0  # seconds from lease to result, as the driver saw them (engine + Ray + coordinator)
     down: bool = False  # lost its lease; not back yet
     gone: bool = False  # will not come back in this job
 
@@ -117,8 +121,10 @@ class ReplicaPool:
             try:
                 ray.get(self.group.ready(), timeout=ready_timeout_s)
             except GetTimeoutError:
-                raise ReplicaError(f"{count} replica(s) need {count} nodes with {self.bundle} free each; not placed "
-                                   f"within {ready_timeout_s:.0f} s (see `ray status`)") from None
+                hosts = len(_hosts(self.bundle))
+                raise ReplicaError(f"{count} replica(s) need {count} nodes with {self.bundle} free each (this cluster "
+                                   f"has {hosts} that could hold one); not placed within {ready_timeout_s:.0f} s: "
+                                   f"use fewer --replicas or 'auto', or add nodes (see `ray status`)") from None
             for i in range(count):
                 here = Bundle(self.group, i)
                 actor = launch(Coordinator, config, None, max_restarts, bundle=here, resources=resources["coordinator"],
@@ -134,6 +140,8 @@ class ReplicaPool:
         self.log(f"{count} replica(s) of {self.bundle} each, one per node: "
                  + ", ".join(f"replica {r.index} on node {r.node[:12]}" for r in self.replicas))
         self.metrics = _Metrics()
+        self.events: list[dict[str, Any]] = []  # lease lost / comeback / gone, with wall-clock times
+        self.driver_s = 0.0  # the driver's own time per job: handing out chunks, taking results in
 
     # ---- a job's chunks ---------------------------------------------------------------------------------------------
     def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]:
@@ -142,19 +150,33 @@ class ReplicaPool:
         book = LeaseBook(chunks, window * len(self.replicas))
         free = deque(r for r in self.replicas if not r.gone)
         calls: dict[Any, tuple[Replica, Chunk | None]] = {}  # in flight: run_chunk (a lease) or start (a comeback)
+        sent: dict[Any, float] = {}
+        redone: set[int] = set()  # chunks of lost leases
+        retry: dict[int, float] = {}  # replica -> when to ask it to come back again (it was unreachable)
         stalled_since: float | None = None
         while not book.done:
+            for index, at in list(retry.items()):
+                if time.monotonic() >= at:
+                    del retry[index]
+                    calls[self.replicas[index].actor.start.remote()] = (self.replicas[index], None)
+            t0 = time.perf_counter()
             while free and (chunk := book.next()) is not None:
                 if (done := errors_only(chunk)) is not None:
                     book.complete(chunk.number)
+                    self.driver_s += time.perf_counter() - t0
                     yield done
+                    t0 = time.perf_counter()
                     continue
                 replica = free.popleft()
-                calls[replica.actor.run_chunk.remote(*chunk.payload())] = (replica, chunk)
+                ref = replica.actor.run_chunk.remote(*chunk.payload())
+                calls[ref], sent[ref] = (replica, chunk), time.perf_counter()
                 book.lease(chunk, replica.index)
+                if chunk.number in redone:
+                    self._event("re_leased", replica, chunk=chunk.number)
+            self.driver_s += time.perf_counter() - t0
             if book.done:
                 break
-            if not calls:
+            if not calls and not retry:
                 raise ReplicaError("every replica is gone (their nodes died and none could be placed again); the "
                                    "rows written so far are safe: rerun with --resume")
             leased = any(chunk is not None for _, chunk in calls.values())
@@ -162,11 +184,16 @@ class ReplicaPool:
             if stalled_since is not None and time.monotonic() - stalled_since > COMEBACK_TIMEOUT_S:
                 raise ReplicaError(f"no replica left to lease to: none came back within {COMEBACK_TIMEOUT_S:.0f} s "
                                    "(see `ray status`); the rows written so far are safe: rerun with --resume")
+            if not calls:  # only comebacks to ask again, later
+                time.sleep(0.5)
+                continue
             ready, _ = ray.wait(list(calls), num_returns=1, timeout=1.0)
             for ref in ready:
+                t0 = time.perf_counter()
                 replica, chunk = calls.pop(ref)
                 if chunk is None:
-                    self._comeback(replica, ref, free)
+                    if self._comeback(replica, ref, free):
+                        retry[replica.index] = time.monotonic() + COMEBACK_RETRY_S
                     continue
                 try:
                     out = ray.get(ref)
@@ -174,12 +201,17 @@ class ReplicaPool:
                     if isinstance(exc, RayTaskError) and not isinstance(exc.cause, WorkerLost):
                         raise exc.as_instanceof_cause() from None  # the engine refused the chunk: a bug, not a fault
                     book.lose(chunk.number)
+                    redone.add(chunk.number)
                     self._lost(replica, chunk, exc, calls)
                     continue
+                replica.call_s += t0 - sent.pop(ref)
                 free.append(replica)
                 results = tuple(RowResult(tuple(r["token_ids"]), r["text"], r["finish_reason"], r["num_drafted"],
                                           r["num_accepted"]) for r in out["results"])
                 self._count(replica, chunk, results, out)
+                if chunk.number in redone:
+                    self._event("chunk_redone", replica, chunk=chunk.number)
+                self.driver_s += time.perf_counter() - t0
                 if book.complete(chunk.number):
                     yield ChunkDone(chunk, results, f"replica {replica.index}")
 
@@ -189,6 +221,7 @@ class ReplicaPool:
         coordinator, on another node if its own is gone)."""
         replica.lost_leases += 1
         replica.down = True
+        self._event("lease_lost", replica, chunk=chunk.number, error=_first_line(exc))
         self.metrics.inc("lost_leases", 1, replica.index)
         first, last = chunk.rows[0].index, chunk.rows[-1].index
         self.log(f"replica {replica.index} (node {replica.node[:12]}) lost its lease on chunk {chunk.number} (rows "
@@ -198,18 +231,25 @@ class ReplicaPool:
                 ray.kill(replica.actor, no_restart=False)
         calls[replica.actor.start.remote()] = (replica, None)
 
-    def _comeback(self, replica: Replica, ref: Any, free: deque[Replica]) -> None:
+    def _comeback(self, replica: Replica, ref: Any, free: deque[Replica]) -> bool:
+        """The answer to a lost replica's `start`: back (it takes leases again), unreachable for now (True: ask
+        again soon; Ray is noticing its node's death, or restarting it), or gone for this job."""
         try:
             info = ray.get(ref)
+        except ActorUnavailableError:
+            return True
         except (RayActorError, RayTaskError) as exc:
             replica.gone = True
+            self._event("gone", replica, error=_first_line(exc))
             self.log(f"replica {replica.index} is gone for this job: {_first_line(exc)}")
-            return
+            return False
         replica.restarts += 1
         replica.down = False
         replica.node = info["node"]
+        self._event("back", replica)
         free.append(replica)
         self.log(f"replica {replica.index} is back, on node {replica.node[:12]}")
+        return False
 
     def _count(self, replica: Replica, chunk: Chunk, results: tuple[RowResult, ...], out: dict[str, Any]) -> None:
         tokens = sum(len(r.token_ids) for r in results)
@@ -219,8 +259,13 @@ class ReplicaPool:
         replica.recoveries += int(out.get("recoveries", 0))
         replica.bytes_read += int(out.get("bytes_read", 0))
         replica.passes += int(out.get("passes", 0))
+        replica.engine_s += float(out.get("wall_s", 0.0))
         self.metrics.inc("rows", len(chunk.rows), replica.index)
         self.metrics.inc("tokens", tokens, replica.index)
+
+    def _event(self, kind: str, replica: Replica, **details: Any) -> None:
+        self.events.append({"event": kind, "time": time.time(), "replica": replica.index, "node": replica.node}
+                           | details)
 
     # ---- like an engine ---------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -242,10 +287,12 @@ class ReplicaPool:
         return [r for r in out if r is not None]
 
     def stats(self) -> list[dict[str, Any]]:
-        """Per replica: node, rows, tokens, chunks, lost leases, restarts, actor recoveries."""
+        """Per replica: node, rows, tokens, chunks, lost leases, restarts, actor recoveries, and seconds: its engine's
+        on its chunks, and lease to result as the driver saw them (the difference is Ray's and the coordinator's)."""
         return [{"replica": r.index, "node": r.node, "rows": r.rows, "tokens": r.tokens, "chunks": r.chunks,
                  "lost_leases": r.lost_leases, "restarts": r.restarts, "recoveries": r.recoveries,
-                 "bytes_read": r.bytes_read, "passes": r.passes, "gone": r.gone} for r in self.replicas]
+                 "bytes_read": r.bytes_read, "passes": r.passes, "engine_s": r.engine_s, "call_s": r.call_s,
+                 "gone": r.gone} for r in self.replicas]
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """End every replica (each unlinks its shared memory), remove the placement group, sweep what the dead left."""
@@ -276,19 +323,24 @@ class ReplicaPool:
         self.shutdown()
 
 
+def _hosts(bundle: dict[str, float]) -> list[dict[str, Any]]:
+    """The live nodes whose resources can hold `bundle`."""
+    return [n for n in ray.nodes()
+            if n.get("Alive") and all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in bundle.items())]
+
+
 def _replica_count(replicas: int | str, bundle: dict[str, float]) -> int:
     """`replicas`, checked against the live nodes that can hold a bundle ("auto": all of them)."""
-    hosts = [n for n in ray.nodes()
-             if n.get("Alive") and all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in bundle.items())]
+    hosts = _hosts(bundle)
     if replicas == "auto":
         if not hosts:
             raise ReplicaError(f"no node can hold a replica ({bundle}); see `ray status`")
         return len(hosts)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ConfigError(f"replicas must be an integer >= 1 or 'auto', got {replicas!r}")
-    if replicas > len(hosts):
-        raise ReplicaError(f"{replicas} replicas need {replicas} nodes that can hold one ({bundle}); this cluster has "
-                           f"{len(hosts)}: use --replicas {max(len(hosts), 1)} or 'auto', or add nodes")
+    if replicas > len(hosts):  # an autoscaler adds nodes for the placement group's demand; else it times out
+        logger.warning("%d replicas need %d nodes that can hold one (%s); %d are up: waiting for more", replicas,
+                       replicas, bundle, len(hosts))
     return replicas
 
 

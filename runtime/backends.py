@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from specoffload.planner.errors import SpecOffloadError
 
@@ -42,6 +42,7 @@ class BackendOptions:
 class Backend(Protocol):
     def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]: ...
     def report(self) -> None: ...
+    def summary(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
 
@@ -84,6 +85,9 @@ class LocalBackend:
             path = engine.tracer.save_chrome_trace(self.options.trace)
             print(engine.tracer.breakdown().table(), file=sys.stderr)
             print(f"trace: {path} (open in https://ui.perfetto.dev)", file=sys.stderr)
+
+    def summary(self) -> dict[str, Any]:
+        return {"backend": "local", "bytes_read": self.bytes_read, "passes": self.passes}
 
     def close(self) -> None:
         self.engine.close()

@@ -40,6 +40,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=_int_or_auto, default=None,
                    help="--backend ray: engines to run, one per node (placement groups), sharing the corpus in "
                         "leased chunks; 'auto': one on every node that can host one (default 1)")
+    p.add_argument("--summary", type=Path, default=None,
+                   help="also write the final summary as JSON here (rows, failed rows, tokens/s, per replica)")
     p.add_argument("--progress-interval", type=float, default=10.0,
                    help="seconds between progress lines when stderr is not a terminal (e.g. `ray job logs`)")
     p.add_argument("--ray-address", default=None,
@@ -198,7 +200,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,
                    overwrite=args.overwrite, chunk_size=args.chunk_size, params=params, progress=not args.no_progress,
-                   progress_interval=args.progress_interval)
+                   progress_interval=args.progress_interval, summary=args.summary)
     options = BackendOptions(progress=not args.no_progress, show_placement=args.show_placement, trace=args.trace,
                              ray_address=args.ray_address, replicas=args.replicas)
     backend = load_backend(args.backend)  # an unknown name fails before any file is touched

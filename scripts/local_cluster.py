@@ -14,6 +14,7 @@ there) inherits its CPU affinity, so a replica really is limited to those cores.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -103,7 +104,8 @@ class LocalCluster:
                                  "--dashboard-host=127.0.0.1"], ports, head_env, head_cores)
             deadline = time.monotonic() + 90
             while not self._dashboard_up():
-                assert self.nodes[0].process.poll() is None, f"ray start exited: {self.nodes[0].log.read_text()[-2000:]}"
+                head = self.nodes[0]
+                assert head.process.poll() is None, f"ray start exited: {head.log.read_text()[-2000:]}"
                 assert time.monotonic() < deadline, "the dashboard did not come up in 90 s"
                 time.sleep(0.5)
         except BaseException:
@@ -189,10 +191,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 node.process.kill()
             for pid in node.processes():  # this cluster's processes only
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         self.nodes = []
         shutil.rmtree(self.tmp, ignore_errors=True)
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ MAX_ERROR_LINES = 20
 class JobBackend(Protocol):
     def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]: ...
     def report(self) -> None: ...
+    def summary(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
 
@@ -58,6 +60,7 @@ class JobSpec:
     progress: bool = True
     progress_interval: float = 10.0
     window: int = 8  # chunks handed out ahead of the oldest unwritten one, per worker
+    summary: Path | None = None  # where to write the final summary as JSON
 
 
 def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineConfig], JobBackend]) -> int:
@@ -95,9 +98,11 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
             for done in backend.run(chunked(rows, spec.chunk_size), spec.window):
                 for ready in order.add(done):
                     progress.update(*writer.write(ready))
+            wall = time.perf_counter() - start
             progress.close()
-            _summary(progress, time.perf_counter() - start, config.draft is not None)
+            _summary(progress, wall, config.draft is not None)
             backend.report()
+            details = backend.summary()
         finally:
             progress.close()
             backend.close()
@@ -105,6 +110,12 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
         if failed:
             where = spec.output or "the output"
             print(f"specoffload: {failed} of {total} rows failed: each has an error row in {where}", file=sys.stderr)
+        if spec.summary is not None:
+            t = progress.tally
+            record = {"rows": total, "resumed_rows": resumed.rows, "written_rows": t.rows, "failed_rows": failed,
+                      "new_tokens": t.tokens, "chunks": t.chunks, "wall_s": wall, "tokens_per_s": t.tokens / wall,
+                      "acceptance": t.acceptance, "write_s": writer.seconds, "backend": details}
+            spec.summary.write_text(json.dumps(record, indent=2) + "\n")
         return 2 if failed else 0
 
 
@@ -115,9 +126,11 @@ class _Writer:
                  model_name: str) -> None:
         self.spec, self.fmt, self.out, self.preparer, self.model = spec, fmt, out, preparer, model_name
         self.errors = 0
+        self.seconds = 0.0  # rendering and appending rows
 
     def write(self, done: ChunkDone) -> tuple[int, int, int, int, int]:
         """Append the chunk's rows; returns (rows, failed, tokens, drafted, accepted) for the progress."""
+        t0 = time.perf_counter()
         results = iter(done.results)
         lines: list[dict[str, Any]] = []
         failed = tokens = drafted = accepted = 0
@@ -133,6 +146,7 @@ class _Writer:
             drafted += result.num_drafted
             accepted += result.num_accepted
         self.out.append(lines)
+        self.seconds += time.perf_counter() - t0
         return len(lines), failed, tokens, drafted, accepted
 
     def _report(self, error: RowError) -> None:
