@@ -22,7 +22,7 @@ from .models.model import Transformer
 from .request import Request
 from .sampling import SamplingParams
 from .speculative import SpeculativeStep, StepTimes, pad_right
-from .stats import GenerateStats
+from .stats import GenerateStats, request_totals
 
 
 class ResidentRunner:
@@ -74,11 +74,7 @@ class ResidentRunner:
                     bar.update(1)
         bar.close()
         return GenerateStats(
-            num_prompts=len(requests),
-            prompt_tokens=sum(len(r.prompt) for r in requests),
-            generated_tokens=sum(len(r.output) for r in requests),
-            num_drafted=sum(r.num_drafted for r in requests),
-            num_accepted=sum(r.num_accepted for r in requests),
+            **request_totals(requests),
             steps=steps,
             wall_s=time.perf_counter() - start,
             prefill_s=prefill_s,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,3 +53,15 @@ class OffloadStats(GenerateStats):
     @property
     def expert_hit_rate(self) -> float | None:
         return self.expert_hits / self.expert_picks if self.expert_picks else None
+
+
+def request_totals(requests: Iterable[Any]) -> dict[str, int]:
+    """The GenerateStats fields that sum over a call's requests (runtime/request.py `Request`)."""
+    requests = list(requests)
+    return {
+        "num_prompts": len(requests),
+        "prompt_tokens": sum(len(r.prompt) for r in requests),
+        "generated_tokens": sum(len(r.output) for r in requests),
+        "num_drafted": sum(r.num_drafted for r in requests),
+        "num_accepted": sum(r.num_accepted for r in requests),
+    }

@@ -30,7 +30,7 @@ from specoffload.planner.plan import Plan
 from ..request import Request
 from ..sampling import SamplingParams
 from ..speculative import pad_right
-from ..stats import OffloadStats
+from ..stats import OffloadStats, request_totals
 from ..trace import Tracer
 from .batches import Batches
 from .executor import OpExecutor
@@ -81,7 +81,8 @@ class Pipeline:
         self.running = True
         bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
         self.params = params
-        self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update)
+        self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update,
+                               rows=lambda: self.replanner.rows)
         self.rounds_since_adapt, self.adapted = 0, 0
         self.adaptation = [0, 0, 0, 0]  # hits, picks, bytes moved, experts moved (Drafter.adapt)
         self.hotness: list[list[int]] = []
@@ -105,11 +106,7 @@ class Pipeline:
         busy = {kind: sum(s.end - s.start for s in spans if s.name == kind) for kind in ("draft", "verify")}
         target_s = sum(s.end - s.start for s in spans if s.name in ("embed", "attention", "ffn", "head"))
         return OffloadStats(
-            num_prompts=len(requests),
-            prompt_tokens=sum(len(r.prompt) for r in requests),
-            generated_tokens=sum(len(r.output) for r in requests),
-            num_drafted=sum(r.num_drafted for r in requests),
-            num_accepted=sum(r.num_accepted for r in requests),
+            **request_totals(requests),
             steps=totals["steps"],
             wall_s=time.perf_counter() - start,
             prefill_s=0.0,
@@ -229,7 +226,7 @@ class Pipeline:
         self.verify_log.append((time.perf_counter(), b.index, sum(len(r.output) for r in b.rows) - before,
                                 len(b.rows)))
         if k >= 1:
-            self.replanner.record(accepted, k)
+            self.replanner.record(accepted, k, [r.index for r in b.rows])
         # The target cache keeps pending + the accepted drafts; the draft cache saw committed + d_1..d_{k-1}.
         self.workers.attention.truncate(b.index, [c + a for c, a in zip(b.committed, accepted)])
         if k >= 1:
@@ -261,7 +258,7 @@ class Pipeline:
             if self.adapt_interval and self.rounds_since_adapt >= (self.adapt_interval if self.adapted else 1):
                 self._adapt()
         limit = min(b.round_k, max(r.remaining for r in b.rows) - 1)
-        if op.token >= limit:
+        if op.token >= limit or len(b.draft_tokens) < op.token:  # (rows admitted after this round began: skip it)
             return
         if op.token == 0:
             d_len = self.workers.drafter.lengths(b.index)
