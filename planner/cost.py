@@ -44,7 +44,7 @@ from functools import cached_property
 
 from .acceptance import expected_tokens
 from .experts import expected_distinct_experts, selects_experts
-from .placement import Placement
+from .placement import Placement, slot_unit
 from .profile import HardwareProfile, ProfileError
 from .shapes import ModelShape, PartKey
 
@@ -183,13 +183,16 @@ class WorkloadEstimate:
     step: StepEstimate
 
 
-def stream_bytes(placement: Placement, target: ModelShape, expert_share: float = 1.0) -> dict[int, float]:
+def stream_bytes(placement: Placement, target: ModelShape, expert_share: float = 1.0,
+                 units: bool = False) -> dict:
     """Slot group -> bytes streamed per pass (layer j, or num_layers for the head); resident groups absent.
-    expert_share: the fraction of a streamed layer's experts a pass reads (selected loading; planner/experts.py)."""
-    groups: dict[int, float] = {}
+    expert_share: the fraction of a streamed layer's experts a pass reads (selected loading; planner/experts.py).
+    units: key by load unit (layer, expert group) instead (placement.py `slot_unit`)."""
+    groups: dict = {}
     for key, nbytes in target.parts:
         if placement.is_streamed(key):
-            group = target.num_layers if key.kind == "head" else key.layer
+            unit = slot_unit(key, target.num_layers, placement.policy.expert_group)
+            group = unit if units else unit[0]
             groups[group] = groups.get(group, 0) + nbytes * (expert_share if key.kind == "expert" else 1.0)
     return groups
 
@@ -328,19 +331,23 @@ def _pass(
     expert_share: float = 1.0,
 ) -> StepEstimate:
     target = costs.target
-    streamed = stream_bytes(placement, target, expert_share)
-    loads = {j: nbytes / profile.stream_bytes_per_s for j, nbytes in streamed.items()}
+    streamed = stream_bytes(placement, target, expert_share, units=True)
+    loads = {unit: nbytes / profile.stream_bytes_per_s for unit, nbytes in streamed.items()}
     expert_rows = max(1.0, fed * costs.expert_fraction)
     attn = profile.attention_seconds(fed, context)
     layers = []
     for j in range(target.num_layers):
-        resident = j not in loads  # resident weights use the packed-layout GEMM rate where one was measured
+        units = sorted(g for layer, g in loads if layer == j)
+        resident = not units  # resident weights use the packed-layout GEMM rate where one was measured
         ffn = profile.ffn_seconds(costs.dense_flops(j) * fed, fed, resident)
         ffn += profile.ffn_seconds(costs.expert_flops(j) * fed, expert_rows, resident)
         streams_attention = placement.tiers.get(PartKey("attention", j), "device") != "device"
-        layers.append(ChainLink(attn, ffn, loads.get(j), pre_waits=streams_attention))
+        # one link per load unit: the layer's ffn runs one expert group after another (an even share each)
+        for n, g in enumerate(units or [0]):
+            layers.append(ChainLink(attn if n == 0 else 0.0, ffn / max(len(units), 1), loads.get((j, g)),
+                                    pre_waits=streams_attention and n == 0))
     head = profile.head_seconds(costs.head_flops * head_rows, head_rows)
-    layers.append(ChainLink(0.0, head, loads.get(target.num_layers)))
+    layers.append(ChainLink(0.0, head, loads.get((target.num_layers, 0))))
     overhead = profile.pass_overhead_s
     t_io = sum(loads.values())
     t_attention = attn * target.num_layers

@@ -23,8 +23,8 @@ def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> floa
 def selects_experts(placement: Placement, mode: str, num_experts: int, top_k: int, tokens: int) -> bool:
     """Load only the routed experts of a streamed MoE layer? mode "selected" / "all" decide; "auto" selects when
     fewer than 3/4 of the experts are expected to be hit by the pass's `tokens`."""
-    if not num_experts or mode == "all" or placement.policy.weights_tier != "disk":
-        return False
+    if not num_experts or mode == "all" or placement.policy.weights_tier != "disk" or placement.policy.expert_group:
+        return False  # (expert groups load whole units: they replace selected loading)
     if any(placement.is_streamed(key) for key in placement.tiers if key.kind in ("attention", "router")):
         return False
     return mode == "selected" or expected_distinct_experts(num_experts, top_k, tokens) < 0.75 * num_experts

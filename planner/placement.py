@@ -14,6 +14,9 @@ Footprint of a plan (what `place` checks against the budgets):
 where slot_bytes is the largest *slot group* of streamed target parts: all streamed parts of one layer load
 together into one ring slot (for MoE the router if streamed and every expert: the worst case of routing), and
 the streamed head takes a slot of its own (group index num_layers). The embedding never goes through the ring.
+With `expert_group` = g > 0, a streamed MoE layer loads in units of g experts instead (unit (j, 0) also holds
+the layer's other streamed parts), each unit into its own slot: the ring is sized per expert group, smaller by
+up to E / g (runtime/offload: the ffn then runs one unit at a time, accumulating the experts' outputs).
 
 Nothing here reads files, touches tensors or starts threads; the executor consumes the `Placement`.
 """
@@ -59,6 +62,7 @@ class PlacementPolicy:
     weights_tier: str = "disk"  # where streamed target weights live: "disk" (safetensors) or "ram" (host memory)
     unified_memory: bool = True  # True on CPU: device memory IS host memory, host items count against both
     pinned: frozenset[PartKey] = frozenset()  # target parts resident in every plan (a drafter shares them)
+    expert_group: int = 0  # experts per ring slot of a streamed MoE layer (0: the whole layer in one slot)
 
     def __post_init__(self) -> None:
         for name, low in (("batch_size", 1), ("context", 1), ("num_buffers", 1)):
@@ -70,6 +74,8 @@ class PlacementPolicy:
                 f"num_batches must be 1 (no draft) or 2 (two interleaved batches with a draft), "
                 f"got {self.num_batches!r}"
             )
+        if isinstance(self.expert_group, bool) or not isinstance(self.expert_group, int) or self.expert_group < 0:
+            raise PlacementError(f"expert_group must be an integer >= 0 (0: whole layers), got {self.expert_group!r}")
         if self.weights_tier not in WEIGHTS_TIERS:
             raise PlacementError(
                 f"weights_tier must be 'disk' (stream from the safetensors files) or 'ram' (keep in host "
@@ -89,6 +95,7 @@ class PlacementPolicy:
         return (
             f"batch_size={self.batch_size}, num_batches={self.num_batches}, context={self.context}, "
             f"num_buffers={self.num_buffers}, weights_tier={self.weights_tier!r}"
+            + (f", expert_group={self.expert_group}" if self.expert_group else "")
         )
 
 
@@ -270,9 +277,9 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     nbytes = dict(target.parts)
     draft_bytes = draft.total_bytes + policy.kv_cache_bytes(draft) if draft is not None else 0
     kv = policy.kv_cache_bytes(target)
-    slots: dict[int, int] = {}  # slot group -> streamed bytes
+    slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
     for key, n in target.parts:
-        group = _slot_group(key, target.num_layers)
+        group = slot_unit(key, target.num_layers, policy.expert_group)
         if group is not None:
             slots[group] = slots.get(group, 0) + n
     resident = 0  # target weight bytes on the device
@@ -287,18 +294,23 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     for step in [tuple(policy.pinned), *steps]:
         for key in step:
             resident += nbytes[key]
-            group = _slot_group(key, target.num_layers)
+            group = slot_unit(key, target.num_layers, policy.expert_group)
             if group is not None:
                 slots[group] -= nbytes[key]
         chain.append(footprint())
     return chain
 
 
-def _slot_group(key: PartKey, num_layers: int) -> int | None:
-    """The ring slot group of a streamed part: its layer, num_layers for the head, None for the embedding."""
+def slot_unit(key: PartKey, num_layers: int, expert_group: int = 0) -> tuple[int, int] | None:
+    """The load unit of a streamed part, (layer, group): (num_layers, 0) for the head, None for the embedding;
+    with expert_group g > 0 expert e of layer j is in (j, e // g) and the layer's other parts in (j, 0)."""
     if key.kind == "embedding":
         return None
-    return num_layers if key.kind == "head" else key.layer
+    if key.kind == "head":
+        return num_layers, 0
+    return key.layer, key.expert // expert_group if key.kind == "expert" and expert_group else 0
+
+
 
 
 @dataclass(frozen=True)
@@ -313,12 +325,12 @@ class _Layout:
 
 def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy, resident: set[PartKey]) -> _Layout:
     tiers: list[tuple[PartKey, str]] = []
-    slots: dict[int, int] = {}  # slot group -> streamed bytes
+    slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
     buckets: dict[tuple[str, str], list[Any]] = {}  # (category, tier) -> [bytes, set of layers]
     for key, nbytes in target.parts:
         tier = "device" if key in resident else policy.streamed_tier
         tiers.append((key, tier))
-        group = _slot_group(key, target.num_layers)
+        group = slot_unit(key, target.num_layers, policy.expert_group)
         if tier != "device" and group is not None:
             slots[group] = slots.get(group, 0) + nbytes
         bucket = buckets.setdefault((_CATEGORY[key.kind], tier), [0, set()])
@@ -335,14 +347,15 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
             nbytes, layers = buckets[category, "device"]
             items.append(PlacementItem(_label(category, layers, streamed=False), "device", nbytes))
     if slot_bytes:
-        ring = f"ring buffers {policy.num_buffers} x {format_bytes(slot_bytes)}"
+        unit = f" (units of {policy.expert_group} experts)" if policy.expert_group else ""
+        ring = f"ring buffers {policy.num_buffers} x {format_bytes(slot_bytes)}{unit}"
         items.append(PlacementItem(ring, "device", policy.num_buffers * slot_bytes))
     for category in _CATEGORY_ORDER:
         if (category, policy.streamed_tier) in buckets:
             nbytes, layers = buckets[category, policy.streamed_tier]
             items.append(PlacementItem(_label(category, layers, streamed=True), policy.streamed_tier, nbytes))
     items.append(PlacementItem("target KV cache", "host", policy.kv_cache_bytes(target)))
-    return _Layout(tuple(tiers), tuple(sorted(slots)), slot_bytes, tuple(items))
+    return _Layout(tuple(tiers), tuple(sorted({layer for layer, _ in slots})), slot_bytes, tuple(items))
 
 
 def _label(category: str, layers: set[int], streamed: bool) -> str:

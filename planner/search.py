@@ -101,6 +101,7 @@ def search(
     k_ceiling: int = 0,
     expert_loading: str = "auto",
     draft_pins: frozenset[PartKey] = frozenset(),
+    expert_group: int = 0,
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
@@ -108,6 +109,7 @@ def search(
     new_tokens; the KV capacity placed is context + k_max + 1, as the engine sizes it, where k_max = k, or
     max(k, k_ceiling) for k >= 1 when online re-planning may raise k up to k_ceiling (`Plan.kv_capacity`).
     draft_pins: target parts resident whenever there is a draft (a resident-expert drafter shares them).
+    expert_group: experts per ring slot of a streamed MoE layer (0: whole layers; placement.py).
     weights_tier defaults to
     the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
     top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
@@ -131,6 +133,7 @@ def search(
                 weights_tier=tier,
                 unified_memory=unified,
                 pinned=draft_pins if k >= 1 else frozenset(),
+                expert_group=expert_group,
             )
             try:
                 placement = place(target, draft if k >= 1 else None, policy, device_memory, host_memory)

@@ -47,6 +47,8 @@ class EngineConfig:
     replan_interval: with k "auto", re-estimate the acceptance rate and re-plan k every this many verify rounds.
     expert_loading: MoE only: "selected" loads only the experts the router picks for the batch, "all" loads
         every expert of a layer ahead of use, "auto" picks by the expected number of distinct experts.
+    expert_group: MoE only: experts per ring slot of a streamed MoE layer (None: a whole layer per slot); the
+        ffn then runs one group after another, so the ring holds a group, not a layer (smaller by up to E / g).
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
 
     Self-drafting (draft="self"):
@@ -69,6 +71,7 @@ class EngineConfig:
     num_buffers: int = 2
     max_seq_len: int | None = None
     expert_loading: str = "auto"
+    expert_group: int | None = None
     trace: bool = False
     acceptance_prior: float = 0.7
     replan_interval: int = 8
@@ -120,6 +123,9 @@ class EngineConfig:
             raise ConfigError(f"resident_experts must be an integer >= 1, got {self.resident_experts!r}")
         if not isinstance(self.migrate_interval, int) or self.migrate_interval < 0:
             raise ConfigError(f"migrate_interval must be an integer >= 0, got {self.migrate_interval!r}")
+        if self.expert_group is not None and (isinstance(self.expert_group, bool)
+                                              or not isinstance(self.expert_group, int) or self.expert_group < 1):
+            raise ConfigError(f"expert_group must be an integer >= 1 (experts per slot), got {self.expert_group!r}")
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
 

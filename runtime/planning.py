@@ -140,7 +140,7 @@ def make_plan(
         batches=batches, ks=ks, num_buffers=config.num_buffers, weights_tier=config.weights_tier,
         unified_memory=config.unified_memory, context=max_seq_len, dtype_bytes=models.dtype_bytes,
         top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
-        expert_loading=config.expert_loading, draft_pins=models.draft_pins,
+        expert_loading=config.expert_loading, draft_pins=models.draft_pins, expert_group=config.expert_group or 0,
     )
     plan = planned(result, max_seq_len, replan_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
@@ -177,6 +177,7 @@ def placement_policy(config: EngineConfig, plan: Plan, models: ModelPair) -> Pla
         weights_tier=config.weights_tier,
         unified_memory=config.unified_memory,
         pinned=models.draft_pins if plan.drafting else frozenset(),
+        expert_group=config.expert_group or 0,
     )
 
 

@@ -243,8 +243,8 @@ def test_roles_and_proxies_are_derived_from_the_worker_classes(tiny_models, sing
     expected = {
         "prefetch": {"load"},
         "attention": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "embed", "attention"},
-        "verifier": {"seed", "ffn", "head", "verify"},
-        "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "seed", "propose"},
+        "verifier": {"seed", "ffn", "head", "verify", "routing_counts"},
+        "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "seed", "propose", "adapt"},
     }
     for role, cls in classes.items():
         methods = wire_methods(cls)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -180,3 +181,25 @@ def test_offloaded_engine_refuses_cuda_with_one_line(tiny_models):
     line that says what runs instead, before any profile is measured or weight read."""
     with pytest.raises(ConfigError, match="device 'cpu' only.*drop device_memory"):
         Engine(EngineConfig(tiny_models["llama"], device_memory="1GiB", device="cuda"))
+
+
+@pytest.mark.parametrize("target", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize(("draft", "group"), [(None, 1), ("qwen2_draft", 2), ("self", 1)])
+def test_expert_groups_shrink_the_ring_and_change_no_token(tiny_models, reference, single_thread, target, draft, group):
+    """A streamed MoE layer loaded in units of `group` experts, its ffn run one unit after another: the ring slot
+    holds a group instead of a layer (smaller), and the greedy tokens equal the resident engine's."""
+    base = _config(tiny_models, target, None, device_memory="1GiB")
+    if draft == "self":  # one slot: with the drafter's shared parts pinned, streaming is then the cheapest plan
+        base = replace(base, draft="self", resident_experts=1, num_buffers=1)
+    elif draft is not None:
+        base = replace(base, draft=tiny_models[draft])
+    whole = Engine(replace(base, device_memory=Engine(base).minimum_device_memory()))
+    grouped = replace(base, expert_group=group)
+    budget = Engine(grouped).minimum_device_memory()
+    engine = Engine(replace(grouped, device_memory=budget))
+    assert engine.placement.streamed_layers and budget < whole.placement.device_memory
+    assert engine.placement.slot_bytes < whole.placement.slot_bytes
+    assert max(g for _, g in engine.weight_plan.units()) >= 1  # some layer really streams in several units
+    out = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+    assert out == reference(target)
+    assert engine.last_stats.bytes_read > 0

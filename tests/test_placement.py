@@ -132,6 +132,7 @@ policies = st.builds(
     num_buffers=st.integers(1, 3),
     weights_tier=st.sampled_from(["disk", "ram"]),
     unified_memory=st.booleans(),
+    expert_group=st.sampled_from([0, 0, 1, 2]),
 )
 drafts = st.none() | shapes(name="draft", max_layers=2)
 
@@ -158,10 +159,11 @@ def footprint_oracle(target: ModelShape, draft: ModelShape | None, policy: Place
     (a layer's streamed parts; the head alone), plus every host item under unified memory; host = target KV +
     target weights on "host"."""
     resident = sum(n for key, n in target.parts if tiers[key] == "device")
-    groups: dict[int, int] = {}
+    groups: dict[tuple[int, int], int] = {}
+    g = policy.expert_group
     for key, n in target.parts:
-        if tiers[key] != "device" and key.kind != "embedding":
-            group = -1 if key.kind == "head" else key.layer
+        if tiers[key] != "device" and key.kind != "embedding":  # a unit: a layer, or g of its experts
+            group = (-1, 0) if key.kind == "head" else (key.layer, key.expert // g if key.kind == "expert" and g else 0)
             groups[group] = groups.get(group, 0) + n
     draft_bytes = weight_bytes(draft) + kv_bytes(draft, policy) if draft is not None else 0
     host = kv_bytes(target, policy) + sum(n for key, n in target.parts if tiers[key] == "host")
@@ -173,12 +175,14 @@ def resident(placement: Placement) -> set[PartKey]:
     return {key for key, tier in placement.tiers.items() if tier == "device"}
 
 
-def slot_groups(target: ModelShape, placement: Placement) -> dict[int, int]:
-    """Streamed bytes per slot group (layer; head = num_layers), recomputed from the part tiers."""
-    groups: dict[int, int] = {}
+def slot_groups(target: ModelShape, placement: Placement) -> dict[tuple[int, int], int]:
+    """Streamed bytes per load unit (layer, or g experts of it; head = num_layers), from the part tiers."""
+    groups: dict[tuple[int, int], int] = {}
+    g = placement.policy.expert_group
     for key, nbytes in target.parts:
         if placement.is_streamed(key):
-            group = target.num_layers if key.kind == "head" else key.layer
+            group = (target.num_layers, 0) if key.kind == "head" else (
+                key.layer, key.expert // g if key.kind == "expert" and g else 0)
             groups[group] = groups.get(group, 0) + nbytes
     return groups
 
@@ -203,7 +207,7 @@ def test_placement_fits_budgets_and_is_consistent(
     # the ring slot holds the largest streamed layer (and the head when it streams)
     groups = slot_groups(target, p)
     assert p.slot_bytes == max(groups.values(), default=0)
-    assert p.streamed_layers == tuple(sorted(groups))
+    assert p.streamed_layers == tuple(sorted({layer for layer, _ in groups}))
     ring = [item for item in p.items if item.name.startswith("ring buffers")]
     assert sum(item.nbytes for item in ring) == policy.num_buffers * p.slot_bytes
     # an FFN layer is resident or streamed whole
@@ -465,3 +469,20 @@ def test_pinned_parts_are_resident_in_every_plan_and_counted_once(
     p = place(target, draft, pinned_policy, minimum + extra, host_ceiling(target, policy))
     assert all(p.tier(key) == "device" for key in pinned)
     assert (p.device_bytes(), p.host_bytes()) == footprint_oracle(target, draft, pinned_policy, dict(p.tiers))
+
+
+def test_expert_groups_size_the_ring_per_group() -> None:
+    """Layers of 4 experts x 300 B with attention 100 B and a 10 B router: a whole-layer slot is 1310 B; in units
+    of 2 experts the first unit holds the attention and router too (710 B) and the head (1000 B) is the largest
+    unit. All streamed, two buffers: the ring drops from 2 x 1310 to 2 x 1000."""
+    target, draft = moe_pair()
+    fixed = 100 + 128 + 512
+    whole = PlacementPolicy(batch_size=2, context=16)
+    grouped = PlacementPolicy(batch_size=2, context=16, expert_group=2)
+    assert minimum_device_memory(target, draft, whole) == fixed + 2 * 1310
+    assert minimum_device_memory(target, draft, grouped) == fixed + 2 * 1000
+    p = place(target, draft, grouped, fixed + 2 * 1000, 512)
+    assert p.slot_bytes == 1000 and p.streamed_layers == tuple(range(7))
+    assert "ring buffers 2 x 1000 B (units of 2 experts)" in [item.name for item in p.items]
+    with pytest.raises(PlacementError, match="expert_group"):
+        PlacementPolicy(batch_size=1, expert_group=-1)

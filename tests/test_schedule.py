@@ -49,10 +49,17 @@ class Config:
     draft_ops: int
     attention_streamed: frozenset[int]
     passes: tuple[tuple[bool, bool], ...]  # per step: (target, draft)
+    groups: tuple[tuple[int, int], ...] = ()  # (layer, units) for layers that stream in expert groups
+
+    @property
+    def units(self) -> list[tuple[int, int]]:
+        """The load units: each streamed layer j as (j, 0) .. (j, n - 1) with n its expert groups (1: whole)."""
+        per_layer = dict(self.groups)
+        return sorted((j, g) for j in self.streamed for g in range(per_layer.get(j, 1)))
 
     def build(self) -> tuple[PipelineSchedule, list[list[Op]]]:
         sched = PipelineSchedule(
-            self.num_layers, sorted(self.streamed), self.num_buffers, self.draft_ops, self.attention_streamed
+            self.num_layers, self.units, self.num_buffers, self.draft_ops, self.attention_streamed
         )
         steps = [sched.next_step(target=target, draft=draft) for target, draft in self.passes]
         return sched, steps
@@ -64,6 +71,7 @@ def configs(draw: st.DrawFn, all_streamed: bool = False) -> Config:
     streamed = frozenset(range(num_layers + 1)) if all_streamed else draw(st.frozensets(st.integers(0, num_layers)))
     candidates = sorted(j for j in streamed if j < num_layers)
     attention = draw(st.frozensets(st.sampled_from(candidates))) if candidates else frozenset()
+    groups = tuple((j, draw(st.integers(1, 3))) for j in candidates)  # some layers stream in expert groups
     passes = draw(
         st.lists(
             st.tuples(st.sampled_from([True, True, True, False]), st.sampled_from([True, True, False])),
@@ -78,6 +86,7 @@ def configs(draw: st.DrawFn, all_streamed: bool = False) -> Config:
         draw(st.integers(0, 5)),
         attention,
         tuple(passes),
+        groups,
     )
 
 
@@ -115,13 +124,16 @@ def random_execution(ops: Sequence[Op], rnd: random.Random) -> Iterator[tuple[st
 
 
 def slot_readers(ops: Sequence[Op], load: Op, num_layers: int, attention_streamed: frozenset[int]) -> list[Op]:
-    """The ops that read `load`'s weights, by meaning (not by the schedule's deps): the ffn of that layer, the
-    attention of an attention-streamed layer, the head for the head's pseudo-layer L."""
+    """The ops that read `load`'s weights, by meaning (not by the schedule's deps): the ffn of that unit (the
+    layer, or one expert group of it), the attention of an attention-streamed layer (its first unit), the head
+    for the head's pseudo-layer L."""
     step_ops = [op for op in ops if op.step == load.step]
     if load.layer == num_layers:
         return [op for op in step_ops if op.kind == "head"]
-    kinds = ("ffn", "attention") if load.layer in attention_streamed else ("ffn",)
-    return [op for op in step_ops if op.kind in kinds and op.layer == load.layer]
+    readers = [op for op in step_ops if op.kind == "ffn" and op.layer == load.layer and op.group == load.group]
+    if load.layer in attention_streamed and load.group == 0:
+        readers += [op for op in step_ops if op.kind == "attention" and op.layer == load.layer]
+    return readers
 
 
 # --- literal schedules ---------------------------------------------------------------------------------------
@@ -305,8 +317,11 @@ def test_ops_per_step_and_batch_roles(cfg: Config) -> None:
         count = Counter((op.kind, op.layer, op.batch) for op in step_ops if op.kind != "draft")
         expected: Counter[tuple[str, int, int]] = Counter()
         if target:
-            expected.update(("load", j, -1) for j in cfg.streamed)
-            expected.update((kind, j, a) for j in range(num_layers) for kind in ("attention", "ffn"))
+            units = cfg.units
+            expected.update(("load", j, -1) for j, _ in units)
+            expected.update(("attention", j, a) for j in range(num_layers))
+            expected.update(("ffn", j, a) for j in range(num_layers) for _ in range(max(1, dict(cfg.groups).get(
+                j, 1 if j in cfg.streamed else 0))))
             expected.update([("embed", -1, a), ("head", -1, a), ("verify", -1, a)])
         assert count == expected
         drafts = [(op.batch, op.token) for op in step_ops if op.kind == "draft"]
@@ -325,7 +340,7 @@ def test_weights_are_loaded_before_use(cfg: Config) -> None:
             for reader in slot_readers(ops, op, cfg.num_layers, cfg.attention_streamed):
                 assert depends(anc, reader, op), f"{reader} does not wait for {op}"
         elif op.kind in ("ffn", "head"):
-            loaded = op.layer in cfg.streamed if op.kind == "ffn" else cfg.num_layers in cfg.streamed
+            loaded = (op.layer, op.group) in cfg.units if op.kind == "ffn" else cfg.num_layers in cfg.streamed
             assert (op.slot >= 0) == loaded
 
 
@@ -429,6 +444,26 @@ def test_next_steps_first_load_overlaps_this_steps_head(cfg: Config) -> None:
     anc = ancestors(ops)
     passes = [i for i, (target, _) in enumerate(cfg.passes) if target]
     for i, nxt in zip(passes, passes[1:]):
-        first_load = find(steps[nxt], "load", nxt, layer=0)
+        first_load = find(steps[nxt], "load", nxt, layer=0, group=0)
         for kind in ("head", "verify"):
             assert not depends(anc, first_load, find(steps[i], kind, i)), f"{first_load} waits for {kind}({i})"
+
+
+def test_a_layer_streamed_in_expert_groups_runs_one_ffn_per_group() -> None:
+    """Layer 0 streams in two expert units, layer 1 whole, the head resident: the ffn of layer 0 is two ops, one
+    per unit, in order, each after its own load; with one slot the second unit's load waits for the first ffn."""
+    sched = PipelineSchedule(2, [(0, 0), (0, 1), (1, 0)], num_buffers=1)
+    assert lines(sched.next_step()) == [
+        "0 load(i=0, j=0, slot=0) <- []",
+        "1 embed(i=0, b=0) <- []",
+        "2 attention(i=0, j=0, b=0) <- [1]",
+        "3 ffn(i=0, j=0, b=0, slot=0) <- [0, 2]",
+        "4 load(i=0, j=0, g=1, slot=0) <- [3]",
+        "5 ffn(i=0, j=0, g=1, b=0, slot=0) <- [3, 4]",
+        "6 load(i=0, j=1, slot=0) <- [5]",
+        "7 attention(i=0, j=1, b=0) <- [5]",
+        "8 ffn(i=0, j=1, b=0, slot=0) <- [6, 7]",
+        "9 head(i=0, b=0) <- [8]",
+        "10 verify(i=0, b=0) <- [9]",
+    ]
+    check_schedule(sched.ops, 1)

@@ -185,17 +185,23 @@ def experts_forward(
     topk_weights: Tensor,
     experts: Mapping[int, ExpertWeights],
     token_mask: Tensor | None = None,
+    out: Tensor | None = None,
+    only: range | None = None,
 ) -> Tensor:
     """Weighted sum of the selected experts' outputs: normed [N, H] -> [N, H].
 
     Touches only experts some valid token selected; raises KeyError if one of them is not in `experts`.
     Tokens with token_mask False get 0 (their routing is ignored, so they pull in no expert).
+    out: accumulate into it (and return it); only: consider just these expert ids. Calling it for consecutive
+    ranges of experts in order adds exactly what one call over all adds, in the same order.
     """
-    out = torch.zeros_like(normed)  # [N, H]
+    out = torch.zeros_like(normed) if out is None else out  # [N, H]
     hits = topk_ids[:, :, None] == torch.arange(cfg.num_experts, device=topk_ids.device)  # [N, k, E]
     if token_mask is not None:
         hits &= token_mask.reshape(-1, 1, 1)
     for e in selected_experts(topk_ids, token_mask):
+        if only is not None and e not in only:
+            continue
         if e not in experts:
             raise KeyError(f"expert {e} was selected but not provided (have {sorted(experts)})")
         tokens, slots = torch.where(hits[:, :, e])  # [n_e], [n_e]
@@ -212,18 +218,3 @@ def shared_expert_forward(cfg: ModelConfig, w: RouterWeights, normed: Tensor) ->
     gate = torch.sigmoid(linear(normed, w.shared_expert_gate))  # [N, 1]
     return gate * gated_mlp(normed, w.shared_expert, cfg.hidden_act)
 
-
-def moe_combine(
-    cfg: ModelConfig,
-    w: RouterWeights,
-    hidden: Tensor,
-    routing: tuple[Tensor, Tensor, Tensor],
-    experts: Mapping[int, ExpertWeights],
-    token_mask: Tensor | None = None,
-) -> Tensor:
-    """Experts (+ shared expert) + residual, given `route`'s output: hidden [B, T, H] -> [B, T, H]."""
-    normed, topk_ids, topk_weights = routing
-    out = experts_forward(cfg, normed, topk_ids, topk_weights, experts, token_mask)  # [N, H]
-    if w.shared_expert is not None:
-        out = out + shared_expert_forward(cfg, w, normed)
-    return hidden + out.view(hidden.shape)

@@ -8,6 +8,7 @@ buffer slot), the hook provides it; otherwise it is loaded on first use and kept
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,19 @@ from .linear import can_pack, pack_weights
 from .weights import PartKey, WeightLoader, Weights
 
 Tensor = torch.Tensor
+
+
+@dataclass
+class MoEPartial:
+    """An MoE block between its routing and its combination: the routed tokens and the sum so far."""
+
+    layer: int
+    normed: Tensor  # [N, H]
+    topk_ids: Tensor  # [N, k]
+    topk_weights: Tensor  # [N, k]
+    token_mask: Tensor | None  # [N] bool
+    out: Tensor  # [N, H]: the experts added so far
+    shared: Tensor | None  # [N, H]: the shared expert's output (Qwen2-MoE), added at the end
 
 
 class Transformer:
@@ -85,13 +99,37 @@ class Transformer:
         """
         if not self.config.is_moe_layer(layer):
             return layers.dense_mlp_forward(self.config, self._weights(PartKey("dense_mlp", layer)), hidden)
+        state = self.moe_route(layer, hidden, token_mask, allowed)
+        self.moe_experts(state, range(self.config.num_experts))
+        return self.moe_finish(state, hidden)
+
+    # An MoE block in parts, for experts that arrive in groups (runtime/offload: a ring slot per expert group):
+    # route (and the shared expert) once, add each group's experts in order, then combine. The additions happen
+    # in the same order as in one `ffn` call, so the result is the same, bit for bit.
+    def moe_route(self, layer: int, hidden: Tensor, token_mask: Tensor | None = None,
+                  allowed: Tensor | None = None) -> MoEPartial:
+        """Routing of `layer` for hidden [B, T, H] (and its shared expert's output, Qwen2-MoE)."""
         router = self._weights(PartKey("router", layer))
-        routing = layers.route(self.config, router, hidden, allowed)
+        normed, topk_ids, topk_weights = layers.route(self.config, router, hidden, allowed)
         if self.on_route is not None:
-            self.on_route(layer, routing[1], None if token_mask is None else token_mask.reshape(-1))
-        keys = [PartKey("expert", layer, e) for e in layers.selected_experts(routing[1], token_mask)]
-        experts = {key.expert: w for key, w in self._weights_many(keys).items()}
-        return layers.moe_combine(self.config, router, hidden, routing, experts, token_mask)
+            self.on_route(layer, topk_ids, None if token_mask is None else token_mask.reshape(-1))
+        shared = layers.shared_expert_forward(self.config, router, normed) if router.shared_expert is not None else None
+        mask = None if token_mask is None else token_mask.reshape(-1)
+        return MoEPartial(layer, normed, topk_ids, topk_weights, mask, torch.zeros_like(normed), shared)
+
+    def moe_experts(self, state: MoEPartial, experts: range) -> None:
+        """Add the outputs of the experts in `experts` that some valid token selected (loads only those)."""
+        chosen = [e for e in layers.selected_experts(state.topk_ids, state.token_mask) if e in experts]
+        keys = [PartKey("expert", state.layer, e) for e in chosen]
+        weights = {key.expert: w for key, w in self._weights_many(keys).items()}
+        layers.experts_forward(self.config, state.normed, state.topk_ids, state.topk_weights, weights,
+                               state.token_mask, out=state.out, only=experts)
+
+    @staticmethod
+    def moe_finish(state: MoEPartial, hidden: Tensor) -> Tensor:
+        """Experts (+ shared expert) + residual: hidden [B, T, H] -> [B, T, H]."""
+        out = state.out if state.shared is None else state.out + state.shared
+        return hidden + out.view(hidden.shape)
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:

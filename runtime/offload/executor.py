@@ -160,4 +160,6 @@ def _args(op: Op) -> dict[str, int]:
         value = getattr(op, name)
         if value >= 0:
             args[name] = value
+    if op.group > 0:  # an expert group past the first (as Op.__str__ shows it)
+        args["group"] = op.group
     return args

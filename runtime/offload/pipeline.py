@@ -81,8 +81,7 @@ class Pipeline:
         self.running = True
         bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
         self.params = params
-        self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update,
-                               rows=lambda: self.replanner.rows)
+        self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update)
         self.rounds_since_adapt, self.adapted = 0, 0
         self.adaptation = [0, 0, 0, 0]  # hits, picks, bytes moved, experts moved (Drafter.adapt)
         self.hotness: list[list[int]] = []
@@ -133,7 +132,7 @@ class Pipeline:
 
     def _run_schedule(self, totals: dict[str, int]) -> None:
         """Run the schedule until no request is left; adds the steps and target passes to `totals`."""
-        schedule = PipelineSchedule(self.num_layers, self.weights.streamed_layers(), self.weights.num_buffers,
+        schedule = PipelineSchedule(self.num_layers, self.weights.units(), self.weights.num_buffers,
                                     draft_ops=self.plan.k_max, attention_streamed=self.weights.attention_streamed)
         handlers = {
             "load": self._load,
@@ -175,7 +174,7 @@ class Pipeline:
 
     # ---- op handlers (each runs on its resource's thread) ----------------------------------------------------------
     def _load(self, op: Op) -> None:
-        self.workers.prefetch.load(op.layer, op.slot)
+        self.workers.prefetch.load(op.layer, max(op.group, 0), op.slot)
 
     def _embed(self, op: Op) -> None:
         b = self.batches[op.batch]
@@ -198,7 +197,7 @@ class Pipeline:
     def _ffn(self, op: Op) -> None:
         b = self.batches[op.batch]
         if b.hidden is not None:
-            b.hidden = self.workers.verifier.ffn(op.layer, op.slot, b.hidden, b.token_mask)
+            b.hidden = self.workers.verifier.ffn(op.batch, op.layer, op.group, op.slot, b.hidden, b.token_mask)
 
     def _head(self, op: Op) -> None:
         b = self.batches[op.batch]
@@ -226,7 +225,7 @@ class Pipeline:
         self.verify_log.append((time.perf_counter(), b.index, sum(len(r.output) for r in b.rows) - before,
                                 len(b.rows)))
         if k >= 1:
-            self.replanner.record(accepted, k, [r.index for r in b.rows])
+            self.replanner.record(accepted, k)
         # The target cache keeps pending + the accepted drafts; the draft cache saw committed + d_1..d_{k-1}.
         self.workers.attention.truncate(b.index, [c + a for c, a in zip(b.committed, accepted)])
         if k >= 1:
@@ -258,7 +257,7 @@ class Pipeline:
             if self.adapt_interval and self.rounds_since_adapt >= (self.adapt_interval if self.adapted else 1):
                 self._adapt()
         limit = min(b.round_k, max(r.remaining for r in b.rows) - 1)
-        if op.token >= limit or len(b.draft_tokens) < op.token:  # (rows admitted after this round began: skip it)
+        if op.token >= limit:
             return
         if op.token == 0:
             d_len = self.workers.drafter.lengths(b.index)

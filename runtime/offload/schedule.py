@@ -48,7 +48,8 @@ _RESOURCE_OF = {
 
 @dataclass(frozen=True)
 class Op:
-    """One operation. `layer` is the pseudo-layer L for the head's load; `token` is the draft token index."""
+    """One operation. `layer` is the pseudo-layer L for the head's load; `token` is the draft token index; `group`
+    the expert group of a load or ffn of a layer that streams in expert groups (0 for a whole-layer unit)."""
 
     id: int
     kind: str
@@ -58,6 +59,7 @@ class Op:
     token: int = -1
     slot: int = -1
     deps: tuple[int, ...] = ()
+    group: int = -1
 
     @property
     def resource(self) -> str:
@@ -67,6 +69,8 @@ class Op:
         parts = [f"i={self.step}"]
         if self.layer >= 0:
             parts.append(f"j={self.layer}")
+        if self.group > 0:
+            parts.append(f"g={self.group}")
         if self.batch >= 0:
             parts.append(f"b={self.batch}")
         if self.token >= 0:
@@ -102,10 +106,11 @@ class PipelineSchedule:
             raise ValueError(f"num_buffers must be >= 1, got {self.num_buffers}")
         if self.draft_ops < 0:
             raise ValueError(f"draft_ops must be >= 0, got {self.draft_ops}")
-        bad = [j for j in self.streamed_layers if not 0 <= j <= self.num_layers]
+        bad = [u for u in self.streamed_layers if not 0 <= (u[0] if isinstance(u, tuple) else u) <= self.num_layers]
         if bad:
             raise ValueError(f"streamed layers {bad} outside 0..{self.num_layers} (L = the head)")
-        self.streamed_layers = tuple(sorted(set(self.streamed_layers)))
+        # load units (layer, expert group); a plain layer number is the whole layer, unit (j, 0)
+        self.streamed_layers = tuple(sorted({u if isinstance(u, tuple) else (u, 0) for u in self.streamed_layers}))
         self.attention_streamed = frozenset(self.attention_streamed)
 
     @property
@@ -141,18 +146,18 @@ class PipelineSchedule:
             n = self.draft_ops
             drafts = [((t + 1) * self.num_layers // (n + 1), t) for t in range(n)]
         if target:
-            loads: dict[int, int] = {}  # layer -> load op id
+            loads: dict[tuple[int, int], int] = {}  # load unit -> load op id
             pending = list(self.streamed_layers)
 
             def issue_load() -> None:  # the next pending load, into the next ring slot
-                j = pending.pop(0)
+                unit = pending.pop(0)
                 slot = self._next_slot
                 self._next_slot = (slot + 1) % self.num_buffers
-                loads[j] = emit("load", [self._slot_user.get(slot)], layer=j, slot=slot)
-                self._slot_user[slot] = loads[j]
+                loads[unit] = emit("load", [self._slot_user.get(slot)], layer=unit[0], group=unit[1], slot=slot)
+                self._slot_user[slot] = loads[unit]
 
-            def release(j: int, user: int) -> None:  # user is the slot's last reader: the next load may follow
-                self._slot_user[self._slot_of(loads[j], new)] = user
+            def release(unit: tuple[int, int], user: int) -> None:  # user: the slot's last reader
+                self._slot_user[self._slot_of(loads[unit], new)] = user
                 if pending:
                     issue_load()
 
@@ -161,18 +166,25 @@ class PipelineSchedule:
             prev = emit("embed", [self._last_verify.get(a), self._last_draft.get(a)], batch=a)
             self._last_draft.pop(a, None)
             for j in range(self.num_layers):
-                streamed_attn = j in self.attention_streamed and j in loads
-                attn = emit("attention", [prev, loads.get(j) if streamed_attn else None], layer=j, batch=a,
-                            slot=self._slot_of(loads.get(j), new) if streamed_attn else -1)
-                prev = emit("ffn", [attn, loads.get(j)], layer=j, batch=a, slot=self._slot_of(loads.get(j), new))
-                if j in loads:
-                    release(j, prev)
+                first = loads.get((j, 0))
+                streamed_attn = j in self.attention_streamed and first is not None
+                attn = emit("attention", [prev, first if streamed_attn else None], layer=j, batch=a,
+                            slot=self._slot_of(first, new) if streamed_attn else -1)
+                prev = attn
+                units = [u for u in self.streamed_layers if u[0] == j] or [(j, -1)]  # -1: resident, no load
+                for unit in units:  # an ffn per load unit: a whole layer, or one expert group after another
+                    load = loads.get(unit)
+                    prev = emit("ffn", [prev, load], layer=j, batch=a, group=unit[1],
+                                slot=self._slot_of(load, new))
+                    if load is not None:
+                        release(unit, prev)
                 while drafts and drafts[0][0] <= j:
                     self._emit_draft(emit, i, b, drafts.pop(0)[1])
-            head_load = loads.get(self.num_layers)
+            head_unit = (self.num_layers, 0)
+            head_load = loads.get(head_unit)
             head = emit("head", [prev, head_load], batch=a, slot=self._slot_of(head_load, new))
             if head_load is not None:
-                release(self.num_layers, head)
+                release(head_unit, head)
             self._last_verify[a] = emit("verify", [head], batch=a)
         for _, t in drafts:
             self._emit_draft(emit, i, b, t)
@@ -197,8 +209,8 @@ def check_schedule(ops: Sequence[Op], num_buffers: int) -> None:
     """Raise AssertionError if ops violate the schedule invariants (used by tests and in debug runs).
 
     - deps point to earlier ops (the list is a valid topological order);
-    - every (step, layer, batch) attention and ffn appears exactly once per target pass;
-    - each ffn of a streamed layer depends (directly) on the load of that layer in the same step;
+    - every (step, layer, batch) attention and (step, layer, group, batch) ffn appears exactly once per pass;
+    - each ffn of a streamed unit depends (directly) on the load of that unit in the same step;
     - a slot is never reloaded before the previous user of that slot is done, so in any topological
       execution at most `num_buffers` loaded layers are live.
     """
@@ -206,16 +218,16 @@ def check_schedule(ops: Sequence[Op], num_buffers: int) -> None:
     for op in ops:
         for d in op.deps:
             assert d in by_id and d < op.id, f"{op} depends on a later or unknown op {d}"
-    seen: set[tuple[str, int, int, int]] = set()
+    seen: set[tuple[str, int, int, int, int]] = set()
     for op in ops:
         if op.kind in ("attention", "ffn"):
-            key = (op.kind, op.step, op.layer, op.batch)
+            key = (op.kind, op.step, op.layer, op.group, op.batch)
             assert key not in seen, f"{op} computed twice"
             seen.add(key)
-    loads = {(op.step, op.layer): op for op in ops if op.kind == "load"}
+    loads = {(op.step, op.layer, op.group): op for op in ops if op.kind == "load"}
     for op in ops:
-        if op.kind == "ffn" and (op.step, op.layer) in loads:
-            assert loads[(op.step, op.layer)].id in op.deps, f"{op} does not wait for its weights"
+        if op.kind == "ffn" and (op.step, op.layer, op.group) in loads:
+            assert loads[(op.step, op.layer, op.group)].id in op.deps, f"{op} does not wait for its weights"
     users: dict[int, list[Op]] = {}
     for op in ops:
         if op.slot >= 0:

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specoffload.planner.placement import Placement
+from specoffload.planner.placement import Placement, slot_unit
 from specoffload.planner.plan import Plan
 from specoffload.planner.shapes import PartKey
 
 from ..config import EngineConfig
 from ..kv_cache import KVCache
-from ..models.model import Transformer
+from ..models.model import MoEPartial, Transformer
 from ..models.weights import Weights
 from ..sampling import SamplingParams, warp_logits
 from ..verify import verify_greedy, verify_sampling
@@ -41,19 +41,23 @@ Tensor = torch.Tensor
 class WeightPlan:
     """The placement as the workers need it: what is resident, what streams, and how slot loads are grouped.
 
-    load_groups: layer (num_layers = the head) -> parts loaded together into one slot by a load op.
+    load_groups: load unit (layer, group) -> parts loaded together into one slot by a load op; the head is unit
+        (num_layers, 0); a streamed layer is one unit (j, 0), or with expert_group g its experts come in units of
+        g experts (j, 0), (j, 1), ... (unit (j, 0) also holds the layer's other streamed parts).
     selected_experts: MoE experts are not in load_groups; the ffn op loads the routed ones into its slot.
     """
 
     resident: tuple[PartKey, ...]
     streamed: tuple[PartKey, ...]
-    load_groups: Mapping[int, tuple[PartKey, ...]]
+    load_groups: Mapping[tuple[int, int], tuple[PartKey, ...]]
     slot_bytes: int
     num_buffers: int
     embedding_tier: str
     selected_experts: bool
     attention_streamed: tuple[int, ...] = field(default=())
     draft_experts: int = 0  # a resident-expert drafter's experts per layer (the plan's; 0: another drafter)
+    expert_group: int = 0  # experts per load unit of a streamed MoE layer (0: the whole layer)
+    num_experts: int = 0
 
     @classmethod
     def from_placement(cls, placement: Placement, num_layers: int, num_experts: int, selected: bool,
@@ -63,9 +67,10 @@ class WeightPlan:
         if placement.tier(embedding) == "host":
             resident.append(embedding)  # on the host tier it is a plain resident table of the host-side worker
         streamed = [key for key, tier in placement.tiers.items() if tier != "device" and key != embedding]
-        groups: dict[int, list[PartKey]] = {}
+        expert_group = placement.policy.expert_group
+        groups: dict[tuple[int, int], list[PartKey]] = {}
         for key in streamed:
-            groups.setdefault(num_layers if key.kind == "head" else key.layer, []).append(key)
+            groups.setdefault(slot_unit(key, num_layers, expert_group), []).append(key)
         if selected:
             groups = {j: [k for k in keys if k.kind != "expert"] for j, keys in groups.items()}
         fields = 8 * (num_experts + 4 if num_experts else 4)  # per-tensor alignment margin inside a slot
@@ -77,12 +82,26 @@ class WeightPlan:
             num_buffers=placement.num_buffers,
             embedding_tier=placement.tier(embedding),
             selected_experts=selected,
-            attention_streamed=tuple(sorted(j for j, ks in groups.items() if any(k.kind == "attention" for k in ks))),
+            attention_streamed=tuple(sorted(unit[0] for unit, ks in groups.items()
+                                            if any(k.kind == "attention" for k in ks))),
             draft_experts=draft_experts,
+            expert_group=expert_group,
+            num_experts=num_experts,
         )
 
-    def streamed_layers(self) -> list[int]:
+    def units(self) -> list[tuple[int, int]]:
+        """The load units, in schedule order."""
         return sorted(self.load_groups)
+
+    def groups_of(self, layer: int) -> int:
+        """How many load units layer `layer`'s ffn comes in (0: resident)."""
+        return sum(1 for j, _ in self.load_groups if j == layer)
+
+    def experts_of(self, group: int) -> range:
+        """The expert ids of expert group `group` of a layer that streams in expert groups."""
+        if not self.expert_group:
+            return range(self.num_experts)
+        return range(group * self.expert_group, min((group + 1) * self.expert_group, self.num_experts))
 
 
 def _slot_streamer(model: Transformer, plan: WeightPlan, config: EngineConfig, slots: Sequence[Tensor] | None,
@@ -103,12 +122,12 @@ class _SlotReader:
     def __init__(self, streamer: WeightStreamer | None, plan: WeightPlan, expert_loader: WeightStreamer | None = None):
         self.streamer, self.plan, self.expert_loader = streamer, plan, expert_loader
         self.slot = -1
-        self.layer = -1
+        self.unit: tuple[int, int] = (-1, -1)
 
     def __call__(self, keys: list[PartKey]) -> dict[PartKey, Weights]:
         if self.streamer is None or self.slot < 0:
             raise RuntimeError(f"parts {keys} are not resident and no slot is bound: schedule bug")
-        group = list(self.plan.load_groups.get(self.layer, ()))
+        group = list(self.plan.load_groups.get(self.unit, ()))
         out = {}
         staged = [key for key in keys if key in group]
         if staged:
@@ -122,15 +141,15 @@ class _SlotReader:
             out |= self.expert_loader.load(self.slot, routed)  # routed experts only, into this layer's slot
         return out
 
-    def bind(self, layer: int, slot: int) -> _SlotReader:
-        self.layer, self.slot = layer, slot
+    def bind(self, layer: int, slot: int, group: int = 0) -> _SlotReader:
+        self.unit, self.slot = (layer, group), slot
         return self
 
     def __enter__(self) -> _SlotReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.layer = self.slot = -1
+        self.unit, self.slot = (-1, -1), -1
 
 
 class PrefetchWorker:
@@ -150,9 +169,9 @@ class PrefetchWorker:
         return self.streamer.bytes_read if self.streamer is not None else 0
 
     @wire
-    def load(self, layer: int, slot: int) -> None:
-        """Stream layer `layer`'s load group (the head: layer L) into ring slot `slot`."""
-        keys = self.plan.load_groups.get(layer, ())
+    def load(self, layer: int, group: int, slot: int) -> None:
+        """Stream load unit (layer, group) (the head: (L, 0)) into ring slot `slot`."""
+        keys = self.plan.load_groups.get((layer, group), ())
         if keys and self.streamer is not None:
             self.streamer.load(slot, list(keys))
 
@@ -216,6 +235,7 @@ class VerifierWorker(BatchRNG):
         self.model.on_route = self._count_routing
         cfg = self.model.config
         self.routing = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.long)  # [L, E] since read
+        self.partial: dict[int, MoEPartial] = {}  # batch -> its MoE block in progress (expert groups)
         self.generators: dict[int, torch.Generator] = {}
 
     @property
@@ -223,16 +243,29 @@ class VerifierWorker(BatchRNG):
         return self.reader.expert_loader.bytes_read if self.reader.expert_loader is not None else 0
 
     @wire(keep_outputs=True)
-    def ffn(self, layer: int, slot: int, hidden: Tensor, token_mask: Tensor | None) -> Tensor:
-        """hidden [rows, T, H] -> [rows, T, H] through layer `layer`'s FFN / experts (token_mask [rows, T])."""
-        with self.reader.bind(layer, slot):
-            return self.model.ffn(layer, hidden, token_mask)
+    def ffn(self, batch: int, layer: int, group: int, slot: int, hidden: Tensor, token_mask: Tensor | None) -> Tensor:
+        """hidden [rows, T, H] -> [rows, T, H] through layer `layer`'s FFN / experts (token_mask [rows, T]).
+
+        A layer that streams in expert groups runs one group per call, in order: the first routes, each adds its
+        experts' outputs (kept here per batch), the last returns the combination; the others return `hidden`."""
+        units = self.plan.groups_of(layer)
+        with self.reader.bind(layer, slot, max(group, 0)):
+            if units <= 1 or not self.model.config.is_moe_layer(layer):
+                return self.model.ffn(layer, hidden, token_mask)
+            if group == 0:
+                self.partial[batch] = self.model.moe_route(layer, hidden, token_mask)
+            state = self.partial[batch]
+            self.model.moe_experts(state, self.plan.experts_of(group))
+            if group < units - 1:
+                return hidden
+            del self.partial[batch]
+            return self.model.moe_finish(state, hidden)
 
     @wire(keep_outputs=True)
     def head(self, slot: int, hidden: Tensor, positions: Tensor) -> Tensor:
         """hidden [rows, T, H], positions [rows, P] -> logits [rows, P, vocab] (float32)."""
         index = positions.to(hidden.device)[:, :, None].expand(-1, -1, hidden.shape[-1])
-        with self.reader.bind(self.model.config.num_layers, slot):
+        with self.reader.bind(self.model.config.num_layers, slot, 0):
             return self.model.logits(torch.gather(hidden, 1, index))
 
     @wire
