@@ -213,6 +213,8 @@ def main() -> int:
     ap.add_argument("--hf-batches", default="16,64")
     ap.add_argument("--resident-experts", default="4", help="(5): experts per layer the self-drafter keeps, list")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--expert-group", type=int, default=None, help="experts per ring slot (default: whole layers)")
+    ap.add_argument("--num-buffers", type=int, default=2)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one budget, one batch each, 8 new tokens, no (1)")
     ap.add_argument("--out", default="moe")
@@ -238,7 +240,8 @@ def main() -> int:
           f"sized for {args.max_seq_len} tokens per row, k={args.k}, dtype {args.dtype}", flush=True)
     reference = dense_reference(prompts[:8], args.new_tokens) if args.target == "upcycled" else None
     base = EngineConfig(target, device_memory="1GiB", max_seq_len=args.max_seq_len, num_draft_tokens=args.k,
-                        dtype=args.dtype, trace=True, expert_loading="auto")
+                        dtype=args.dtype, trace=True, expert_loading="auto", expert_group=args.expert_group,
+                        num_buffers=args.num_buffers)
     from scripts.bench_offload import RANDOM_DRAFT_WORKERS
 
     budgets = [parse_bytes(b) for b in args.budgets.split(",")]
@@ -330,7 +333,8 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
         summary["best_overlap_efficiency"] = max(effs)
     meta = {"date": utc_now(), "target": target.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "max_seq_len": args.max_seq_len, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-            "k": args.k, "dtype": args.dtype, "reps": args.reps, "quick": args.quick, "elapsed_s": elapsed}
+            "k": args.k, "dtype": args.dtype, "reps": args.reps, "quick": args.quick, "elapsed_s": elapsed,
+            "expert_group": args.expert_group, "num_buffers": args.num_buffers}
     clean = [{"budget": r["budget"], "planner": r["planner"],
               "rows": [{k: v for k, v in row.items() if k != "tokens"} for row in r["rows"]]} for r in results]
     write_json(PERF / f"{args.out}.json", {"summary": summary, "per_budget": per_budget, "meta": meta,
