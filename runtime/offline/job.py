@@ -64,6 +64,7 @@ class JobSpec:
 
 
 def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineConfig], JobBackend]) -> int:
+    """Run the job (see the module docstring); returns the exit status."""
     if spec.chunk_size < 1:
         raise ValueError(f"--chunk-size must be >= 1, got {spec.chunk_size}")
     if spec.output is None and spec.resume:
@@ -71,41 +72,18 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
     fmt = input_format(spec.source, spec.input_format)
     out = OutputFile(spec.output, resume=spec.resume, overwrite=spec.overwrite) if spec.output else StdoutOutput()
     with closing(out):
-        model = ModelConfig.from_dir(config.target)
-        tokenizer = load_tokenizer(config.target)
-        sha, total = spec.source.identity()
-        if total == 0:
-            raise PromptFileError(f"{spec.source.name}: no prompts in file")
-        limits = Limits(model.vocab_size, model.max_position_embeddings)
-        if config.offloaded and config.max_seq_len is None:  # size the KV caches to the job, as `specoffload plan`
-            config = replace(config, max_seq_len=_job_max_seq_len(spec, fmt, tokenizer, limits))
-        if config.max_seq_len is not None:
-            limits = replace(limits, max_seq_len=min(config.max_seq_len, limits.context))
-        preparer = Preparer(tokenizer, limits, spec.params, spec.chunk_size)
-        out.start(_manifest(spec, config, fmt, sha, total, limits))
+        config, preparer, sha, total = _scan(spec, config, fmt)
+        out.start(_manifest(spec, config, fmt, sha, total, preparer.limits))
         resumed = out.resume(fmt, (fmt.parse(raw) for raw in spec.source.rows()), total, spec.chunk_size)
         _say_resumed(spec, resumed, total)
         if resumed.rows == total:
             print("nothing to do: every prompt has a row", file=sys.stderr)
             return 2 if resumed.failed else 0
-        rows = (preparer(fmt.parse(raw)) for raw in spec.source.rows(start=resumed.rows))
         writer = _Writer(spec, fmt, out, preparer, model_name=Path(config.target).name)
         progress = Progress(total, resumed.rows, spec.progress, spec.progress_interval)
-        backend = open_backend(config)
-        start = time.perf_counter()
-        try:
-            order = InOrder(first=resumed.rows // spec.chunk_size)
-            for done in backend.run(chunked(rows, spec.chunk_size), spec.window):
-                for ready in order.add(done):
-                    progress.update(*writer.write(ready))
-            wall = time.perf_counter() - start
-            progress.close()
-            _summary(progress, wall, config.draft is not None)
-            backend.report()
-            details = backend.summary()
-        finally:
-            progress.close()
-            backend.close()
+        rows = (preparer(fmt.parse(raw)) for raw in spec.source.rows(start=resumed.rows))
+        wall, details = _generate(spec, config, open_backend, chunked(rows, spec.chunk_size), resumed, writer,
+                                  progress)
         failed = resumed.failed + progress.tally.failed
         if failed:
             where = spec.output or "the output"
@@ -117,6 +95,43 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
                       "acceptance": t.acceptance, "write_s": writer.seconds, "backend": details}
             spec.summary.write_text(json.dumps(record, indent=2) + "\n")
         return 2 if failed else 0
+
+
+def _scan(spec: JobSpec, config: EngineConfig, fmt: Format) -> tuple[EngineConfig, Preparer, str, int]:
+    """One streamed pass over the input: its SHA-256 and rows; the KV length when it comes from the job; the limits
+    every row is prepared against."""
+    model = ModelConfig.from_dir(config.target)
+    tokenizer = load_tokenizer(config.target)
+    sha, total = spec.source.identity()
+    if total == 0:
+        raise PromptFileError(f"{spec.source.name}: no prompts in file")
+    limits = Limits(model.vocab_size, model.max_position_embeddings)
+    if config.offloaded and config.max_seq_len is None:  # size the KV caches to the job, as `specoffload plan`
+        config = replace(config, max_seq_len=_job_max_seq_len(spec, fmt, tokenizer, limits))
+    if config.max_seq_len is not None:
+        limits = replace(limits, max_seq_len=min(config.max_seq_len, limits.context))
+    return config, Preparer(tokenizer, limits, spec.params, spec.chunk_size), sha, total
+
+
+def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineConfig], JobBackend],
+              chunks: Iterator[Chunk], resumed: Resumed, writer: _Writer, progress: Progress
+              ) -> tuple[float, dict[str, Any]]:
+    """Hand the chunks to the backend and write what comes back in input order; returns (seconds, its summary)."""
+    backend = open_backend(config)
+    start = time.perf_counter()
+    try:
+        order = InOrder(first=resumed.rows // spec.chunk_size)
+        for done in backend.run(chunks, spec.window):
+            for ready in order.add(done):
+                progress.update(*writer.write(ready))
+        wall = time.perf_counter() - start
+        progress.close()
+        _summary(progress, wall, config.draft is not None)
+        backend.report()
+        return wall, backend.summary()
+    finally:
+        progress.close()
+        backend.close()
 
 
 class _Writer:
