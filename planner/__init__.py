@@ -11,14 +11,20 @@ torch, never `specoffload.runtime` or Ray (a test imports it in a fresh interpre
     profile.py      HardwareProfile: measured io / attention / FFN / draft costs, JSON with provenance
     acceptance.py   expected tokens per verify round (Leviathan et al. 2023, eq. 1); alpha estimation
     cost.py         ModelCosts (FLOPs from shapes), the step and workload time model
-    search.py       Policy, search over (batch, k), replan_k for online re-planning
+    search.py       Policy, search over (batch, k) (maximin over an alpha range), replan / replan_k online
     paper_scale/    inputs and script of the paper-scale *prediction* (Mixtral 8x7B + Mistral 7B, RTX 4090)
 """
 
-from .acceptance import AcceptanceEstimate, AcceptanceTracker, estimate_alpha, expected_tokens
+from .acceptance import (
+    AcceptanceEstimate,
+    AcceptanceTracker,
+    estimate_alpha,
+    estimate_alpha_by_prompt,
+    expected_tokens,
+)
 from .cost import ModelCosts, StepEstimate, Workload, WorkloadEstimate, estimate_step, estimate_workload
 from .profile import HardwareProfile, ProfileError
-from .search import NoFeasiblePolicyError, Policy, SearchResult, replan_k, search
+from .search import NoFeasiblePolicyError, Policy, Replan, SearchResult, replan, replan_k, search
 
 __all__ = [
     "AcceptanceEstimate",
@@ -27,15 +33,18 @@ __all__ = [
     "ModelCosts",
     "NoFeasiblePolicyError",
     "Policy",
+    "Replan",
     "ProfileError",
     "SearchResult",
     "StepEstimate",
     "Workload",
     "WorkloadEstimate",
     "estimate_alpha",
+    "estimate_alpha_by_prompt",
     "estimate_step",
     "estimate_workload",
     "expected_tokens",
+    "replan",
     "replan_k",
     "search",
 ]

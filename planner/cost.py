@@ -10,7 +10,8 @@ tokens for the other batch. L layers; the head is pseudo-layer L. Per pass, with
               (rate: the resident, packed-layout GEMM rate when layer j is resident and the profile has one)
     head    = F_head * n / head_rate(n)                                      [device]
     draft   = k * draft_seconds(B)                                           [device]
-    o       = pass_overhead_s                                                (embed + verify)
+    o       = pass_overhead_s + position_overhead_s * head rows   (embed, verify, bookkeeping; head rows = n in a
+              decode pass, B in a prefill: both calibrated on measured passes, runtime/offload/calibrate.py)
 
 F_dense_j: FLOPs per token of layer j's dense MLP and router (2 per parameter); F_exp_j: top_k experts of E per
 token; each expert GEMM sees n * top_k / E rows on average, so at small n the experts cost their weight-read
@@ -26,7 +27,8 @@ time, as on the real device. The embedding costs nothing.
     separate compute (GPU: attention on the CPU, ffn / head / draft on the device):
         T_step = max(T_io, T_chain, sum_j attn_j + o, sum_j ffn_j + head + draft)
 
-    tokens_per_step = B * E(alpha, k) with E = expected_tokens (acceptance.py; k = 0: B).
+    tokens_per_step = B * E(k) with E the tokens per round of the acceptance (acceptance.py: Leviathan's eq. 1
+                      for a scalar alpha, the per-position curve for an `AcceptanceCurve`; k = 0: B).
 
 Selected-expert loading (planner/experts.py): when the engine loads only routed experts, a streamed MoE layer's
 load_j counts its experts' bytes times E[distinct experts hit by n tokens] / num_experts (uniform routing: a
@@ -42,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from .acceptance import expected_tokens
+from .acceptance import Acceptance, tokens_per_round
 from .experts import expected_distinct_experts, selects_experts
 from .placement import Placement, slot_unit
 from .profile import HardwareProfile, ProfileError
@@ -208,8 +210,8 @@ def _expert_share(costs: ModelCosts, placement: Placement, expert_loading: str, 
 
 
 def estimate_step(
-    profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, alpha: float, context: int,
-    expert_loading: str = "auto",
+    profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, alpha: Acceptance,
+    context: int, expert_loading: str = "auto",
 ) -> StepEstimate:
     """One decode step: a target pass over `batch` rows of k + 1 tokens each, KV length `context` (docstring).
     expert_loading: the engine's mode for streamed MoE layers ("auto", "selected", "all"; planner/experts.py)."""
@@ -217,7 +219,7 @@ def estimate_step(
     fed = batch * (k + 1)
     t_draft = k * profile.draft_seconds(batch) if k else 0.0
     share = _expert_share(costs, placement, expert_loading, fed, fed)
-    return _pass(profile, costs, placement, fed, fed, context, t_draft, batch * expected_tokens(alpha, k), share)
+    return _pass(profile, costs, placement, fed, fed, context, t_draft, batch * tokens_per_round(alpha, k), share)
 
 
 def estimate_prefill(
@@ -243,7 +245,7 @@ def estimate_workload(
     placement: Placement,
     batch: int,
     k: int,
-    alpha: float,
+    alpha: Acceptance,
     workload: Workload,
     expert_loading: str = "auto",
 ) -> WorkloadEstimate:
@@ -261,7 +263,7 @@ def estimate_workload(
     context = round(workload.prompt_len + workload.new_tokens / 2)
     step = estimate_step(profile, costs, placement, rows, k, alpha, context, expert_loading)
     prefill = estimate_prefill(profile, costs, placement, rows, k, workload.prompt_len, expert_loading)
-    decode_steps = num_batches * math.ceil((workload.new_tokens - 1) / expected_tokens(alpha, k))
+    decode_steps = num_batches * math.ceil((workload.new_tokens - 1) / tokens_per_round(alpha, k))
     prefill_s = waves * num_batches * prefill.t_step
     decode_s = waves * decode_steps * step.t_step
     total = prefill_s + decode_s
@@ -348,7 +350,7 @@ def _pass(
                                     pre_waits=streams_attention and n == 0))
     head = profile.head_seconds(costs.head_flops * head_rows, head_rows)
     layers.append(ChainLink(0.0, head, loads.get((target.num_layers, 0))))
-    overhead = profile.pass_overhead_s
+    overhead = profile.overhead_seconds(head_rows)
     t_io = sum(loads.values())
     t_attention = attn * target.num_layers
     t_ffn = sum(layer.post for layer in layers[:-1])

@@ -53,7 +53,12 @@ class HardwareProfile:
     head_flops_per_s: float | None = None  # None: the ffn rate at the head's rows
     # (rows, FLOP/s) of the same GEMM on weights kept resident (packed layout on CPU); None: as ffn_flops_per_s
     resident_ffn_flops_per_s: tuple[tuple[int, float], ...] | None = None
-    pass_overhead_s: float = 0.0  # fixed per target pass (embed, verify, bookkeeping)
+    pass_overhead_s: float = 0.0  # fixed per target pass (embed, verify, bookkeeping): calibrated on real passes
+    # per position a pass verifies (rows x (k + 1) decoding, rows in a prefill): the head's output, sampling and
+    # verification, bookkeeping per row; calibrated on real passes
+    position_overhead_s: float = 0.0
+    # the measured passes the two overheads (and the in-pass stream rate) were fitted on, for the record
+    calibration: tuple[Mapping[str, float], ...] = field(default=(), hash=False, compare=False)
 
     def __post_init__(self) -> None:
         try:
@@ -79,8 +84,11 @@ class HardwareProfile:
         object.__setattr__(self, "attention_fit", fit)
         if self.head_flops_per_s is not None:
             _positive("head_flops_per_s", self.head_flops_per_s)
-        if not (math.isfinite(self.pass_overhead_s) and self.pass_overhead_s >= 0):
-            raise ProfileError(f"pass_overhead_s must be a finite number >= 0, got {self.pass_overhead_s!r}")
+        for name in ("pass_overhead_s", "position_overhead_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ProfileError(f"{name} must be a finite number >= 0, got {value!r}")
+        object.__setattr__(self, "calibration", tuple(MappingProxyType(dict(c)) for c in self.calibration))
 
     # --- costs ---------------------------------------------------------------------------------------------------
 
@@ -116,6 +124,10 @@ class HardwareProfile:
         c0, c1, c2 = self.attention_fit
         return c0 + c1 * new_tokens + c2 * new_tokens * context
 
+    def overhead_seconds(self, positions: int) -> float:
+        """Per target pass outside the modelled ops: pass_overhead_s + position_overhead_s * positions verified."""
+        return self.pass_overhead_s + self.position_overhead_s * positions
+
     def draft_seconds(self, rows: float) -> float:
         """Seconds of one draft token step at `rows` rows: linear between points, clamped below, extrapolated above."""
         _check_rows(rows)
@@ -143,6 +155,8 @@ class HardwareProfile:
             "resident_ffn_flops_per_s": (None if self.resident_ffn_flops_per_s is None
                                          else [list(p) for p in self.resident_ffn_flops_per_s]),
             "pass_overhead_s": self.pass_overhead_s,
+            "position_overhead_s": self.position_overhead_s,
+            "calibration": [dict(c) for c in self.calibration],
         }
 
     @classmethod
@@ -163,6 +177,8 @@ class HardwareProfile:
                 head_flops_per_s=data.get("head_flops_per_s"),
                 resident_ffn_flops_per_s=data.get("resident_ffn_flops_per_s"),
                 pass_overhead_s=float(data.get("pass_overhead_s", 0.0)),
+                position_overhead_s=float(data.get("position_overhead_s", 0.0)),
+                calibration=tuple(data.get("calibration", ())),
             )
         except (TypeError, ValueError) as exc:  # ProfileError is a ValueError: re-raised with the same message
             raise ProfileError(f"invalid hardware profile: {exc}") from exc

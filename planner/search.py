@@ -10,15 +10,25 @@ for the paper's vocabulary and the search runs over (batch, k):
 
 For each pair: `place` (a `PlacementError` makes the pair infeasible, with its reason), then
 `estimate_workload` (cost.py); the best policy is the argmax, ties going to the smaller batch, then smaller k.
+
+Uncertain acceptance (`alpha_range`, e.g. a warm-up's confidence interval from a few prompts): each policy is
+predicted at every alpha of a grid over the range, and the pick is the maximin of its ratio to the best policy at
+that alpha:
+
+    worst_ratio(p) = min over a in range of  rate(p, a) / max_q rate(q, a)
+
+so a policy that is near-best over the whole range beats one that is best only at the point estimate and poor at
+the low end (a long k at a high alpha, typically). With a narrow range this is the plain argmax.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
+from .acceptance import Acceptance, AcceptanceCurve, pooled_alpha
 from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimate_workload
 from .errors import SpecOffloadError
 from .placement import Placement, PlacementError, PlacementPolicy, place
@@ -45,6 +55,9 @@ class Policy:
     memory: Mapping[str, int] = field(hash=False)  # bytes per tier, and "device_footprint" (the device budget used)
     placement_table: str = field(repr=False)
     estimate: WorkloadEstimate | None = field(default=None, compare=False, repr=False)
+    # min over the alpha range of rate / the best policy's rate (module docstring); 1 for the best without a range
+    worst_ratio: float = field(default=1.0, compare=False)
+    predicted_low: float | None = field(default=None, compare=False)  # tokens/s at the low end of the alpha range
 
     def __post_init__(self) -> None:
         if self.prefill_batch != self.decode_batch or self.draft_batch != (self.decode_batch if self.k else 0):
@@ -64,7 +77,8 @@ class Policy:
 
     def describe(self) -> str:
         draft = f"k={self.k}, two batches" if self.k else "no draft, one batch"
-        return f"batch={self.batch} ({draft}): {self.predicted_tokens_per_s:.2f} tokens/s predicted"
+        low = "" if self.predicted_low is None else f" ({self.predicted_low:.2f} at the low end of alpha)"
+        return f"batch={self.batch} ({draft}): {self.predicted_tokens_per_s:.2f} tokens/s predicted{low}"
 
 
 @dataclass(frozen=True)
@@ -85,7 +99,7 @@ def search(
     target: ModelShape,
     draft: ModelShape | None,
     workload: Workload,
-    alpha: float,
+    alpha: Acceptance,
     device_memory: int,
     host_memory: int,
     *,
@@ -101,10 +115,14 @@ def search(
     k_ceiling: int = 0,
     expert_loading: str = "auto",
     draft_pins: frozenset[PartKey] = frozenset(),
+    alpha_range: tuple[float, float] | None = None,
     expert_group: int = 0,
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
+    alpha_range: (low, high) plausible acceptance around `alpha`; the pick is then the maximin of the ratio to the
+    best policy over the range (module docstring); `alternatives` are ranked by that ratio, then by the rate at
+    `alpha`.
     context: tokens per row (prompt + new tokens; the engine's max_seq_len), default ceil(prompt_len) +
     new_tokens; the KV capacity placed is context + k_max + 1, as the engine sizes it, where k_max = k, or
     max(k, k_ceiling) for k >= 1 when online re-planning may raise k up to k_ceiling (`Plan.kv_capacity`).
@@ -119,6 +137,8 @@ def search(
     tier = weights_tier if weights_tier is not None else profile.weights_tier
     unified = unified_memory if unified_memory is not None else profile.device == "cpu"
     tokens = context if context is not None else math.ceil(workload.prompt_len) + workload.new_tokens
+    scenarios = _alpha_grid(alpha, alpha_range)
+    rates: dict[tuple[int, int], list[float]] = {}  # (batch, k) -> tokens/s at each alpha of `scenarios`
     feasible: list[Policy] = []
     infeasible: list[tuple[int, int, str]] = []
     for batch in batches:
@@ -141,12 +161,35 @@ def search(
                 infeasible.append((batch, k, str(exc)))
                 continue
             estimate = estimate_workload(profile, costs, placement, batch, k, alpha, workload, expert_loading)
-            feasible.append(_policy(batch, k, alpha, placement, estimate))
+            rates[(batch, k)] = [estimate.tokens_per_s if a is alpha or k == 0 else
+                                 estimate_workload(profile, costs, placement, batch, k, a, workload,
+                                                   expert_loading).tokens_per_s for a in scenarios]
+            feasible.append(_policy(batch, k, pooled_alpha(alpha), placement, estimate))
     if not feasible:
         reasons = "; ".join(f"batch={b}, k={k}: {why}" for b, k, why in infeasible[:3])
         raise NoFeasiblePolicyError(f"no (batch, k) fits the memory budgets. First reasons: {reasons}")
-    ranked = tuple(sorted(feasible, key=lambda p: (-_rounded(p.predicted_tokens_per_s), p.batch, p.k)))
+    best_at = [max(r[n] for r in rates.values()) for n in range(len(scenarios))]
+    feasible = [replace(p, worst_ratio=min(r / b for r, b in zip(rates[(p.batch, p.k)], best_at)),
+                        predicted_low=rates[(p.batch, p.k)][0] if alpha_range is not None else None)
+                for p in feasible]
+    ranked = tuple(sorted(feasible, key=lambda p: (-_rounded(p.worst_ratio), -_rounded(p.predicted_tokens_per_s),
+                                                   p.batch, p.k)))
     return SearchResult(best=ranked[0], alternatives=ranked, infeasible=tuple(infeasible))
+
+
+def _alpha_grid(alpha: Acceptance, alpha_range: tuple[float, float] | None, points: int = 5) -> list[Acceptance]:
+    """The acceptances a policy is judged at: [alpha] without a range, else `points` pooled rates spread over
+    [low, high] (a curve keeps its shape: `AcceptanceCurve.at`) with `alpha` itself among them (low first)."""
+    if alpha_range is None:
+        return [alpha]
+    low, high = alpha_range
+    point = pooled_alpha(alpha)
+    if not 0.0 <= low <= point <= high <= 1.0:
+        raise ValueError(f"alpha_range must satisfy 0 <= low <= alpha <= high <= 1, got {alpha_range} for {point}")
+    levels = sorted({low + (high - low) * n / (points - 1) for n in range(points)} - {point})
+    below = [a for a in levels if a < point]
+    at = (lambda a: alpha.at(a)) if isinstance(alpha, AcceptanceCurve) else (lambda a: a)  # noqa: E731
+    return [at(a) for a in below] + [alpha] + [at(a) for a in levels if a > point]
 
 
 def replan_k(
@@ -170,6 +213,50 @@ def replan_k(
     rates = {k: estimate_step(profile, costs, placement, batch, k, alpha, context, expert_loading).tokens_per_s
              for k in candidates}
     return min(rates, key=lambda k: (-_rounded(rates[k]), k))
+
+
+@dataclass(frozen=True)
+class Replan:
+    """An online decision (`replan`): k draft tokens per round (0: speculation off) and the rows a batch admits."""
+
+    k: int
+    rows: int
+    tokens_per_s: float  # predicted decode rate at the point estimate
+    worst_ratio: float  # min over the alpha range of its rate / the best candidate's (module docstring)
+
+
+def replan(
+    profile: HardwareProfile,
+    costs: ModelCosts,
+    placement: Placement,
+    batch: int,
+    alpha: Acceptance,
+    context: int,
+    k_max: int,
+    merged_rows: int,
+    alpha_range: tuple[float, float] | None = None,
+    expert_loading: str = "auto",
+) -> Replan:
+    """Online re-planning with a drafter loaded and placed for two batches of `batch` rows: the decode step with
+    the best worst-case ratio over `alpha_range` (module docstring) among
+
+        k in 1..k_max, two batches of `batch` rows (speculation on), and
+        k = 0 with one batch of `merged_rows` rows (speculation off: the rows of both batches in one, the KV memory
+        they were placed with; the other batch stays empty, as a no-draft plan runs).
+
+    Ties go to the smaller k. Decode steps only: the rows' prefill is the same whichever is chosen.
+    """
+    if costs.draft is None or k_max < 1:
+        raise ValueError("replan needs a drafter (costs.draft) and k_max >= 1; without one there is nothing to choose")
+    candidates = [(k, batch) for k in range(1, k_max + 1)] + [(0, merged_rows)]
+    scenarios = _alpha_grid(alpha, alpha_range)
+    rates = {c: [estimate_step(profile, costs, placement, c[1], c[0], a, context, expert_loading).tokens_per_s
+                 for a in scenarios] for c in candidates}
+    best_at = [max(r[n] for r in rates.values()) for n in range(len(scenarios))]
+    worst = {c: min(r / b for r, b in zip(rates[c], best_at)) for c in candidates}
+    point = next(n for n, a in enumerate(scenarios) if a is alpha)
+    k, rows = min(candidates, key=lambda c: (-_rounded(worst[c]), -_rounded(rates[c][point]), c[0]))
+    return Replan(k=k, rows=rows, tokens_per_s=rates[(k, rows)][point], worst_ratio=worst[(k, rows)])
 
 
 def _rounded(rate: float) -> float:

@@ -104,6 +104,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=_int_or_auto, default="auto", help="fix the batch instead of planning it")
     p.add_argument("-k", "--num-draft-tokens", type=_int_or_auto, default="auto", help="fix k instead of planning it")
     p.add_argument("--alpha", type=float, default=None, help="acceptance rate to assume (default: measure / 0.7)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the job's sampling (the warm-up drafts with it)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top", type=int, default=8, help="alternatives to print")
     p.add_argument("--quick-profile", action="store_true", help="fewer measurement points")
 
@@ -112,11 +115,11 @@ def _plan(args: argparse.Namespace) -> int:
     from specoffload.planner import Workload
     from specoffload.planner.units import format_bytes
 
-    from .engine import Engine
     from .models.model import Transformer
     from .offload.profiler import load_or_measure, profile_path
     from .planning import ModelPair, job_max_seq_len, make_plan
     from .tokenizer import load_tokenizer
+    from .warmup import plan_job
 
     prompts = read_prompts_file(args.prompts) if args.prompts else []
     base = EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype, device_memory=args.device_memory,
@@ -128,29 +131,26 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"hardware profile: {profile_path(config)}", file=sys.stderr)
     tok = load_tokenizer(args.target) if any(isinstance(p, str) for p in prompts) else None
     encoded = [tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]
-    alpha, alpha_source = args.alpha, "--alpha"
-    if alpha is None and encoded and args.draft:
-        seq = max(len(p) for p in encoded[:4]) + 32
-        warm = Engine(replace(base, max_batch_size=2, num_draft_tokens=4, max_seq_len=seq))
-        try:
-            warm.generate(encoded[:4], SamplingParams(max_new_tokens=16, ignore_eos=True))
-        finally:
-            warm.close()
-        estimate = warm.replanner.tracker.estimate()
-        if estimate is not None:
-            alpha = estimate.alpha
-            alpha_source = f"warm-up on 4 of the job's prompts ({estimate.trials:.0f} draft positions tried)"
-    if alpha is None:
-        alpha, alpha_source = base.acceptance_prior, "prior (no prompts to measure it on)"
-    mean_prompt = sum(map(len, encoded)) / len(encoded) if encoded else max_seq_len / 2
-    workload = Workload(num_prompts=len(encoded) or 256, prompt_len=mean_prompt, new_tokens=args.max_new_tokens)
     target = Transformer(args.target, dtype=base.torch_dtype)  # shapes only: no weights are loaded
     draft = Transformer(args.draft, dtype=base.torch_dtype) if args.draft else None
-    plan = make_plan(config, ModelPair.of(target, draft), max_seq_len, workload=workload, alpha=alpha,
-                     profile=profile)
+    models = ModelPair.of(target, draft)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, ignore_eos=True)
+    if encoded and args.alpha is None:  # the warm-up on the job's prompts, then the maximin search over its range
+        job = plan_job(config, models, encoded, params, max_seq_len, profile=profile)
+        plan, workload = job.plan, job.workload
+        alpha_source = job.warmup.describe() if job.warmup is not None else "no draft"
+    else:
+        alpha = args.alpha if args.alpha is not None else base.acceptance_prior
+        alpha_source = "--alpha" if args.alpha is not None else "prior (no prompts to measure it on)"
+        workload = Workload(num_prompts=len(encoded) or 256,
+                            prompt_len=sum(map(len, encoded)) / len(encoded) if encoded else max_seq_len / 2,
+                            new_tokens=args.max_new_tokens)
+        plan = make_plan(config, models, max_seq_len, workload=workload, alpha=alpha, profile=profile)
+        alpha_source = f"{alpha:.3f} ({alpha_source})"
     print(f"workload: {workload.num_prompts} prompts x {workload.prompt_len:.0f} tokens, "
           f"{workload.new_tokens} new tokens, KV sized for {max_seq_len} tokens per row; "
-          f"acceptance alpha = {alpha:.3f} ({alpha_source})")
+          f"acceptance alpha = {alpha_source}")
     if plan.policy is None:
         print(f"fixed plan (--batch-size and -k given): {plan.describe()}")
         return 0
@@ -158,11 +158,12 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"chosen policy: batch {best.decode_batch} (prefill = decode = draft batch), k = {best.k}: "
           f"predicted {best.predicted_tokens_per_s:.2f} tokens/s")
     print(best.placement_table)
-    print("\n| batch | k | predicted tok/s | bound | device memory |")
-    print("|---:|---:|---:|---|---:|")
+    print("\n| batch | k | predicted tok/s | at the low end of alpha | worst ratio to best | bound | device memory |")
+    print("|---:|---:|---:|---:|---:|---|---:|")
     for p in plan.alternatives[: args.top]:
         bound = p.estimate.step.bound if p.estimate is not None else ""
-        print(f"| {p.decode_batch} | {p.k} | {p.predicted_tokens_per_s:.2f} | {bound} | "
+        low = f"{p.predicted_low:.2f}" if p.predicted_low is not None else ""
+        print(f"| {p.decode_batch} | {p.k} | {p.predicted_tokens_per_s:.2f} | {low} | {p.worst_ratio:.2f} | {bound} | "
               f"{format_bytes(int(p.memory.get('device_footprint', 0)))} |")
     print(f"\nrun it: specoffload generate ... --device-memory {args.device_memory} --max-seq-len {max_seq_len} "
           f"--batch-size {best.decode_batch} -k {best.k}")

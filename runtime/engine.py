@@ -92,10 +92,9 @@ class Engine:
             self.models = ModelPair.of(self.target, draft_model)
         resident_context = None if config.offloaded else cfg.max_position_embeddings  # the resident KV grows
         max_seq_len = resolve_max_seq_len(config.max_seq_len or resident_context, cfg.max_position_embeddings)
-        self.profile: HardwareProfile | None = None
+        # the planner's profile: for the plan, and for re-planning online a plan the planner made (also one given)
+        self.profile: HardwareProfile | None = load_or_measure(config) if config.planned else None
         if plan is None:
-            if config.planned:
-                self.profile = load_or_measure(config)
             plan = make_plan(config, self.models, max_seq_len, profile=self.profile)
         self.plan = plan
         self.tracer = Tracer(enabled=config.trace)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from specoffload.planner import HardwareProfile, ModelCosts, Workload, search
+from specoffload.planner.acceptance import Acceptance
 from specoffload.planner.placement import Placement, PlacementPolicy, minimum_device_memory, place
 from specoffload.planner.plan import MAX_AUTO_K, Plan, fixed_plan, planned
 from specoffload.planner.search import DEFAULT_BATCHES
@@ -110,13 +111,16 @@ def make_plan(
     max_seq_len: int,
     *,
     workload: Workload | None = None,
-    alpha: float | None = None,
+    alpha: Acceptance | None = None,
     profile: HardwareProfile | None = None,
     log: Callable[[str], None] | None = None,
+    alpha_range: tuple[float, float] | None = None,
 ) -> Plan:
     """The plan for `config`: fixed when the user chose batch and k (or nothing streams), else the planner's best
     (batch, k) for `workload` (default: many prompts of max_seq_len / 2 tokens, as many new tokens) at acceptance
-    `alpha` (default: config.acceptance_prior) on the measured `profile` (default: measured or cached)."""
+    `alpha` (default: config.acceptance_prior; a scalar or a per-position curve) on the measured `profile` (default:
+    measured or cached); with
+    `alpha_range` (a warm-up's plausible acceptance, runtime/warmup.py) the maximin pick over it."""
     has_draft = models.draft is not None
     if not config.planned:
         k = int(config.num_draft_tokens) if has_draft else 0
@@ -141,6 +145,7 @@ def make_plan(
         unified_memory=config.unified_memory, context=max_seq_len, dtype_bytes=models.dtype_bytes,
         top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
         expert_loading=config.expert_loading, draft_pins=models.draft_pins, expert_group=config.expert_group or 0,
+        alpha_range=alpha_range,
     )
     plan = planned(result, max_seq_len, replan_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)

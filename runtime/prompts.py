@@ -1,10 +1,11 @@
-"""Prompt sources for SpecOffload runs: HumanEval and user prompt files."""
+"""Prompt sources for SpecOffload runs: HumanEval (code), Python's own documentation (prose) and user prompt files."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+import re
 from importlib import resources
 
 HUMANEVAL_RESOURCE = "data/HumanEval.jsonl.gz"
@@ -28,6 +29,37 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
         tasks = [json.loads(line) for line in f if line.strip()]
     tasks.sort(key=lambda t: int(str(t["task_id"]).rsplit("/", 1)[-1]))
     prompts = [t["prompt"] for t in tasks]
+    return prompts if n is None else prompts[:n]
+
+
+def prose_prompts(n: int | None = None, min_chars: int = 400) -> list[str]:
+    """English prose prompts: the opening paragraphs of the Python language reference's topics.
+
+    Source: the standard library's ``pydoc_data/topics.py`` (the text ``help("topic")`` shows, generated from the
+    CPython documentation, PSF licence), shipped with every Python install, so no download. Per topic (sorted by
+    name): its prose paragraphs (indented code and grammar blocks, headings and paragraphs under 200 characters
+    skipped), each reflowed to one line, joined until at least `min_chars` characters; topics without prose are
+    skipped. Deterministic for a given Python version. The first ``n`` if given.
+    """
+    if n is not None and n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    from pydoc_data.topics import topics
+
+    prompts = []
+    for name in sorted(topics):
+        text = ""
+        for block in re.split(r"\n\s*\n", topics[name]):
+            lines = block.splitlines()
+            heading = bool(lines) and set(lines[-1]) <= set("*=-")
+            if not lines or heading or "::=" in block or any(line.startswith(" ") for line in lines):
+                continue
+            paragraph = " ".join(line.strip() for line in lines)
+            if len(paragraph) >= 200:
+                text = f"{text} {paragraph}".strip()
+            if len(text) >= min_chars:
+                break
+        if text:
+            prompts.append(text)
     return prompts if n is None else prompts[:n]
 
 

@@ -1,7 +1,10 @@
 """The coordinator's state of the interleaved batches: admission, a fresh wave of worker state, restart.
 
 Batch b in {0, 1} (one batch, b = 0, without a drafter) holds up to `plan.batch` requests. A batch whose rows
-have all finished is refilled from the waiting queue at its verify op: a new *wave*. Each wave gets empty KV
+have all finished is refilled from the waiting queue at its verify op: a new *wave*. Online re-planning may change
+the rows a wave admits (`rows`, replan.py): with speculation off, one batch takes the rows of both once the other
+has drained (the other then stays empty: its steps run no pass); with speculation back on, an empty batch is
+refilled beside the next wave. Each wave gets empty KV
 caches in the attention worker and the drafter, sized for its rows (`capacity`), and freshly seeded
 generators: `batch_seed` is the only place the seeds are derived, so the local and Ray backends draw the same
 samples. After a lost worker, `restart` re-creates a batch's caches for its unfinished rows; its next pass then
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,9 +60,11 @@ class Batches:
     that finished (progress)."""
 
     def __init__(self, workers: Workers, plan: Plan, seed: int | None, waiting: deque[Request],
-                 on_finished=lambda n: None) -> None:  # noqa: ANN001 - callable(int)
+                 on_finished=lambda n: None, rows: Callable[[], int] | None = None) -> None:  # noqa: ANN001
+        """rows: the rows a wave may admit now (online re-planning; default plan.batch)."""
         self.workers, self.plan, self.seed, self.waiting = workers, plan, seed, waiting
         self.on_finished = on_finished
+        self.rows = rows or (lambda: plan.batch)
         self.items = [Batch(n) for n in range(plan.num_batches)]
         self.waves = 0
 
@@ -71,12 +77,17 @@ class Batches:
 
     def admit_all(self) -> None:
         """Fill every batch from the queue, splitting it evenly (a short job still interleaves two batches)."""
+        shares = len(self.items) if self.rows() <= self.plan.batch else 1  # merged: one batch takes them all
         for n, b in enumerate(self.items):
-            self.admit(b, share=len(self.items) - n)
+            self.admit(b, share=max(1, shares - n))
 
     def admit(self, b: Batch, share: int = 1) -> None:
-        """Fill an empty batch with up to plan.batch waiting requests (a `share` of what is waiting)."""
-        n = min(self.plan.batch, math.ceil(len(self.waiting) / share))
+        """Fill an empty batch with up to `rows()` waiting requests (a `share` of what is waiting). More rows than
+        plan.batch (speculation off, merging) only once every other batch has drained: until then it stays empty."""
+        limit = self.rows()
+        if limit > self.plan.batch and any(o.rows for o in self.items if o is not b):
+            limit = 0
+        n = min(limit, math.ceil(len(self.waiting) / share))
         b.rows = [self.waiting.popleft() for _ in range(n)]
         b.clear_pass()
         if b.rows:
@@ -97,6 +108,10 @@ class Batches:
             self.workers.drafter.select_rows(b.index, keep)
         else:
             self.admit(b)
+            if self.rows() <= self.plan.batch:  # speculating: a batch left empty by merging takes rows again
+                for other in self.items:
+                    if not other.rows and self.waiting:
+                        self.admit(other)
 
     def restart(self, b: Batch) -> None:
         """After a lost worker: forget the pass in flight, retire finished rows, fresh caches for the rest."""

@@ -81,7 +81,8 @@ class Pipeline:
         self.running = True
         bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
         self.params = params
-        self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update)
+        self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update,
+                               rows=lambda: self.replanner.rows)
         self.rounds_since_adapt, self.adapted = 0, 0
         self.adaptation = [0, 0, 0, 0]  # hits, picks, bytes moved, experts moved (Drafter.adapt)
         self.hotness: list[list[int]] = []
@@ -225,7 +226,7 @@ class Pipeline:
         self.verify_log.append((time.perf_counter(), b.index, sum(len(r.output) for r in b.rows) - before,
                                 len(b.rows)))
         if k >= 1:
-            self.replanner.record(accepted, k)
+            self.replanner.record(accepted, k, [r.index for r in b.rows])
         # The target cache keeps pending + the accepted drafts; the draft cache saw committed + d_1..d_{k-1}.
         self.workers.attention.truncate(b.index, [c + a for c, a in zip(b.committed, accepted)])
         if k >= 1:
@@ -257,7 +258,7 @@ class Pipeline:
             if self.adapt_interval and self.rounds_since_adapt >= (self.adapt_interval if self.adapted else 1):
                 self._adapt()
         limit = min(b.round_k, max(r.remaining for r in b.rows) - 1)
-        if op.token >= limit:
+        if op.token >= limit or len(b.draft_tokens) < op.token:  # (rows admitted after this round began: skip it)
             return
         if op.token == 0:
             d_len = self.workers.drafter.lengths(b.index)

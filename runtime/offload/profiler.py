@@ -3,7 +3,8 @@
 Every number is timed here, none is typed in: weight streaming into ring slots (from disk with O_DIRECT, or
 from the host-RAM tier), the device GEMM rate at the target's FFN shape versus rows, CPU attention time versus
 new tokens x context (least-squares fit of c0 + c1 n + c2 n ctx), the head's GEMM rate, and one draft token
-step versus rows. A profile is saved as JSON with its provenance under `~/.cache/specoffload/profiles/` and
+step versus rows; then real passes calibrate the stream rate and the per-pass overheads (calibrate.py). A
+profile is saved as JSON with its provenance under `~/.cache/specoffload/profiles/` and
 reused while the fingerprint (machine, CPU, cores, torch, device, models, dtype, weights tier) matches.
 """
 
@@ -29,6 +30,7 @@ from ..config import EngineConfig
 from ..models import layers
 from ..models.linear import can_pack, pack_weights
 from ..models.model import Transformer
+from .calibrate import calibrate
 from .direct_io import drop_page_cache
 from .drafters import ResidentExpertDrafter
 from .streamer import WeightStreamer
@@ -36,7 +38,9 @@ from .streamer import WeightStreamer
 PROFILE_DIR = Path(os.environ.get("SPECOFFLOAD_CACHE", Path.home() / ".cache" / "specoffload")) / "profiles"
 FFN_ROWS = (1, 4, 16, 64, 256)
 DRAFT_ROWS = (1, 4, 16, 64)
-PROFILER_VERSION = 2  # 2: resident (packed) GEMM rates; bumping it re-measures every cached profile
+# 2: resident (packed) GEMM rates; 3: calibrated on measured passes (calibrate.py). Bumping it re-measures every
+# cached profile
+PROFILER_VERSION = 3
 ATTENTION_POINTS = ((1, 1, 64), (4, 4, 64), (16, 4, 64), (16, 4, 512), (64, 4, 256), (4, 4, 1024), (32, 32, 32))
 
 
@@ -131,7 +135,7 @@ def measure(config: EngineConfig, quick: bool = False) -> HardwareProfile:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
         "tool": "specoffload.runtime.offload.profiler",
     }
-    return HardwareProfile(
+    return calibrate(config, HardwareProfile(
         provenance=provenance,
         device=device.type,
         shared_compute=device.type == "cpu",
@@ -143,7 +147,7 @@ def measure(config: EngineConfig, quick: bool = False) -> HardwareProfile:
         head_flops_per_s=head_rate,
         resident_ffn_flops_per_s=tuple(resident_rates) or None,
         pass_overhead_s=0.0,
-    )
+    ), quick=quick)
 
 
 def _stream_rate(config: EngineConfig, target: Transformer, layers_to_load: int) -> float:

@@ -1,0 +1,286 @@
+"""Planning under uncertain acceptance (issue 14): the between-prompt error of the acceptance estimate, the maximin
+choice over its range, online re-planning of speculation on/off with merged rows, and the pass calibration's fit."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specoffload.planner import (
+    AcceptanceTracker,
+    HardwareProfile,
+    ModelCosts,
+    Workload,
+    estimate_alpha,
+    estimate_alpha_by_prompt,
+    replan,
+    search,
+)
+from specoffload.planner.acceptance import (
+    AcceptanceCurve,
+    curve_from_counts,
+    expected_tokens,
+    position_counts,
+    t_quantile,
+)
+from specoffload.planner.placement import ModelShape, PlacementPolicy, place
+from specoffload.planner.shapes import PartKey
+
+# --- the between-prompt error --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("p", "df", "table"), [(0.95, None, 1.645), (0.975, None, 1.960), (0.95, 1, 6.314),
+                                                (0.975, 2, 4.303), (0.95, 3, 2.353), (0.975, 4, 2.776),
+                                                (0.95, 7, 1.895), (0.975, 15, 2.131), (0.9, 30, 1.310)])
+def test_t_quantile_matches_tables(p: float, df: int | None, table: float) -> None:
+    assert t_quantile(p, df) == pytest.approx(table, rel=0.01)
+
+
+def test_estimate_by_prompt_literal() -> None:
+    # two prompts, 10 positions each: 9 and 5 accepted -> alpha 0.7; residuals +2 and -2
+    est = estimate_alpha_by_prompt([(10, 9), (10, 5)])
+    assert (est.alpha, est.trials, est.successes, est.groups) == (0.7, 20, 14, 2)
+    assert est.stderr == pytest.approx(math.sqrt(2 / 1 * (4 + 4)) / 20)  # 0.2, above the binomial 0.102
+    lo, hi = est.plausible(0.9)
+    assert (lo, hi) == pytest.approx((max(0.0, 0.7 - 6.314 * 0.2), 1.0), rel=0.01)
+    # prompts that agree: the binomial error is the floor
+    same = estimate_alpha_by_prompt([(10, 7), (10, 7)])
+    assert same.stderr == pytest.approx(math.sqrt(0.7 * 0.3 / 20))
+    assert estimate_alpha_by_prompt([(10, 7), (0, 0)]).groups == 0  # one prompt tried anything: binomial
+    with pytest.raises(ValueError):
+        estimate_alpha_by_prompt([(3, 4)])
+
+
+@given(st.lists(st.tuples(st.integers(1, 60), st.floats(0, 1)), min_size=2, max_size=12))
+def test_estimate_by_prompt_properties(prompts: list[tuple[int, float]]) -> None:
+    counts = [(t, round(t * f)) for t, f in prompts]
+    est = estimate_alpha_by_prompt(counts)
+    pooled = estimate_alpha([s for _, s in counts], [t for t, _ in counts])  # not the same trials: only alpha bounds
+    assert 0.0 <= est.alpha <= 1.0 and est.groups == len(counts)
+    assert est.alpha == pytest.approx(sum(s for _, s in counts) / sum(t for t, _ in counts))
+    assert est.stderr >= math.sqrt(est.alpha * (1 - est.alpha) / est.trials) - 1e-12
+    assert 0.0 <= pooled.alpha <= 1.0
+
+
+def test_by_prompt_interval_covers_heterogeneous_prompts() -> None:
+    """Four prompts whose own acceptance differs (as measured: 0.6-0.98): the binomial interval from their pooled
+    positions misses the population's acceptance far more often than the between-prompt one."""
+    rng = random.Random(3)
+    population = [0.62, 0.75, 0.85, 0.9, 0.95, 0.98]
+    truth = sum(population) / len(population)
+    hits = {"binomial": 0, "by prompt": 0}
+    reps = 300
+    for _ in range(reps):
+        counts = []
+        for alpha in rng.sample(population, 4):
+            t = rng.randint(10, 16)
+            counts.append((t, sum(rng.random() < alpha for _ in range(t))))
+        by_prompt = estimate_alpha_by_prompt(counts)
+        binomial = estimate_alpha([s for _, s in counts], [t for t, _ in counts])
+        for name, (lo, hi) in (("binomial", binomial.interval(1.645)), ("by prompt", by_prompt.plausible(0.9))):
+            hits[name] += lo <= truth <= hi
+    assert hits["by prompt"] / reps >= 0.85
+    assert hits["binomial"] < hits["by prompt"]
+
+
+def test_tracker_keyed_by_prompt_equals_the_batch_estimate() -> None:
+    tracker = AcceptanceTracker()
+    tracker.record_many([2, 4, 0, 3], [4, 4, 4, 4], prompts=["a", "b", "a", "b"])
+    # a: tried 3 + 1, accepted 2 + 0; b: tried 4 + 4, accepted 4 + 3
+    assert tracker.estimate() == estimate_alpha_by_prompt([(4, 2), (8, 7)])
+    plain = AcceptanceTracker()
+    plain.record_many([2, 4, 0, 3], [4, 4, 4, 4])
+    est = plain.estimate()
+    assert est is not None and est.groups == 0 and est.alpha == tracker.estimate().alpha
+
+
+# --- acceptance per position of a round ----------------------------------------------------------------------
+
+
+def test_curve_is_exact_for_every_k_up_to_the_observed_one() -> None:
+    """Rounds of k = 4: the tokens a shorter k would have committed are min(accepted, k') + 1 of the same rounds."""
+    accepted = [0, 4, 2, 4, 1, 0, 3, 4]
+    at_risk, hits = position_counts(accepted, [4] * len(accepted))
+    assert (at_risk, hits) == ([8, 6, 5, 4], [6, 5, 4, 3])
+    curve = curve_from_counts(at_risk, hits, alpha=0.5, prior_rounds=0)
+    assert curve.rates == pytest.approx((6 / 8, 5 / 6, 4 / 5, 3 / 4))
+    for k in range(5):
+        assert curve.tokens(k) == pytest.approx(sum(min(n, k) + 1 for n in accepted) / len(accepted))
+    assert curve.tokens(6) > curve.tokens(4)  # beyond position 4: the last rate carries on
+
+
+def test_curve_generalises_leviathan_and_keeps_its_shape_at_other_levels() -> None:
+    for alpha, k in ((0.3, 1), (0.8, 5), (0.95, 8)):
+        assert AcceptanceCurve.geometric(alpha).tokens(k) == pytest.approx(expected_tokens(alpha, k))
+    curve = AcceptanceCurve((0.79, 0.89, 0.92, 0.96), alpha=0.9)
+    lower, higher = curve.at(0.8), curve.at(0.95)
+    assert all(a < b < c for a, b, c in zip(lower.rates, curve.rates, higher.rates))
+    assert list(lower.rates) == sorted(lower.rates) and lower.alpha == 0.8  # the shape: later positions easier
+    assert curve.at(0.9) == curve
+    assert curve.at(0.0).tokens(4) == 1.0 and curve.at(1.0).tokens(4) == 5.0
+    # shrinkage toward the pooled rate: a position seen once does not swing to 0 or 1
+    shrunk = curve_from_counts([10, 1], [9, 0], alpha=0.9, prior_rounds=4)
+    assert shrunk.rates[1] == pytest.approx(3.6 / 5) and curve_from_counts([0, 0], [0, 0], 0.7).rates == (0.7,)
+
+
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=40), st.floats(0.01, 0.99))
+def test_curve_properties(accepted: list[int], level: float) -> None:
+    at_risk, hits = position_counts(accepted, [6] * len(accepted))
+    pooled = estimate_alpha(accepted, [6] * len(accepted)).alpha
+    curve = curve_from_counts(at_risk, hits, pooled)
+    tokens = [curve.tokens(k) for k in range(8)]
+    assert tokens[0] == 1.0 and all(b >= a for a, b in zip(tokens, tokens[1:]))
+    assert all(t <= k + 1 for k, t in enumerate(tokens))
+    moved = curve.at(level)
+    assert moved.alpha == level and all(0.0 <= a <= 1.0 for a in moved.rates)
+    assert (moved.tokens(6) >= curve.tokens(6) - 1e-9) == (level >= pooled) or abs(level - pooled) < 1e-9
+
+
+# --- maximin choice over the alpha range ---------------------------------------------------------------------
+
+
+def _shape(name: str, layers: int, attention: int, mlp: int, head: int, embedding: int, kv: int) -> ModelShape:
+    parts: list[tuple[PartKey, int]] = [(PartKey("embedding"), embedding)]
+    for j in range(layers):
+        parts += [(PartKey("attention", j), attention), (PartKey("dense_mlp", j), mlp)]
+    parts.append((PartKey("head"), head))
+    return ModelShape(name, tuple(parts), layers, kv)
+
+
+TARGET = _shape("target", 4, attention=200, mlp=800, head=400, embedding=1000, kv=16)
+DRAFT = _shape("draft", 2, attention=20, mlp=80, head=40, embedding=100, kv=4)
+GiB = 1024**3
+
+
+def _profile(**overrides: object) -> HardwareProfile:
+    fields: dict[str, object] = {
+        "provenance": {"machine": "test"}, "device": "cpu", "shared_compute": True, "weights_tier": "disk",
+        "stream_bytes_per_s": 800.0, "ffn_flops_per_s": ((1, 8000.0),), "attention_fit": (0.1, 0.0, 0.0),
+        "draft_step_s": ((1, 0.2),),
+    }
+    return HardwareProfile(**(fields | overrides))  # type: ignore[arg-type]
+
+
+# io-bound enough that speculation pays at a high alpha (best k = 4 at alpha 0.95), not at a low one
+PROFILE = _profile(stream_bytes_per_s=400.0, draft_step_s=((1, 0.05),))
+WORKLOAD = Workload(num_prompts=16, prompt_len=4, new_tokens=32)
+
+
+def _search(alpha: float, alpha_range: tuple[float, float] | None = None):  # noqa: ANN202
+    return search(PROFILE, TARGET, DRAFT, WORKLOAD, alpha=alpha, device_memory=4200, host_memory=GiB,
+                  batches=(1, 2, 4), ks=range(0, 7), unified_memory=False, alpha_range=alpha_range)
+
+
+def test_search_with_a_point_range_is_the_plain_argmax() -> None:
+    plain = _search(0.9)
+    assert _search(0.9, (0.9, 0.9)).best == plain.best
+    assert plain.best.worst_ratio == 1.0 and plain.best.predicted_low is None
+    assert all(p.worst_ratio <= 1.0 for p in plain.alternatives)
+
+
+def test_search_prefers_the_policy_that_stays_good_over_the_range() -> None:
+    point = _search(0.95)
+    assert point.best.k == 4  # at the point estimate a long k wins
+    robust = _search(0.95, (0.3, 0.98))
+    best = robust.best
+    assert best.worst_ratio == max(p.worst_ratio for p in robust.alternatives)
+    assert best.predicted_low is not None and best.predicted_low <= best.predicted_tokens_per_s
+    at_point = next(p for p in robust.alternatives if (p.batch, p.k) == (point.best.batch, point.best.k))
+    assert best.worst_ratio > at_point.worst_ratio  # the point argmax is worse somewhere in the range
+    assert best.k < point.best.k
+    with pytest.raises(ValueError, match="alpha_range"):
+        _search(0.9, (0.95, 0.99))
+
+
+def test_replan_turns_speculation_off_and_merges_rows() -> None:
+    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    placement = place(TARGET, DRAFT, policy, 4200, GiB)
+    costs = ModelCosts.from_shapes(TARGET, DRAFT)
+    low = replan(PROFILE, costs, placement, 2, alpha=0.05, context=40, k_max=6, merged_rows=4)
+    assert (low.k, low.rows) == (0, 4)
+    high = replan(PROFILE, costs, placement, 2, alpha=0.95, context=40, k_max=6, merged_rows=4)
+    assert high.k >= 1 and high.rows == 2 and high.tokens_per_s > low.tokens_per_s
+    with pytest.raises(ValueError, match="drafter"):
+        replan(PROFILE, ModelCosts.from_shapes(TARGET, None), placement, 2, 0.5, 40, k_max=6, merged_rows=4)
+
+
+
+# --- online: speculation off, rows merged (tiny models) -----------------------------------------------------
+
+
+def test_online_replanning_turns_speculation_off_and_merges_the_batches(tiny_models, single_thread, monkeypatch):
+    """A draft too slow to ever pay (synthetic profile): starting from k = 2 with two batches of 2 rows, the first
+    re-plan turns speculation off; once a batch drains, the other admits the rows of both (4), and the output is
+    the target's own greedy output."""
+    from specoffload.runtime import engine as engine_module
+    from specoffload.runtime import planning
+    from specoffload.runtime.config import EngineConfig
+    from specoffload.runtime.engine import Engine
+    from specoffload.runtime.offload import batches as batches_module
+    from specoffload.runtime.sampling import SamplingParams
+
+    real_search = planning.search
+    monkeypatch.setattr(planning, "search", lambda *a, **kw: real_search(*a, **{**kw, "ks": (2,), "batches": (2,)}))
+    slow_draft = _profile(stream_bytes_per_s=1e12, ffn_flops_per_s=((1, 1e9),), attention_fit=(1e-6, 0.0, 0.0),
+                          draft_step_s=((1, 1.0),))
+    monkeypatch.setattr(engine_module, "load_or_measure", lambda *a, **kw: slow_draft)
+    waves: list[int] = []
+    real_wave = batches_module.Batches._new_wave
+    monkeypatch.setattr(batches_module.Batches, "_new_wave", lambda self, b: (waves.append(len(b.rows)),
+                                                                           real_wave(self, b))[1])
+    prompts = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(12)]
+    greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    target = tiny_models["llama"]
+    ref = Engine(EngineConfig(target, max_batch_size=4)).generate(prompts, greedy)
+    engine = Engine(EngineConfig(target, draft=tiny_models["qwen2_draft"], device_memory="1GiB", max_seq_len=48,
+                                 num_draft_tokens="auto", max_batch_size="auto", replan_interval=1))
+    assert (engine.plan.batch, engine.plan.k) == (2, 2) and engine.replanner.active
+    out = engine.generate(prompts, greedy)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    assert engine.replanner.k == 0 and engine.replanner.rows == 4
+    assert engine.replanner.replans[0]["k_to"] == 0 and engine.replanner.replans[0]["rows_to"] == 4
+    assert waves[:2] == [2, 2] and max(waves) == 4  # two batches of 2, then merged waves of the rows of both
+
+
+# --- calibration on measured passes ---------------------------------------------------------------------------
+
+
+def test_calibration_fit_on_literal_points() -> None:
+    from specoffload.runtime.offload.calibrate import _fit_line
+
+    assert _fit_line([8, 16, 40], [0.1 + 0.01 * x for x in (8, 16, 40)]) == pytest.approx((0.1, 0.01))
+    assert _fit_line([8, 16], [0.3, 0.1]) == (pytest.approx(0.2), 0.0)  # a negative slope: the mean, flat
+    assert _fit_line([8, 16], [0.0, 0.4]) == (0.0, pytest.approx((8 * 0 + 16 * 0.4) / (64 + 256)))  # a < 0
+    assert _fit_line([], []) == (0.0, 0.0)
+
+
+def test_calibrated_profile_reproduces_the_measured_passes(tiny_models, single_thread, tmp_path, monkeypatch):
+    """Calibration on tiny models: passes with and without drafts are timed, the overheads are >= 0, and the
+    profile keeps the points through JSON."""
+    from specoffload.planner import HardwareProfile
+    from specoffload.runtime.config import EngineConfig
+    from specoffload.runtime.offload import profiler
+
+    monkeypatch.setattr(profiler, "PROFILE_DIR", tmp_path)
+    config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory="1GiB")
+    profile = profiler.load_or_measure(config, quick=True)
+    assert profile.pass_overhead_s >= 0 and profile.position_overhead_s >= 0
+    points = profile.calibration
+    assert {(p["k"] == 0) for p in points} == {True, False} and all(p["measured_s"] > 0 for p in points)
+    assert HardwareProfile.from_json(json.loads(json.dumps(profile.to_json()))).calibration == points
+
+
+def test_prose_prompts_are_paragraphs_of_the_language_reference() -> None:
+    from specoffload.runtime.prompts import prose_prompts
+
+    prompts = prose_prompts()
+    assert len(prompts) > 32 and prose_prompts(4) == prompts[:4]
+    assert all(len(p) >= 200 and "\n" not in p and "::=" not in p for p in prompts)
+    assert prose_prompts() == prompts  # deterministic for a given Python
+    with pytest.raises(ValueError):
+        prose_prompts(-1)
