@@ -12,8 +12,8 @@ geometric is ``successes / trials``; its observed information ``trials / (alpha 
 binomial standard error.
 
 That error assumes every tried position is an independent draw. It is not: a prompt the draft finds easy stays
-easy (measured on 16 HumanEval prompts, k = 8: per-prompt acceptance from 0.62 to 0.98; docs/perf/README.md,
-"acceptance"), so the independent units are the prompts. With counts per prompt c (trials t_c, successes s_c;
+easy (measured on 16 HumanEval prompts, k = 8: per-prompt acceptance from 0.75 to 0.98; docs/perf/README.md),
+so the independent units are the prompts. With counts per prompt c (trials t_c, successes s_c;
 C prompts, T = sum t_c) the ratio estimator alpha = S / T has the cluster-robust (between-prompt) variance
 
     se^2 = C / (C - 1) * sum_c (s_c - alpha t_c)^2 / T^2          (never below the binomial one)
