@@ -211,20 +211,23 @@ def _expert_share(costs: ModelCosts, placement: Placement, expert_loading: str, 
 
 def estimate_step(
     profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, alpha: Acceptance,
-    context: int, expert_loading: str = "auto",
+    context: int, expert_loading: str = "auto", interleave: bool = True,
 ) -> StepEstimate:
     """One decode step: a target pass over `batch` rows of k + 1 tokens each, KV length `context` (docstring).
-    expert_loading: the engine's mode for streamed MoE layers ("auto", "selected", "all"; planner/experts.py)."""
+    expert_loading: the engine's mode for streamed MoE layers ("auto", "selected", "all"; planner/experts.py).
+    interleave False: one batch drafts for itself between its passes, so its k draft steps add to the serial
+    chain (the loader streams on meanwhile: io is not delayed)."""
     _check_plan(profile, costs, placement, batch, k)
     fed = batch * (k + 1)
     t_draft = k * profile.draft_seconds(batch) if k else 0.0
     share = _expert_share(costs, placement, expert_loading, fed, fed)
-    return _pass(profile, costs, placement, fed, fed, context, t_draft, batch * tokens_per_round(alpha, k), share)
+    return _pass(profile, costs, placement, fed, fed, context, t_draft, batch * tokens_per_round(alpha, k), share,
+                 serial_draft=not interleave)
 
 
 def estimate_prefill(
     profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, prompt_len: float,
-    expert_loading: str = "auto",
+    expert_loading: str = "auto", interleave: bool = True,
 ) -> StepEstimate:
     """A batch's first pass (prefill merged into it): `batch` rows of prompt_len tokens, one token out per row.
 
@@ -236,7 +239,8 @@ def estimate_prefill(
     fed = max(batch, round(batch * prompt_len))
     t_draft = profile.draft_seconds(fed) + (k - 1) * profile.draft_seconds(batch) if k else 0.0
     share = _expert_share(costs, placement, expert_loading, batch * (k + 1), fed)
-    return _pass(profile, costs, placement, fed, batch, math.ceil(prompt_len), t_draft, float(batch), share)
+    return _pass(profile, costs, placement, fed, batch, math.ceil(prompt_len), t_draft, float(batch), share,
+                 serial_draft=not interleave)
 
 
 def estimate_workload(
@@ -248,8 +252,9 @@ def estimate_workload(
     alpha: Acceptance,
     workload: Workload,
     expert_loading: str = "auto",
+    interleave: bool = True,
 ) -> WorkloadEstimate:
-    """Whole-workload time, in waves of num_batches batches (2 with a draft, k >= 1; else 1):
+    """Whole-workload time, in waves of num_batches batches (2 with a draft interleaving, k >= 1; else 1):
 
         rows  = min(batch, ceil(num_prompts / num_batches))          (a batch never holds more rows than prompts)
         waves = ceil(num_prompts / (rows * num_batches))
@@ -257,12 +262,12 @@ def estimate_workload(
         total = waves * (num_batches * T_prefill + decode_steps * T_step)
     with T_step at the mean KV length prompt_len + new_tokens / 2. Every wave is costed as full.
     """
-    num_batches = 2 if k >= 1 else 1
+    num_batches = 2 if k >= 1 and interleave else 1
     rows = min(batch, math.ceil(workload.num_prompts / num_batches))
     waves = math.ceil(workload.num_prompts / (rows * num_batches))
     context = round(workload.prompt_len + workload.new_tokens / 2)
-    step = estimate_step(profile, costs, placement, rows, k, alpha, context, expert_loading)
-    prefill = estimate_prefill(profile, costs, placement, rows, k, workload.prompt_len, expert_loading)
+    step = estimate_step(profile, costs, placement, rows, k, alpha, context, expert_loading, interleave)
+    prefill = estimate_prefill(profile, costs, placement, rows, k, workload.prompt_len, expert_loading, interleave)
     decode_steps = num_batches * math.ceil((workload.new_tokens - 1) / tokens_per_round(alpha, k))
     prefill_s = waves * num_batches * prefill.t_step
     decode_s = waves * decode_steps * step.t_step
@@ -331,6 +336,7 @@ def _pass(
     t_draft: float,
     tokens: float,
     expert_share: float = 1.0,
+    serial_draft: bool = False,
 ) -> StepEstimate:
     target = costs.target
     streamed = stream_bytes(placement, target, expert_share, units=True)
@@ -355,7 +361,7 @@ def _pass(
     t_attention = attn * target.num_layers
     t_ffn = sum(layer.post for layer in layers[:-1])
     t_chain = chain_period(layers, overhead, placement.num_buffers)
-    terms = {"io": t_io, "chain": t_chain}
+    terms = {"io": t_io, "chain": t_chain + (t_draft if serial_draft else 0.0)}
     if profile.shared_compute:
         terms["compute"] = t_attention + t_ffn + head + overhead + t_draft
     else:

@@ -6,6 +6,9 @@
                  drafter is loaded and one batch is verified every pass (layer streaming only, FlexGen style)
     max_seq_len  prompt + output tokens per row the KV caches are sized for
     draft_experts  with a resident-expert drafter (draft="self"): the routed experts per layer it keeps
+    interleave   with a drafter: two batches alternate (the drafter proposes for one while the target verifies the
+                 other); False: one batch drafts for itself between its own passes (half the KV memory of two
+                 batches for the same rows per pass; the draft steps are not hidden behind a pass)
 
 Speculation off is k = 0 (and k_max = 0) everywhere; nothing else encodes it. The planner's `Policy` (when the
 planner chose) rides along for reports. `fixed_plan` and `planned` are the only constructors the runtime uses:
@@ -33,6 +36,7 @@ class Plan:
     policy: Policy | None = None
     alternatives: tuple[Policy, ...] = ()
     draft_experts: int = 0
+    interleave: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("batch", 1), ("k", 0), ("k_max", 0), ("max_seq_len", 2)):
@@ -49,7 +53,7 @@ class Plan:
 
     @property
     def num_batches(self) -> int:
-        return 2 if self.drafting else 1
+        return 2 if self.drafting and self.interleave else 1
 
     @property
     def kv_capacity(self) -> int:
@@ -58,13 +62,15 @@ class Plan:
 
     def describe(self) -> str:
         how = "planned" if self.policy is not None else "fixed"
-        spec = f"k={self.k} (at most {self.k_max}), two batches" if self.drafting else "no speculation, one batch"
+        batches = "two batches" if self.interleave else "one batch drafting between its passes"
+        spec = f"k={self.k} (at most {self.k_max}), {batches}" if self.drafting else "no speculation, one batch"
         return f"batch={self.batch}, {spec}, max_seq_len={self.max_seq_len} ({how})"
 
 
-def fixed_plan(batch: int, k: int, max_seq_len: int, draft_experts: int = 0) -> Plan:
+def fixed_plan(batch: int, k: int, max_seq_len: int, draft_experts: int = 0, interleave: bool = True) -> Plan:
     """The user chose batch and k (k = 0: no speculation)."""
-    return Plan(batch=batch, k=k, k_max=k, max_seq_len=max_seq_len, draft_experts=draft_experts if k else 0)
+    return Plan(batch=batch, k=k, k_max=k, max_seq_len=max_seq_len, draft_experts=draft_experts if k else 0,
+                interleave=interleave)
 
 
 def planned(result: SearchResult, max_seq_len: int, replan_k: bool, draft_experts: int = 0) -> Plan:
@@ -72,4 +78,5 @@ def planned(result: SearchResult, max_seq_len: int, replan_k: bool, draft_expert
     best = result.best
     k_max = max(best.k, MAX_AUTO_K) if best.k and replan_k else best.k
     return Plan(batch=best.decode_batch, k=best.k, k_max=k_max, max_seq_len=max_seq_len, policy=best,
-                alternatives=result.alternatives, draft_experts=draft_experts if best.k else 0)
+                alternatives=result.alternatives, draft_experts=draft_experts if best.k else 0,
+                interleave=best.interleave)

@@ -58,6 +58,7 @@ class Policy:
     # min over the alpha range of rate / the best policy's rate (module docstring); 1 for the best without a range
     worst_ratio: float = field(default=1.0, compare=False)
     predicted_low: float | None = field(default=None, compare=False)  # tokens/s at the low end of the alpha range
+    interleave: bool = True  # with a draft: two batches alternate; False: one batch drafts between its passes
 
     def __post_init__(self) -> None:
         if self.prefill_batch != self.decode_batch or self.draft_batch != (self.decode_batch if self.k else 0):
@@ -73,10 +74,11 @@ class Policy:
 
     @property
     def num_batches(self) -> int:
-        return 2 if self.k >= 1 else 1
+        return 2 if self.k >= 1 and self.interleave else 1
 
     def describe(self) -> str:
-        draft = f"k={self.k}, two batches" if self.k else "no draft, one batch"
+        draft = (f"k={self.k}, {'two batches' if self.interleave else 'one batch drafting between its passes'}"
+                 if self.k else "no draft, one batch")
         low = "" if self.predicted_low is None else f" ({self.predicted_low:.2f} at the low end of alpha)"
         return f"batch={self.batch} ({draft}): {self.predicted_tokens_per_s:.2f} tokens/s predicted{low}"
 
@@ -117,6 +119,7 @@ def search(
     draft_pins: frozenset[PartKey] = frozenset(),
     alpha_range: tuple[float, float] | None = None,
     expert_group: int = 0,
+    interleaves: Iterable[bool] = (True,),
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
@@ -128,6 +131,8 @@ def search(
     max(k, k_ceiling) for k >= 1 when online re-planning may raise k up to k_ceiling (`Plan.kv_capacity`).
     draft_pins: target parts resident whenever there is a draft (a resident-expert drafter shares them).
     expert_group: experts per ring slot of a streamed MoE layer (0: whole layers; placement.py).
+    interleaves: with a draft, whether two batches alternate (True) or one drafts between its passes (False);
+    both are candidates when both are given.
     weights_tier defaults to
     the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
     top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
@@ -138,42 +143,45 @@ def search(
     unified = unified_memory if unified_memory is not None else profile.device == "cpu"
     tokens = context if context is not None else math.ceil(workload.prompt_len) + workload.new_tokens
     scenarios = _alpha_grid(alpha, alpha_range)
-    rates: dict[tuple[int, int], list[float]] = {}  # (batch, k) -> tokens/s at each alpha of `scenarios`
+    rates: dict[tuple[int, int, bool], list[float]] = {}  # (batch, k, interleave) -> tokens/s at each alpha
     feasible: list[Policy] = []
     infeasible: list[tuple[int, int, str]] = []
-    for batch in batches:
-        for k in ks:
-            if k >= 1 and draft is None:
-                continue
-            policy = PlacementPolicy(
-                batch_size=batch,
-                num_batches=2 if k >= 1 else 1,
-                context=tokens + (max(k, k_ceiling) if k >= 1 else 0) + 1,
-                num_buffers=num_buffers,
-                weights_tier=tier,
-                unified_memory=unified,
-                pinned=draft_pins if k >= 1 else frozenset(),
-                expert_group=expert_group,
-            )
-            try:
-                placement = place(target, draft if k >= 1 else None, policy, device_memory, host_memory)
-            except PlacementError as exc:
-                infeasible.append((batch, k, str(exc)))
-                continue
-            estimate = estimate_workload(profile, costs, placement, batch, k, alpha, workload, expert_loading)
-            rates[(batch, k)] = [estimate.tokens_per_s if a is alpha or k == 0 else
-                                 estimate_workload(profile, costs, placement, batch, k, a, workload,
-                                                   expert_loading).tokens_per_s for a in scenarios]
-            feasible.append(_policy(batch, k, pooled_alpha(alpha), placement, estimate))
+    interleaves = tuple(interleaves)
+    candidates = [(b, kk, i) for b in batches for kk in ks for i in (interleaves if kk else (True,))]
+    for batch, k, interleave in candidates:
+        if k >= 1 and draft is None:
+            continue
+        policy = PlacementPolicy(
+            batch_size=batch,
+            num_batches=2 if k >= 1 and interleave else 1,
+            context=tokens + (max(k, k_ceiling) if k >= 1 else 0) + 1,
+            num_buffers=num_buffers,
+            weights_tier=tier,
+            unified_memory=unified,
+            pinned=draft_pins if k >= 1 else frozenset(),
+            expert_group=expert_group,
+        )
+        try:
+            placement = place(target, draft if k >= 1 else None, policy, device_memory, host_memory)
+        except PlacementError as exc:
+            infeasible.append((batch, k, str(exc)))
+            continue
+        estimate = estimate_workload(profile, costs, placement, batch, k, alpha, workload, expert_loading, interleave)
+        rates[(batch, k, interleave)] = [estimate.tokens_per_s if a is alpha or k == 0 else
+                                         estimate_workload(profile, costs, placement, batch, k, a, workload,
+                                                           expert_loading, interleave).tokens_per_s
+                                         for a in scenarios]
+        feasible.append(replace(_policy(batch, k, pooled_alpha(alpha), placement, estimate),
+                                interleave=interleave))
     if not feasible:
         reasons = "; ".join(f"batch={b}, k={k}: {why}" for b, k, why in infeasible[:3])
         raise NoFeasiblePolicyError(f"no (batch, k) fits the memory budgets. First reasons: {reasons}")
     best_at = [max(r[n] for r in rates.values()) for n in range(len(scenarios))]
-    feasible = [replace(p, worst_ratio=min(r / b for r, b in zip(rates[(p.batch, p.k)], best_at)),
-                        predicted_low=rates[(p.batch, p.k)][0] if alpha_range is not None else None)
+    feasible = [replace(p, worst_ratio=min(r / b for r, b in zip(rates[(p.batch, p.k, p.interleave)], best_at)),
+                        predicted_low=rates[(p.batch, p.k, p.interleave)][0] if alpha_range is not None else None)
                 for p in feasible]
     ranked = tuple(sorted(feasible, key=lambda p: (-_rounded(p.worst_ratio), -_rounded(p.predicted_tokens_per_s),
-                                                   p.batch, p.k)))
+                                                   p.batch, p.k, not p.interleave)))
     return SearchResult(best=ranked[0], alternatives=ranked, infeasible=tuple(infeasible))
 
 

@@ -69,6 +69,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="prompt + output tokens per row the KV caches are sized for (default: the job's longest "
                         "prompt + --max-new-tokens, as `specoffload plan` sizes them)")
     o.add_argument("--expert-loading", default="auto", choices=["auto", "selected", "all"])
+    o.add_argument("--interleave", default="on", choices=["on", "off", "auto"],
+                   help="with a draft: on: two batches alternate; off: one batch drafts between its passes; "
+                        "auto: the planner chooses")
     o.add_argument("--expert-group", type=int, default=None,
                    help="MoE: experts per ring slot of a streamed layer (default: the whole layer per slot)")
     o.add_argument("--resident-experts", type=int, default=None,
@@ -198,6 +201,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         expert_loading=args.expert_loading,
         expert_group=args.expert_group,
+        interleave={"on": True, "off": False}.get(args.interleave, "auto"),
         resident_experts=args.resident_experts,
         migrate_interval=args.migrate_interval,
         trace=args.trace is not None,

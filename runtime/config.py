@@ -56,6 +56,10 @@ class EngineConfig:
         default: a quarter of them, at least 1).
     migrate_interval: every this many verify rounds the drafter re-chooses its resident experts from the
         routing the target did meanwhile, when the gain in hit rate is worth moving the bytes (0: never).
+
+    interleave: with a drafter, True: two batches alternate, the drafter proposing for one while the target
+        verifies the other (its steps hidden behind the pass); False: one batch drafts for itself between its own
+        passes (the KV caches of one batch instead of two); "auto": the planner chooses.
     """
 
     target: str | Path
@@ -77,6 +81,7 @@ class EngineConfig:
     replan_interval: int = 8
     resident_experts: int | None = None
     migrate_interval: int = 8
+    interleave: bool | str = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -121,6 +126,8 @@ class EngineConfig:
                 isinstance(self.resident_experts, bool) or not isinstance(self.resident_experts, int)
                 or self.resident_experts < 1):
             raise ConfigError(f"resident_experts must be an integer >= 1, got {self.resident_experts!r}")
+        if self.interleave not in (True, False, "auto"):
+            raise ConfigError(f"interleave must be True, False or 'auto', got {self.interleave!r}")
         if not isinstance(self.migrate_interval, int) or self.migrate_interval < 0:
             raise ConfigError(f"migrate_interval must be an integer >= 0, got {self.migrate_interval!r}")
         if self.expert_group is not None and (isinstance(self.expert_group, bool)

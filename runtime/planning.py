@@ -124,7 +124,8 @@ def make_plan(
     has_draft = models.draft is not None
     if not config.planned:
         k = int(config.num_draft_tokens) if has_draft else 0
-        return fixed_plan(int(config.max_batch_size), k, max_seq_len, models.self_draft_experts)
+        return fixed_plan(int(config.max_batch_size), k, max_seq_len, models.self_draft_experts,
+                          interleave=config.interleave is not False)
     if profile is None:
         profile = load_or_measure(config, log=log or logger.info)
     if workload is None:
@@ -145,6 +146,7 @@ def make_plan(
         unified_memory=config.unified_memory, context=max_seq_len, dtype_bytes=models.dtype_bytes,
         top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
         expert_loading=config.expert_loading, draft_pins=models.draft_pins, expert_group=config.expert_group or 0,
+        interleaves=(True, False) if config.interleave == "auto" else (bool(config.interleave),),
         alpha_range=alpha_range,
     )
     plan = planned(result, max_seq_len, replan_k=auto_k, draft_experts=models.self_draft_experts)

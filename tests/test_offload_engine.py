@@ -203,3 +203,19 @@ def test_expert_groups_shrink_the_ring_and_change_no_token(tiny_models, referenc
     out = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
     assert out == reference(target)
     assert engine.last_stats.bytes_read > 0
+
+
+@pytest.mark.parametrize(("target", "draft"), [("llama", "qwen2_draft"), ("qwen2_moe", "qwen2_draft"),
+                                               ("mixtral", "self")])
+def test_one_batch_drafting_between_its_passes_is_lossless(tiny_models, reference, single_thread, target, draft):
+    """interleave=False: one batch, its drafts between its own passes; the KV of one batch instead of two."""
+    kw = dict(draft="self", resident_experts=2, num_buffers=1) if draft == "self" else dict(draft=tiny_models[draft])
+    base = replace(_config(tiny_models, target, None, device_memory="1GiB"), interleave=False, **kw)
+    budget = Engine(base).minimum_device_memory()
+    engine = Engine(replace(base, device_memory=budget))
+    assert engine.plan.num_batches == 1
+    interleaved = Engine(replace(base, interleave=True))
+    assert budget < interleaved.minimum_device_memory()  # one batch's KV caches instead of two
+    out = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == reference(target)
+    assert engine.last_stats.num_drafted > 0

@@ -50,6 +50,7 @@ class Config:
     attention_streamed: frozenset[int]
     passes: tuple[tuple[bool, bool], ...]  # per step: (target, draft)
     groups: tuple[tuple[int, int], ...] = ()  # (layer, units) for layers that stream in expert groups
+    interleave: bool = True
 
     @property
     def units(self) -> list[tuple[int, int]]:
@@ -59,7 +60,7 @@ class Config:
 
     def build(self) -> tuple[PipelineSchedule, list[list[Op]]]:
         sched = PipelineSchedule(
-            self.num_layers, self.units, self.num_buffers, self.draft_ops, self.attention_streamed
+            self.num_layers, self.units, self.num_buffers, self.draft_ops, self.attention_streamed, self.interleave
         )
         steps = [sched.next_step(target=target, draft=draft) for target, draft in self.passes]
         return sched, steps
@@ -467,3 +468,47 @@ def test_a_layer_streamed_in_expert_groups_runs_one_ffn_per_group() -> None:
         "10 verify(i=0, b=0) <- [9]",
     ]
     check_schedule(sched.ops, 1)
+
+
+def test_one_batch_drafts_for_itself_between_its_passes() -> None:
+    """interleave=False: the single batch's k draft ops follow its own verify, and its next pass (embed) waits for
+    the last of them; the next pass's first load does not (the ring streams on while the drafter works)."""
+    sched = PipelineSchedule(1, [0], num_buffers=1, draft_ops=2, interleave=False)
+    assert sched.num_batches == 1 and sched.draft_batch(0) == 0
+    first, second = sched.next_step(), sched.next_step()
+    assert lines(first)[-3:] == [
+        "5 verify(i=0, b=0) <- [4]",
+        "6 draft(i=0, b=0, t=0) <- [5]",
+        "7 draft(i=0, b=0, t=1) <- [6]",
+    ]
+    embed = find(second, "embed", 1)
+    load = find(second, "load", 1, layer=0)
+    assert embed.deps == (5, 7)
+    assert load.deps == (3,)  # only the slot's last reader of step 0 (its ffn), not the drafts
+    check_schedule(sched.ops, 1)
+
+
+@PROPERTY
+@given(configs())
+def test_one_batch_drafting_keeps_the_invariants(cfg: Config) -> None:
+    """interleave=False over random configurations: the schedule invariants hold, every op is batch 0's, each
+    step's drafts follow its own verify, and the next pass waits for them."""
+    from dataclasses import replace as with_
+
+    sched, steps = with_(cfg, interleave=False).build()
+    ops = sched.ops
+    check_schedule(ops, cfg.num_buffers)
+    anc = ancestors(ops)
+    assert {op.batch for op in ops} <= {-1, 0}
+    last_draft = None
+    for step_ops, (_, drafting) in zip(steps, cfg.passes):
+        drafts = [op for op in step_ops if op.kind == "draft"]
+        verify = [op for op in step_ops if op.kind == "verify"]
+        assert len(drafts) == (cfg.draft_ops if verify and drafting else 0)
+        for op in drafts:
+            assert depends(anc, op, verify[0])
+        embed = [op for op in step_ops if op.kind == "embed"]
+        if embed and last_draft is not None:
+            assert depends(anc, embed[0], last_draft)
+        if drafts:
+            last_draft = drafts[-1]

@@ -134,7 +134,8 @@ class Pipeline:
     def _run_schedule(self, totals: dict[str, int]) -> None:
         """Run the schedule until no request is left; adds the steps and target passes to `totals`."""
         schedule = PipelineSchedule(self.num_layers, self.weights.units(), self.weights.num_buffers,
-                                    draft_ops=self.plan.k_max, attention_streamed=self.weights.attention_streamed)
+                                    draft_ops=self.plan.k_max, attention_streamed=self.weights.attention_streamed,
+                                    interleave=self.plan.interleave)
         handlers = {
             "load": self._load,
             "embed": self._embed,

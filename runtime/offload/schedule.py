@@ -87,6 +87,8 @@ class PipelineSchedule:
     num_layers: L; streamed_layers: layers whose weights are loaded per pass (the head is layer L);
     attention_streamed: layers whose attention weights are in their slot (attention then waits for the load);
     num_buffers: ring slots; draft_ops: draft ops per step, the plan's k_max (0: no drafter, one batch, no draft ops).
+    interleave: with draft ops, two batches alternate (the default); False: one batch drafts for itself after its
+        own verify, its next pass waiting for the drafts (the ring's loads for that pass still start during them).
     """
 
     num_layers: int
@@ -94,6 +96,7 @@ class PipelineSchedule:
     num_buffers: int = 2
     draft_ops: int = 0
     attention_streamed: Sequence[int] = ()
+    interleave: bool = True
     _ops: list[Op] = field(default_factory=list, init=False)
     _slot_user: dict[int, int] = field(default_factory=dict, init=False)  # slot -> last op id using it
     _next_slot: int = field(default=0, init=False)
@@ -115,7 +118,7 @@ class PipelineSchedule:
 
     @property
     def num_batches(self) -> int:
-        return 2 if self.draft_ops > 0 else 1
+        return 2 if self.draft_ops > 0 and self.interleave else 1
 
     @property
     def ops(self) -> list[Op]:
@@ -126,7 +129,10 @@ class PipelineSchedule:
         return step % self.num_batches
 
     def draft_batch(self, step: int) -> int | None:
-        return 1 - step % 2 if self.num_batches == 2 else None
+        """The batch drafted for at `step`: the other one when interleaving, the same one when not, or None."""
+        if self.draft_ops == 0:
+            return None
+        return 1 - step % 2 if self.num_batches == 2 else 0
 
     def next_step(self, target: bool = True, draft: bool = True) -> list[Op]:
         """Ops of the next step. target=False: batch A has no rows (no pass); draft=False: B has no rows."""
@@ -142,9 +148,11 @@ class PipelineSchedule:
             return op.id
 
         drafts: list[tuple[int, int]] = []  # (after this layer, token): where draft ops go in priority order
-        if b is not None and draft:
+        if b is not None and draft and (self.interleave or target):
             n = self.draft_ops
-            drafts = [((t + 1) * self.num_layers // (n + 1), t) for t in range(n)]
+            # interleaved: spread through the other batch's pass; one batch: after its own verify (layer L)
+            drafts = [((t + 1) * self.num_layers // (n + 1) if self.interleave else self.num_layers, t)
+                      for t in range(n)]
         if target:
             loads: dict[tuple[int, int], int] = {}  # load unit -> load op id
             pending = list(self.streamed_layers)
