@@ -1,0 +1,151 @@
+"""Before / after a refactor, in one run: the offloaded engine's throughput and the Ray backend's overhead of a
+baseline revision against the working tree, on the same machine, alternating.
+
+The baseline is an install of an older revision into its own folder (it shadows the editable install through
+PYTHONPATH, in child processes only):
+
+    git worktree add /tmp/old_tree <rev>
+    .venv/bin/pip install --no-deps --no-build-isolation --target /tmp/old_pkg /tmp/old_tree
+    python -m scripts.bench_revisions --baseline /tmp/old_pkg --label <rev>     # --quick: 1 round
+
+Workload: the offload benchmark's quick mode (scripts/bench_offload.py --quick: 8 HumanEval prompts of 32 tokens,
+8 new tokens, budget 4.5 GiB, disk tier; no draft at batch 8, the 0.5B draft at batch 4 with k = 3), local and
+Ray backends. Each (revision, backend, system) runs in a fresh process: one warm-up generate, then `--reps`
+timed ones. Rounds alternate the revisions (ABBA) so a drift of the machine hits both. Greedy tokens must be
+identical across revisions and backends. Results: docs/perf/revisions.json ("summary": new / old per system,
+and the Ray overhead ray / local per revision) and a section of docs/perf/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # (the worker imports nothing of the working tree's package)
+SYSTEMS = {"nodraft": {"max_batch_size": 8, "draft": False}, "draft": {"max_batch_size": 4, "draft": True}}
+#: what is measured per revision: both systems locally; the Ray backend with its five actors (draft included)
+COMBOS = (("local", "nodraft"), ("local", "draft"), ("ray", "draft"))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One (revision, backend, system) measurement in this process; prints a JSON line."""
+    import torch
+
+    from scripts.get_models import model_dir
+    from specoffload.runtime import EngineConfig, SamplingParams
+    from specoffload.runtime.prompts import humaneval_prompts
+
+    target, draft = str(model_dir("target")), str(model_dir("draft"))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok.encode(p)[:32] for p in humaneval_prompts(8)]
+    system = SYSTEMS[args.system]
+    config = EngineConfig(target, draft=draft if system["draft"] else None, device_memory="4.5GiB",
+                          max_seq_len=40, max_batch_size=system["max_batch_size"], num_draft_tokens=3)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    if args.backend == "ray":
+        from specoffload.actors import connect
+
+        handle = connect(config, None, num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        generate, close = handle.generate, handle.shutdown
+    else:
+        if importlib.util.find_spec("specoffload.runtime.offload.engine") is not None:  # before the refactor
+            from specoffload.runtime.offload.engine import OffloadEngine as Engine
+        else:  # the one front door
+            from specoffload.runtime.engine import Engine
+        engine = Engine(config)
+        generate, close = engine.generate, getattr(engine, "close", lambda: None)
+    tokens = [r.token_ids for r in generate(prompts, params)]  # warm-up (and the tokens to compare)
+    rates = []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        results = generate(prompts, params)
+        rates.append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - start))
+    close()
+    print(json.dumps({"rates": rates, "tokens": tokens, "threads": torch.get_num_threads()}))
+
+
+def run_one(revision: str, baseline: Path, backend: str, system: str, reps: int) -> dict:
+    env = dict(os.environ)
+    if revision == "old":
+        env["PYTHONPATH"] = f"{baseline}{os.pathsep}{ROOT}"
+    cmd = [sys.executable, "-m", "scripts.bench_revisions", "--worker", "--revision", revision, "--backend", backend,
+           "--system", system, "--reps", str(reps)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{revision}/{backend}/{system} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", type=Path, help="folder holding an install of the baseline revision")
+    ap.add_argument("--label", default="baseline", help="what the baseline is (a commit)")
+    ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each runs every combination twice)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1 round, 2 reps")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--revision", default="new", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", default="local", help=argparse.SUPPRESS)
+    ap.add_argument("--system", default="nodraft", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    from scripts.common import PERF, median_spread, utc_now, write_json
+    from scripts.readme_section import write_section
+
+    if args.baseline is None or not (args.baseline / "specoffload").is_dir():
+        raise SystemExit("--baseline must be a folder with an installed specoffload (see the module docstring)")
+    if args.quick:
+        args.rounds, args.reps = 1, 2
+    rates: dict[tuple[str, str, str], list[float]] = {}
+    tokens: dict[tuple[str, str, str], list] = {}
+    for round_ in range(args.rounds):
+        order = ("old", "new", "new", "old") if round_ % 2 == 0 else ("new", "old", "old", "new")
+        for revision in order:
+            for backend, system in COMBOS:
+                key = (revision, backend, system)
+                result = run_one(revision, args.baseline, backend, system, args.reps)
+                rates.setdefault(key, []).extend(result["rates"])
+                tokens[key] = result["tokens"]
+                print(f"round {round_} {revision:3s} {backend:5s} {system:7s}: "
+                      f"{statistics.median(result['rates']):6.2f} tok/s", flush=True)
+    identical = len({json.dumps(t) for (_, _, system), t in tokens.items() if system == "nodraft"}) == 1 and len(
+        {json.dumps(t) for (_, _, system), t in tokens.items() if system == "draft"}) == 1
+    rows, summary = [], {"greedy_tokens_identical": identical}
+    for (revision, backend, system), values in sorted(rates.items()):
+        median, low, high = median_spread(values)
+        rows.append({"revision": revision, "backend": backend, "system": system, "tok_s_median": median,
+                     "tok_s_min": low, "tok_s_max": high, "n": len(values)})
+    med = {(r["revision"], r["backend"], r["system"]): r["tok_s_median"] for r in rows}
+    for system in SYSTEMS:
+        summary[f"new_over_old_local_{system}"] = med["new", "local", system] / med["old", "local", system]
+    for revision in ("old", "new"):
+        summary[f"ray_overhead_{revision}"] = med[revision, "local", "draft"] / med[revision, "ray", "draft"] - 1
+    meta = {"date": utc_now(), "baseline": args.label, "rounds": args.rounds, "reps": args.reps,
+            "cpu_count": os.cpu_count(), "workload": "8 HumanEval prompts x 32 tokens, 8 new, 4.5 GiB, disk tier"}
+    write_json(PERF / "revisions.json", {"summary": summary, "meta": meta, "rows": rows})
+    lines = ["| revision | backend | system | tok/s median | min | max | n |", "|---|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['revision']} | {r['backend']} | {r['system']} | {r['tok_s_median']:.2f} | {r['tok_s_min']:.2f} "
+              f"| {r['tok_s_max']:.2f} | {r['n']} |" for r in rows]
+    text = (f"Run {meta['date']}, baseline `{args.label}` (old) against the working tree (new), {args.rounds} ABBA "
+            f"round(s) x {args.reps} timed generates per process; {meta['workload']}. Ray overhead = local / ray - 1 "
+            f"(time per token). Greedy tokens identical across revisions and backends: {identical}.\n\n"
+            + "\n".join(lines) + "\n\n" + "Summary: " + ", ".join(f"{k} = {v:.3f}" if isinstance(v, float)
+                                                                    else f"{k} = {v}" for k, v in summary.items()))
+    write_section(PERF / "README.md", "revisions", text, heading="revisions (`scripts/bench_revisions.py`)")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
