@@ -35,16 +35,17 @@ from .units import format_bytes
 TIERS = ("device", "host", "disk")
 WEIGHTS_TIERS = ("disk", "ram")
 
-#: part kind -> the category it is reported (and prioritised) under
+#: part kind -> the category it is reported under (dense MLPs and experts are both the "ffn" of priority_order)
 _CATEGORY = {
     "embedding": "embedding",
     "attention": "attention",
     "router": "routers",
     "dense_mlp": "ffn",
-    "expert": "ffn",
+    "expert": "experts",
     "head": "head",
 }
-_CATEGORY_ORDER = ("embedding", "routers", "attention", "ffn", "head")  # report order of the items
+_CATEGORY_ORDER = ("embedding", "routers", "attention", "ffn", "experts", "head")  # report order of the items
+_FFN = ("dense_mlp", "expert")
 
 
 class PlacementError(SpecOffloadError, ValueError):
@@ -199,7 +200,7 @@ def priority_order(target: ModelShape, pinned: frozenset[PartKey] = frozenset())
     for key, _ in target.parts:
         if key in pinned:  # resident in every plan: not a step
             continue
-        if _CATEGORY[key.kind] == "ffn":
+        if key.kind in _FFN:
             ffn.setdefault(key.layer, []).append(key)
         else:
             by_kind.setdefault(key.kind, []).append(key)
@@ -333,9 +334,10 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
         group = slot_unit(key, target.num_layers, policy.expert_group)
         if tier != "device" and group is not None:
             slots[group] = slots.get(group, 0) + nbytes
-        bucket = buckets.setdefault((_CATEGORY[key.kind], tier), [0, set()])
+        bucket = buckets.setdefault((_CATEGORY[key.kind], tier), [0, set(), 0])
         bucket[0] += nbytes
         bucket[1].add(key.layer)
+        bucket[2] += 1
     slot_bytes = max(slots.values(), default=0)
 
     items: list[PlacementItem] = []
@@ -344,26 +346,28 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
         items.append(PlacementItem("draft KV cache", "device", policy.kv_cache_bytes(draft)))
     for category in _CATEGORY_ORDER:
         if (category, "device") in buckets:
-            nbytes, layers = buckets[category, "device"]
-            items.append(PlacementItem(_label(category, layers, streamed=False), "device", nbytes))
+            nbytes, layers, parts = buckets[category, "device"]
+            items.append(PlacementItem(_label(category, layers, parts, streamed=False), "device", nbytes))
     if slot_bytes:
         unit = f" (units of {policy.expert_group} experts)" if policy.expert_group else ""
         ring = f"ring buffers {policy.num_buffers} x {format_bytes(slot_bytes)}{unit}"
         items.append(PlacementItem(ring, "device", policy.num_buffers * slot_bytes))
     for category in _CATEGORY_ORDER:
         if (category, policy.streamed_tier) in buckets:
-            nbytes, layers = buckets[category, policy.streamed_tier]
-            items.append(PlacementItem(_label(category, layers, streamed=True), policy.streamed_tier, nbytes))
+            nbytes, layers, parts = buckets[category, policy.streamed_tier]
+            items.append(PlacementItem(_label(category, layers, parts, streamed=True), policy.streamed_tier, nbytes))
     items.append(PlacementItem("target KV cache", "host", policy.kv_cache_bytes(target)))
     return _Layout(tuple(tiers), tuple(sorted({layer for layer, _ in slots})), slot_bytes, tuple(items))
 
 
-def _label(category: str, layers: set[int], streamed: bool) -> str:
+def _label(category: str, layers: set[int], parts: int, streamed: bool) -> str:
     if category == "embedding":
         return "target embedding" if not streamed else "target embedding (rows read on demand)"
     if category == "head":
         return "target head (streamed)" if streamed else "target head"
     count = f"{len(layers)} layer{'s' if len(layers) != 1 else ''}"
+    if category == "experts":
+        count += f", {parts} experts"
     return f"target {category} ({'streamed, ' if streamed else ''}{count})"
 
 

@@ -303,7 +303,7 @@ def test_literal_budgets_walk_the_priority_order() -> None:
     assert p.tier(PartKey("embedding")) == "disk" and not p.is_streamed(PartKey("embedding"))
     names = [item.name for item in p.items]
     assert "ring buffers 2 x 1.28 KiB" in names and "target embedding (rows read on demand)" in names
-    assert "target ffn (streamed, 6 layers)" in names and "target KV cache" in names
+    assert "target experts (streamed, 6 layers, 24 experts)" in names and "target KV cache" in names
     # routers and attention resident: the slot is an ffn layer
     p = place(target, draft, policy, fixed + 660 + 2 * 1200, 512)
     assert {key.kind for key in resident(p)} == {"router", "attention"} and p.slot_bytes == 1200
