@@ -42,7 +42,7 @@ import torch
 from scripts.common import PERF, drop_caches, utc_now, write_json
 from scripts.get_models import default_cache, model_dir
 from scripts.readme_section import write_section
-from specoffload.planner import Workload, estimate_step
+from specoffload.planner import estimate_step
 from specoffload.planner.placement import PlacementError
 from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime import EngineConfig, SamplingParams
@@ -169,29 +169,29 @@ def dense_reference(prompts: list[list[int]], new_tokens: int) -> list[list[int]
     return out
 
 
-def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple[int, int]], prompt_tokens: int,
-                 new_tokens: int) -> dict:
-    """The planner's choice over the grid at this budget, from the measured profile and acceptance."""
-    config = replace(base, device_memory=budget, max_batch_size="auto", num_draft_tokens="auto")
+def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple[int, int]], context: int) -> dict:
+    """The planner's choice over the measured grid at this budget: its predicted steady decode rate of every
+    (batch, k) that places, from the measured profile and the acceptance measured in this run; the pick is the
+    argmax (as `planner.search` ranks, over the same candidates)."""
+    config = replace(base, device_memory=budget)
     target = Transformer(config.target, dtype=config.torch_dtype)
     draft = Transformer(config.draft, dtype=config.torch_dtype) if config.draft and not config.self_draft else None
     models = ModelPair.of(target, draft)
     profile = load_or_measure(config, log=lambda m: print(f"  [profile] {m}", flush=True))
-    workload = Workload(num_prompts=256, prompt_len=prompt_tokens, new_tokens=base.max_seq_len - prompt_tokens)
-    plan = make_plan(config, models, base.max_seq_len, workload=workload, alpha=alpha, profile=profile)
     predictions = {}
     for batch, k in grid:
+        fixed = replace(config, max_batch_size=batch, num_draft_tokens=k)
+        pair = models if k else ModelPair.of(target, None)
         try:
-            fixed = replace(base, device_memory=budget, max_batch_size=batch, num_draft_tokens=k)
-            fixed_plan = make_plan(fixed, models, base.max_seq_len)
-            placement = place_plan(fixed, fixed_plan, models)
+            placement = place_plan(fixed, make_plan(fixed, pair, base.max_seq_len), pair)
         except PlacementError:
             continue
-        step = estimate_step(profile, models.costs(k > 0), placement, batch, k, alpha,
-                             prompt_tokens + new_tokens // 2, config.expert_loading)
+        step = estimate_step(profile, pair.costs(k > 0), placement, batch, k, alpha, context, config.expert_loading,
+                             config.interleave is not False)
         predictions[f"{batch},{k}"] = step.tokens_per_s
-    return {"pick": [plan.batch, plan.k], "predicted_tok_s": plan.policy.estimate.step.tokens_per_s,
-            "predictions": predictions}
+    pick = max(predictions, key=predictions.get) if predictions else None
+    return {"pick": [int(x) for x in pick.split(",")] if pick else None, "predictions": predictions,
+            "profile": str(profile.provenance.get("fingerprint", ""))[:200]}
 
 
 def best(rows: list[dict], label: str) -> dict | None:
@@ -215,6 +215,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--expert-group", type=int, default=None, help="experts per ring slot (default: whole layers)")
     ap.add_argument("--num-buffers", type=int, default=2)
+    ap.add_argument("--interleave", default="off", choices=["on", "off"],
+                    help="drafting systems: two alternating batches (on) or one drafting between its passes (off)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one budget, one batch each, 8 new tokens, no (1)")
     ap.add_argument("--out", default="moe")
@@ -241,7 +243,11 @@ def main() -> int:
     reference = dense_reference(prompts[:8], args.new_tokens) if args.target == "upcycled" else None
     base = EngineConfig(target, device_memory="1GiB", max_seq_len=args.max_seq_len, num_draft_tokens=args.k,
                         dtype=args.dtype, trace=True, expert_loading="auto", expert_group=args.expert_group,
-                        num_buffers=args.num_buffers)
+                        num_buffers=args.num_buffers, interleave=args.interleave == "on")
+    from scripts.bench_offload import roofline
+
+    roof = roofline(target)
+    print(f"roofline: {roof}", flush=True)
     from scripts.bench_offload import RANDOM_DRAFT_WORKERS
 
     budgets = [parse_bytes(b) for b in args.budgets.split(",")]
@@ -249,7 +255,7 @@ def main() -> int:
     for budget in budgets:
         print(f"budget {format_bytes(budget)}", flush=True)
         rows: list[dict] = []
-        if 1 in systems:
+        if 1 in systems and budget == budgets[0]:  # the baseline at the first (memory-bound) budget
             rows += run_hf(target, budget, prompts, args.new_tokens, [int(b) for b in args.hf_batches.split(",")])
         for b in map(int, args.batches_nodraft.split(",")):
             if 2 in systems:
@@ -272,14 +278,15 @@ def main() -> int:
         if alpha is not None:
             grid = [(b, 0) for b in map(int, args.batches_nodraft.split(","))]
             grid += [(b, args.k) for b in map(int, args.batches_draft.split(","))]
-            pick = planner_pick(replace(base, draft=draft), budget, alpha, grid, args.prompt_tokens, args.new_tokens)
+            pick = planner_pick(replace(base, draft=draft), budget, alpha, grid,
+                                args.prompt_tokens + args.new_tokens // 2)
         results.append({"budget": budget, "rows": rows, "planner": pick})
-    report(args, target, budgets, results, reference, time.time() - started)
+    report(args, target, budgets, results, reference, time.time() - started, roof)
     return 0
 
 
 def report(args: argparse.Namespace, target: Path, budgets: list[int], results: list[dict],
-           reference: list[list[int]] | None, elapsed: float) -> None:
+           reference: list[list[int]] | None, elapsed: float, roof: dict) -> None:
     summary: dict = {}
     per_budget = []
     all_tokens = []
@@ -305,7 +312,7 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
         if planner:
             measured = {f"{r['batch']},{0 if r['system'] == SYSTEMS[2] else r['k']}": r["tok_s_median"]
                         for r in rows if r["system"] in (SYSTEMS[2], SYSTEMS[3]) and r.get("tok_s_median")}
-            key = f"{planner['pick'][0]},{planner['pick'][1]}"
+            key = f"{planner['pick'][0]},{planner['pick'][1]}" if planner.get("pick") else None
             if measured:
                 best_measured = max(measured.values())
                 entry["planner_pick"] = planner["pick"]
@@ -334,7 +341,8 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
     meta = {"date": utc_now(), "target": target.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "max_seq_len": args.max_seq_len, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "k": args.k, "dtype": args.dtype, "reps": args.reps, "quick": args.quick, "elapsed_s": elapsed,
-            "expert_group": args.expert_group, "num_buffers": args.num_buffers}
+            "expert_group": args.expert_group, "num_buffers": args.num_buffers, "interleave": args.interleave,
+            "roofline": roof}
     clean = [{"budget": r["budget"], "planner": r["planner"],
               "rows": [{k: v for k, v in row.items() if k != "tokens"} for row in r["rows"]]} for r in results]
     write_json(PERF / f"{args.out}.json", {"summary": summary, "per_budget": per_budget, "meta": meta,
@@ -370,9 +378,45 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
                                                              if k != "budget" and not k.startswith("best")}, 2)
                     for e in per_budget]
     lines += ["", "Per budget: " + "; ".join(budget_lines), "", "Summary: " + pairs(summary, 3)]
+    lines += ["", f"Roofline measured in the same run: cold O_DIRECT disk read {roof['disk_read_GBps']:.2f} GB/s; fp32 "
+              "matmul " + ", ".join(f"{v:.0f} GFLOP/s at {k.split('_')[2]}" for k, v in roof.items()
+                                    if k.startswith("matmul")) + "."]
+    plot = plot_sweep(args, per_budget)
+    if plot is not None:
+        lines += ["", f"Budget sweep: `{plot.name}` (best steady tok/s of each system, the planner's pick per budget)."]
     text = "\n".join(lines)
     write_section(PERF / "README.md", args.out, text, heading=f"{args.out} (`scripts/bench_moe.py`)")
     print(text)
+
+
+def plot_sweep(args: argparse.Namespace, per_budget: list[dict]) -> Path | None:
+    """Best steady tok/s per system against the budget, with the planner's pick marked: docs/perf/<out>_sweep.png."""
+    if len(per_budget) < 2:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    gib = [e["budget"] / 2**30 for e in per_budget]
+    for n, label in SYSTEMS.items():
+        points = [(g, e[f"best_{n}"]["tok_s"]) for g, e in zip(gib, per_budget) if e.get(f"best_{n}")]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
+    for g, e in zip(gib, per_budget):
+        if e.get("planner_pick"):
+            ax.annotate(f"pick b={e['planner_pick'][0]}, k={e['planner_pick'][1]}", (g, 0), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=7)
+    ax.set_xlabel("memory budget (GiB, everything the engine holds)")
+    ax.set_ylabel("steady decode tokens/s (best batch)")
+    ax.set_title(f"{args.target}: where speculation pays")
+    ax.legend(fontsize=7)
+    path = PERF / f"{args.out}_sweep.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
