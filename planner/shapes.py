@@ -69,15 +69,6 @@ def self_draft_shape(target: ModelShape, experts_per_layer: int, name: str = "se
         raise ValueError(f"{target.name}: a resident-expert drafter keeps at least 1 expert per layer")
     if not any(key.kind == "expert" for key, _ in target.parts):
         raise ValueError(f"{target.name} has no routed experts: it cannot draft with a subset of them")
-    kept = lambda key: key.expert < experts_per_layer if key.kind == "expert" else not shares_kv  # noqa: E731
-    parts = tuple((key, n) for key, n in target.parts if kept(key))
+    parts = tuple((key, n) for key, n in target.parts
+                  if (key.expert < experts_per_layer if key.kind == "expert" else not shares_kv))
     return ModelShape(name, parts, target.num_layers, 0 if shares_kv else target.kv_bytes_per_token)
-
-
-def experts_per_layer(shape: ModelShape) -> int:
-    """Routed experts of each MoE layer (0 for a dense model)."""
-    counts: dict[int, int] = {}
-    for key, _ in shape.parts:
-        if key.kind == "expert":
-            counts[key.layer] = counts.get(key.layer, 0) + 1
-    return max(counts.values(), default=0)

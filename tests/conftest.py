@@ -18,6 +18,30 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return make_tiny_models(tmp_path_factory.mktemp("tiny_models"))
 
 
+#: prompts of different lengths on the tiny models' vocabulary, and greedy settings, that the offloaded-engine
+#: tests compare against the resident engine
+OFFLOAD_PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
+
+
+@pytest.fixture(scope="session")
+def resident_greedy(tiny_models):  # noqa: ANN001, ANN201
+    """name -> greedy tokens of OFFLOAD_PROMPTS (10 new tokens, EOS ignored) from the resident Engine (batch 3)."""
+    from specoffload.runtime.config import EngineConfig
+    from specoffload.runtime.engine import Engine
+    from specoffload.runtime.sampling import SamplingParams
+
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(name: str) -> list[list[int]]:
+        if name not in cache:
+            engine = Engine(EngineConfig(tiny_models[name], max_batch_size=3))
+            params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+            cache[name] = [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)]
+        return cache[name]
+
+    return get
+
+
 @pytest.fixture
 def single_thread() -> Iterator[None]:
     """Run a test with one torch thread: tiny-model tests are faster, and far less hurt by a busy machine."""

@@ -14,23 +14,16 @@ from specoffload.planner.placement import PlacementError
 from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Engine, PromptError
 from specoffload.runtime.sampling import SamplingParams
+from tests.conftest import OFFLOAD_PROMPTS
 
-PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
-GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+PROMPTS = OFFLOAD_PROMPTS
+GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_models):
-    """Greedy tokens of the resident Engine, per target model."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(name: str) -> list[list[int]]:
-        if name not in cache:
-            engine = Engine(EngineConfig(tiny_models[name], max_batch_size=3))
-            cache[name] = [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
-        return cache[name]
-
-    return get
+@pytest.fixture
+def reference(resident_greedy):
+    """Greedy tokens of the resident Engine, per target model (shared across test modules)."""
+    return resident_greedy
 
 
 def _config(tiny_models, target: str, draft: str | None, **kw) -> EngineConfig:
