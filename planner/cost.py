@@ -67,6 +67,7 @@ class ModelCosts:
     top_k: int = 0
     draft_num_experts: int = 0
     draft_top_k: int = 0
+    draft_dtype_bytes: int = 0  # the draft's compute dtype when it differs from the target's (0: the same)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype_bytes, bool) or not isinstance(self.dtype_bytes, int) or self.dtype_bytes < 1:
@@ -77,11 +78,13 @@ class ModelCosts:
 
     @classmethod
     def from_shapes(
-        cls, target: ModelShape, draft: ModelShape | None, dtype_bytes: int = 2, top_k: int = 0, draft_top_k: int = 0
+        cls, target: ModelShape, draft: ModelShape | None, dtype_bytes: int = 2, top_k: int = 0, draft_top_k: int = 0,
+        draft_dtype_bytes: int = 0,
     ) -> ModelCosts:
         """Costs with num_experts counted from the shapes' expert parts (top_k cannot be: it is config)."""
         draft_experts = _experts_per_layer(draft) if draft is not None else 0
-        return cls(target, draft, dtype_bytes, _experts_per_layer(target), top_k, draft_experts, draft_top_k)
+        return cls(target, draft, dtype_bytes, _experts_per_layer(target), top_k, draft_experts, draft_top_k,
+                   draft_dtype_bytes)
 
     @cached_property
     def _target_layers(self) -> tuple[tuple[float, float, float], ...]:
@@ -124,7 +127,8 @@ class ModelCosts:
     def draft_flops_per_token(self) -> float:
         if self.draft is None:
             return 0.0
-        return _flops_per_token(self.draft, self.dtype_bytes, self.draft_num_experts, self.draft_top_k)
+        return _flops_per_token(self.draft, self.draft_dtype_bytes or self.dtype_bytes, self.draft_num_experts,
+                                self.draft_top_k)
 
     @property
     def expert_fraction(self) -> float:

@@ -120,6 +120,7 @@ def search(
     alpha_range: tuple[float, float] | None = None,
     expert_group: int = 0,
     interleaves: Iterable[bool] = (True,),
+    draft_dtype_bytes: int = 0,
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
@@ -138,7 +139,7 @@ def search(
     top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
     Raises `NoFeasiblePolicyError` (with the reasons) when no pair fits.
     """
-    costs = ModelCosts.from_shapes(target, draft, dtype_bytes, top_k, draft_top_k)
+    costs = ModelCosts.from_shapes(target, draft, dtype_bytes, top_k, draft_top_k, draft_dtype_bytes)
     tier = weights_tier if weights_tier is not None else profile.weights_tier
     unified = unified_memory if unified_memory is not None else profile.device == "cpu"
     tokens = context if context is not None else math.ceil(workload.prompt_len) + workload.new_tokens

@@ -48,6 +48,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="Ray to join with --backend ray (default: RAY_ADDRESS, e.g. inside `ray job submit`, "
                         "else a local Ray)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the draft model's compute dtype (default: --dtype); bfloat16 halves its memory")
     p.add_argument("-k", "--num-draft-tokens", type=_int_or_auto, default=None,
                    help="draft tokens per step, or 'auto' (planner; the default with --device-memory, else 4)")
     p.add_argument("--batch-size", type=_int_or_auto, default=None,
@@ -191,6 +193,7 @@ def _generate(args: argparse.Namespace) -> int:
         target=args.target,
         draft=args.draft,
         dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
         num_draft_tokens=args.num_draft_tokens,
         max_batch_size=args.batch_size,
         num_threads=args.threads,

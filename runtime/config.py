@@ -65,6 +65,7 @@ class EngineConfig:
     target: str | Path
     draft: str | Path | None = None
     dtype: str = "float32"
+    draft_dtype: str | None = None
     num_draft_tokens: int | str | None = None
     max_batch_size: int | str | None = None
     device: str = "cpu"
@@ -86,6 +87,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.draft_dtype is not None and self.draft_dtype not in _DTYPES:
+            raise ConfigError(f"draft_dtype must be one of {sorted(_DTYPES)} or None, got {self.draft_dtype!r}")
         # Defaults: the planner's choice when offloaded (device_memory set), else k = 4 and 16 rows.
         if self.num_draft_tokens is None:
             object.__setattr__(self, "num_draft_tokens", "auto" if self.device_memory is not None else 4)
@@ -149,6 +152,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def draft_torch_dtype(self) -> torch.dtype:
+        """The draft model's compute dtype: draft_dtype, else the target's."""
+        return _DTYPES[self.draft_dtype or self.dtype]
 
     @property
     def self_draft(self) -> bool:

@@ -86,7 +86,8 @@ class Engine:
             # lives in another process and keeps its own
             self.models = ModelPair.of(self.target, None, resident_expert_count(config, cfg), shares_kv=workers is None)
         else:
-            draft_model = Transformer(config.draft, dtype=dtype, device=config.device) if config.draft else None
+            draft_model = (Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
+                           if config.draft else None)
             if draft_model is not None:
                 self._check_vocabularies(draft_model)
             self.models = ModelPair.of(self.target, draft_model)

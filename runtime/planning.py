@@ -48,6 +48,7 @@ class ModelPair:
     draft_top_k: int = 0  # the same for an MoE draft
     self_draft_experts: int = 0  # > 0: the draft is the target's resident-expert drafter keeping that many
     draft_pins: frozenset[PartKey] = frozenset()  # target parts the drafter shares (resident whenever it drafts)
+    draft_dtype_bytes: int = 0  # the draft's compute dtype (0: the target's)
 
     @classmethod
     def of(cls, target: Transformer, draft: Transformer | None, self_draft_experts: int = 0,
@@ -69,13 +70,15 @@ class ModelPair:
         pins = frozenset(key for key, _ in shape.parts if key.kind in ("attention", "router", "dense_mlp", "head"))
         return cls(target=shape, draft=draft_shape, context=cfg.max_position_embeddings,
                    dtype_bytes=target.dtype.itemsize, top_k=top_k, draft_top_k=draft_top_k,
+                   draft_dtype_bytes=draft.dtype.itemsize if draft is not None else 0,
                    self_draft_experts=self_draft_experts,
                    draft_pins=pins if self_draft_experts and shares_kv else frozenset())
 
     def costs(self, drafting: bool) -> ModelCosts:
         """FLOPs and bytes per layer for the cost model (the draft only when it is loaded)."""
         return ModelCosts.from_shapes(self.target, self.draft if drafting else None, dtype_bytes=self.dtype_bytes,
-                                      top_k=self.top_k, draft_top_k=self.draft_top_k)
+                                      top_k=self.top_k, draft_top_k=self.draft_top_k,
+                                      draft_dtype_bytes=self.draft_dtype_bytes)
 
 
 def resolve_max_seq_len(config_max_seq_len: int | None, model_context: int,
@@ -147,6 +150,7 @@ def make_plan(
         top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
         expert_loading=config.expert_loading, draft_pins=models.draft_pins, expert_group=config.expert_group or 0,
         interleaves=(True, False) if config.interleave == "auto" else (bool(config.interleave),),
+        draft_dtype_bytes=models.draft_dtype_bytes,
         alpha_range=alpha_range,
     )
     plan = planned(result, max_seq_len, replan_k=auto_k, draft_experts=models.self_draft_experts)

@@ -214,6 +214,7 @@ def main() -> int:
     ap.add_argument("--resident-experts", default="4", help="(5): experts per layer the self-drafter keeps, list")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--expert-group", type=int, default=None, help="experts per ring slot (default: whole layers)")
+    ap.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"], help="(3), (4): the draft's")
     ap.add_argument("--num-buffers", type=int, default=2)
     ap.add_argument("--interleave", default="off", choices=["on", "off"],
                     help="drafting systems: two alternating batches (on) or one drafting between its passes (off)")
@@ -243,7 +244,7 @@ def main() -> int:
     reference = dense_reference(prompts[:8], args.new_tokens) if args.target == "upcycled" else None
     base = EngineConfig(target, device_memory="1GiB", max_seq_len=args.max_seq_len, num_draft_tokens=args.k,
                         dtype=args.dtype, trace=True, expert_loading="auto", expert_group=args.expert_group,
-                        num_buffers=args.num_buffers, interleave=args.interleave == "on")
+                        num_buffers=args.num_buffers, interleave=args.interleave == "on", draft_dtype=args.draft_dtype)
     from scripts.bench_offload import roofline
 
     roof = roofline(target)
@@ -342,6 +343,7 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
             "max_seq_len": args.max_seq_len, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
             "k": args.k, "dtype": args.dtype, "reps": args.reps, "quick": args.quick, "elapsed_s": elapsed,
             "expert_group": args.expert_group, "num_buffers": args.num_buffers, "interleave": args.interleave,
+            "draft_dtype": args.draft_dtype,
             "roofline": roof}
     clean = [{"budget": r["budget"], "planner": r["planner"],
               "rows": [{k: v for k, v in row.items() if k != "tokens"} for row in r["rows"]]} for r in results]

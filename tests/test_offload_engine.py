@@ -8,6 +8,7 @@ import threading
 from dataclasses import replace
 
 import pytest
+import torch
 
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.placement import PlacementError
@@ -212,3 +213,16 @@ def test_one_batch_drafting_between_its_passes_is_lossless(tiny_models, referenc
     out = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in out] == reference(target)
     assert engine.last_stats.num_drafted > 0
+
+
+def test_a_bfloat16_draft_beside_a_float32_target_is_lossless_and_half_the_memory(tiny_models, reference,
+                                                                                 single_thread):
+    base = _config(tiny_models, "llama", "qwen2_draft", device_memory="1GiB")
+    fp32 = Engine(base)
+    bf16 = Engine(replace(base, draft_dtype="bfloat16"))
+    items = {name: {i.name: i.nbytes for i in e.placement.items} for name, e in (("fp32", fp32), ("bf16", bf16))}
+    assert items["bf16"]["draft weights"] * 2 == items["fp32"]["draft weights"]
+    assert items["bf16"]["draft KV cache"] * 2 == items["fp32"]["draft KV cache"]
+    assert bf16.workers.drafter.model.dtype == torch.bfloat16 and bf16.models.draft_dtype_bytes == 2
+    assert [r.token_ids for r in bf16.generate(PROMPTS, GREEDY)] == reference("llama")
+    assert bf16.last_stats.num_drafted > 0

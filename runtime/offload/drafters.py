@@ -110,7 +110,7 @@ class ModelDrafter(BatchKV, BatchRNG):
     def __init__(self, config: EngineConfig, weights: WeightPlan | None = None,
                  slots: Sequence[Tensor] | None = None) -> None:
         assert config.draft is not None
-        self.model = Transformer(config.draft, dtype=config.torch_dtype, device=config.device)
+        self.model = Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
         self.model.preload()
         self.caches: dict[int, KVCache] = {}
         self.generators: dict[int, torch.Generator] = {}

@@ -53,7 +53,8 @@ def fingerprint(config: EngineConfig) -> dict[str, str | int]:
     return {
         "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count() or 1, "torch": torch.__version__,
         "device": torch.device(config.device).type, "target": Path(config.target).name,
-        "draft": _draft_name(config), "dtype": config.dtype,
+        "draft": _draft_name(config), "dtype": config.dtype if not config.draft_dtype else
+        f"{config.dtype}/{config.draft_dtype}",
         "weights_tier": config.weights_tier, "threads": torch.get_num_threads(),
         "profiler": PROFILER_VERSION,
     }
@@ -205,7 +206,7 @@ def _draft_steps(config: EngineConfig, reps: int, quick: bool) -> tuple[tuple[in
         drafter = ResidentExpertDrafter(config)
         draft, allowed = drafter.model, drafter.allowed
     else:
-        draft = Transformer(config.draft, dtype=config.torch_dtype, device=config.device)
+        draft = Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
         draft.preload()
     out = []
     for rows in DRAFT_ROWS[:3] if quick else DRAFT_ROWS:
