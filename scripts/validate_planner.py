@@ -231,16 +231,16 @@ def main() -> int:
                         "prose": "Python language reference topics (stdlib pydoc_data/topics.py), "
                                  f"Python {sys.version.split()[0]}"}}
     jobs: list[dict] = []
-    for spec in args.jobs.split(","):
+    for spec in args.jobs.split(","):  # results are written after every job: a cut run keeps what it finished
         corpus, budget = spec.split("@")
         jobs.append(run_job(corpus, budget, args, tok))
-        write_json(args.out, {"meta": meta, "summary": summary(jobs), "jobs": jobs})  # partial results survive
-    summ = summary(jobs)
-    print(json.dumps(summ, indent=1))
-    has_plot = plot(jobs, args.out.with_suffix(".png"))
-    if args.out == PERF / "planner_validation.json":
-        write_section(PERF / "README.md", "planner_validation", section(meta, jobs, summ, has_plot),
-                      heading="planner validation (`scripts/validate_planner.py`)")
+        summ = summary(jobs)
+        write_json(args.out, {"meta": meta, "summary": summ, "jobs": jobs})
+        has_plot = plot(jobs, args.out.with_suffix(".png"))
+        if args.out == PERF / "planner_validation.json":
+            write_section(PERF / "README.md", "planner_validation", section(meta, jobs, summ, has_plot),
+                          heading="planner validation (`scripts/validate_planner.py`)")
+    print(json.dumps(summary(jobs), indent=1))
     return 0
 
 

@@ -64,8 +64,11 @@ def calibrate(config: EngineConfig, profile: HardwareProfile, quick: bool = Fals
     record = []
     for p, x in zip(points, needed):
         predicted = estimate_step(calibrated, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["context"])
+        isolated = estimate_step(profile, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["context"])
         record.append({key: value for key, value in p.items() if key not in ("costs", "placement")}
-                      | {"overhead_needed_s": x, "predicted_s": predicted.t_step})
+                      | {"overhead_needed_s": x, "predicted_s": predicted.t_step, "bound": predicted.bound,
+                         "predicted_isolated_s": isolated.t_step, "stream_isolated": profile.stream_bytes_per_s,
+                         "stream_in_pass": stream})
     return replace(calibrated, calibration=tuple(record))
 
 
