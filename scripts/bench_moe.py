@@ -383,12 +383,52 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
     lines += ["", f"Roofline measured in the same run: cold O_DIRECT disk read {roof['disk_read_GBps']:.2f} GB/s; fp32 "
               "matmul " + ", ".join(f"{v:.0f} GFLOP/s at {k.split('_')[2]}" for k, v in roof.items()
                                     if k.startswith("matmul")) + "."]
+    self_rows = [r for res in results for r in res["rows"] if r.get("resident_experts") and r.get("fits")]
+    if self_rows:
+        by_n: dict[int, list[dict]] = {}
+        for r in self_rows:
+            by_n.setdefault(r["resident_experts"], []).append(r)
+        summary["acceptance_by_resident_experts"] = {
+            str(n): statistics.median(r["acceptance"] for r in rows if r.get("acceptance") is not None)
+            for n, rows in sorted(by_n.items()) if any(r.get("acceptance") is not None for r in rows)}
+        summary["hit_rate_by_resident_experts"] = {
+            str(n): statistics.median(r["expert_hit_rate"] for r in rows if r.get("expert_hit_rate") is not None)
+            for n, rows in sorted(by_n.items()) if any(r.get("expert_hit_rate") is not None for r in rows)}
+        summary["migrated_bytes"] = sum(r.get("migrated_bytes") or 0 for r in self_rows)
+        curve = plot_acceptance(args, summary)
+        lines += ["", f"Self-draft acceptance and hit rate vs resident experts per layer: `{curve.name}`; "
+                      f"acceptance {summary['acceptance_by_resident_experts']}, hit rate "
+                      f"{summary['hit_rate_by_resident_experts']}, migrated {summary['migrated_bytes'] / 1e9:.2f} GB."]
     plot = plot_sweep(args, per_budget)
     if plot is not None:
         lines += ["", f"Budget sweep: `{plot.name}` (best steady tok/s of each system, the planner's pick per budget)."]
     text = "\n".join(lines)
     write_section(PERF / "README.md", args.out, text, heading=f"{args.out} (`scripts/bench_moe.py`)")
     print(text)
+
+
+def plot_acceptance(args: argparse.Namespace, summary: dict) -> Path:
+    """Self-draft acceptance and resident hit rate against resident experts per layer: <out>_acceptance.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.6, 3.6))
+    for key, label in (("acceptance_by_resident_experts", "acceptance (per draft token)"),
+                       ("hit_rate_by_resident_experts", "hit rate (target picks resident)")):
+        points = sorted((int(n), v) for n, v in summary.get(key, {}).items())
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
+    ax.set_xlabel("resident experts per layer")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{args.target}: resident-expert drafting")
+    ax.legend(fontsize=7)
+    path = PERF / f"{args.out}_acceptance.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_sweep(args: argparse.Namespace, per_budget: list[dict]) -> Path | None:
