@@ -6,6 +6,7 @@ the wheel, which holds ``specoffload`` only.
 Models
     get_models          fetch, verify and convert the real Qwen2.5-Coder target / draft pair
     make_tiny_models    tiny random checkpoints for the tests (``tests/conftest.py``) and local runs
+    make_moe            MoE targets built from the dense target: upcycled (exact) and MoEfied (``moe/``)
 
 Benchmarks (results in ``docs/perf/``: a JSON each and a section of its README.md)
     bench_generate      transformers vs our in-process Engine, with and without the draft

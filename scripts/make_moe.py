@@ -1,7 +1,7 @@
 """Build MoE checkpoints from the dense target (no MoE weights can be fetched here).
 
     python -m scripts.make_moe upcycle [--dense DIR] [--out DIR] [--experts 8] [--top-k 2] [--calibration F ...]
-    python -m scripts.make_moe moefy   [--dense DIR] [--out DIR] [--experts 16] [--top-k 4] [--shared 1792] ...
+    python -m scripts.make_moe moefy   [--dense DIR] [--out DIR] [--experts 16] [--top-k 8] [--shared 3584] ...
     python -m scripts.make_moe measure --moe DIR [--dense DIR] [--prompts 100:132] [--greedy-tokens 32]
 
 `upcycle`: sparse upcycling (Komatsuzaki et al. 2022), every expert a stored copy of the dense FFN and a
@@ -37,6 +37,8 @@ KINDS = ("upcycle", "moefy")
 SELECTION_PROMPTS = "0:32"
 REPORT_PROMPTS = "100:132"
 REPORT = "report.json"
+#: calibration tokens per stdlib file (32 files): k-means of 8 centroids is cheap, per-neuron statistics are not
+SEQ_LEN = {"upcycle": 256, "moefy": 128}
 
 
 def default_out(kind: str, dense: Path, experts: int, cache: Path | None = None) -> Path:
@@ -101,7 +103,7 @@ def build_moe_models(dense: Path, kinds: Sequence[str], cache: Path | None = Non
         if is_current(out, dense, asdict(params)):
             print(f"[{kind}] up to date: {out}")
         else:
-            calibration = calibration_for(dense, None, 256)
+            calibration = calibration_for(dense, None, SEQ_LEN[kind])
             record = (upcycle if kind == "upcycle" else moefy)(dense, out, calibration, params)  # type: ignore[arg-type]
             print(f"[{kind}] built in {record['build_seconds']:.0f} s: {out}")
             if kind == "moefy":
@@ -126,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--experts", type=int, default=params.experts, help="(routed) experts per layer")
         p.add_argument("--top-k", type=int, default=params.top_k, help="experts per token")
         p.add_argument("--calibration", nargs="+", metavar="FILE", help="calibration text files (default: stdlib)")
-        p.add_argument("--seq-len", type=int, default=256, help="calibration tokens taken from each file")
+        p.add_argument("--seq-len", type=int, default=SEQ_LEN[kind], help="calibration tokens taken from each file")
         p.add_argument("--seed", type=int, default=0)
         if kind == "moefy":
             p.add_argument("--shared", type=int, default=params.shared, help="neurons of the shared expert")

@@ -47,9 +47,18 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class MoefyParams:
+    """Sizes and knobs. The default sizes were chosen on HumanEval 0-31 (teacher-forced top-1 agreement with the
+    dense Qwen2.5-Coder-1.5B, 4.7k positions; share of FFN neurons active per token in brackets):
+    16 experts top-4 shared 1792 (40%) 0.60, 8 top-2 (40%) 0.60, 32 top-8 (40%) 0.63, 16 top-8 (60%) 0.74,
+    16 top-4 shared 4480 (62.5%) 0.77, 16 top-6 shared 4480 (69%) 0.79, **16 top-8 shared 3584 (70%) 0.80**,
+    16 top-12 shared 1792 (80%) 0.84. Agreement grows with the active share; the default keeps it near 0.8 while
+    a token still skips half the routed experts. The report in the built model's directory is measured on
+    other prompts (HumanEval 100-131).
+    """
+
     experts: int = 16  # routed experts per layer
-    top_k: int = 4
-    shared: int = 1792  # neurons of the shared expert; the rest are split evenly among the routed experts
+    top_k: int = 8
+    shared: int = 3584  # neurons of the shared expert; the rest are split evenly among the routed experts
     active_fraction: float = 0.25
     logit_std: float = 0.02
     ridge: float = 1e-3  # ridge strength relative to the mean diagonal of the (standardised) Gram matrix
