@@ -347,6 +347,18 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
             "roofline": roof}
     clean = [{"budget": r["budget"], "planner": r["planner"],
               "rows": [{k: v for k, v in row.items() if k != "tokens"} for row in r["rows"]]} for r in results]
+    self_rows = [r for res in results for r in res["rows"] if r.get("resident_experts") and r.get("fits")]
+    if self_rows:
+        by_n: dict[int, list[dict]] = {}
+        for r in self_rows:
+            by_n.setdefault(r["resident_experts"], []).append(r)
+        summary["acceptance_by_resident_experts"] = {
+            str(n): statistics.median(r["acceptance"] for r in rows if r.get("acceptance") is not None)
+            for n, rows in sorted(by_n.items()) if any(r.get("acceptance") is not None for r in rows)}
+        summary["hit_rate_by_resident_experts"] = {
+            str(n): statistics.median(r["expert_hit_rate"] for r in rows if r.get("expert_hit_rate") is not None)
+            for n, rows in sorted(by_n.items()) if any(r.get("expert_hit_rate") is not None for r in rows)}
+        summary["migrated_bytes"] = sum(r.get("migrated_bytes") or 0 for r in self_rows)
     write_json(PERF / f"{args.out}.json", {"summary": summary, "per_budget": per_budget, "meta": meta,
                                            "results": clean})
     lines = [f"Run {meta['date']}, target `{target.name}` streamed from disk (O_DIRECT), {meta['threads']} threads, "
@@ -383,18 +395,7 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
     lines += ["", f"Roofline measured in the same run: cold O_DIRECT disk read {roof['disk_read_GBps']:.2f} GB/s; fp32 "
               "matmul " + ", ".join(f"{v:.0f} GFLOP/s at {k.split('_')[2]}" for k, v in roof.items()
                                     if k.startswith("matmul")) + "."]
-    self_rows = [r for res in results for r in res["rows"] if r.get("resident_experts") and r.get("fits")]
     if self_rows:
-        by_n: dict[int, list[dict]] = {}
-        for r in self_rows:
-            by_n.setdefault(r["resident_experts"], []).append(r)
-        summary["acceptance_by_resident_experts"] = {
-            str(n): statistics.median(r["acceptance"] for r in rows if r.get("acceptance") is not None)
-            for n, rows in sorted(by_n.items()) if any(r.get("acceptance") is not None for r in rows)}
-        summary["hit_rate_by_resident_experts"] = {
-            str(n): statistics.median(r["expert_hit_rate"] for r in rows if r.get("expert_hit_rate") is not None)
-            for n, rows in sorted(by_n.items()) if any(r.get("expert_hit_rate") is not None for r in rows)}
-        summary["migrated_bytes"] = sum(r.get("migrated_bytes") or 0 for r in self_rows)
         curve = plot_acceptance(args, summary)
         lines += ["", f"Self-draft acceptance and hit rate vs resident experts per layer: `{curve.name}`; "
                       f"acceptance {summary['acceptance_by_resident_experts']}, hit rate "
@@ -452,6 +453,7 @@ def plot_sweep(args: argparse.Namespace, per_budget: list[dict]) -> Path | None:
                         xytext=(0, 6), ha="center", fontsize=7)
     ax.set_xlabel("memory budget (GiB, everything the engine holds)")
     ax.set_ylabel("steady decode tokens/s (best batch)")
+    ax.set_ylim(bottom=0)
     ax.set_title(f"{args.target}: where speculation pays")
     ax.legend(fontsize=7)
     path = PERF / f"{args.out}_sweep.png"
