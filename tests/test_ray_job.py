@@ -2,11 +2,13 @@
 started with `ray start`, each its own raylet, token authentication on, dashboard on), `ray job submit -- specoffload
 generate --backend ray` on tiny corpora.
 
-1. One replica: the job SUCCEEDED and its rows equal the local backend's; an interrupted output is completed by a
-   resubmission with --resume; a user mistake fails the job with one line.
-2. Two replicas on the two worker nodes, an OpenAI batch file with bad rows, and one worker node's raylet SIGKILLed
-   mid-job: every custom_id appears exactly once, in input order, with the local backend's output; the lost node's
-   lease was redone on the other replica.
+1. One replica: the job SUCCEEDED and its rows equal the local backend's; a user mistake (an existing output without
+   --resume) fails the job with one line. (Resuming is the job driver's, the same for every backend: tests/test_cli.py
+   and tests/test_offline.py cover it; a resubmission here would cost another replica start and check nothing new.)
+2. Two replicas on the two worker nodes, an OpenAI batch file with bad rows, resuming what a local run left (its
+   first rows, a half-written line, its manifest), and one worker node's raylet SIGKILLed mid-job: every custom_id
+   appears exactly once, in input order, with the local backend's output; the lost node's lease was redone on the
+   other replica.
 
 The cluster uses free ports for everything and its own temp dir, so it does not collide with a local cluster this
 session (or anyone else on the machine) runs, and it is stopped by ending only its own processes (never `ray stop`).
@@ -86,7 +88,7 @@ def _job(env: dict[str, str], address: str, job_id: str) -> dict:
         return json.load(response) | {"submission_id": job_id}
 
 
-def test_job_submit_runs_the_cli_on_the_ray_backend_and_resumes(ray_head, tiny_models, tmp_path):
+def test_job_submit_runs_the_cli_on_the_ray_backend(ray_head, tiny_models, tmp_path):
     address, env = ray_head
     config = dict(target=str(tiny_models["llama"]), draft=str(tiny_models["qwen2_draft"]), max_batch_size=3,
                   max_seq_len=48, num_draft_tokens=3, num_threads=1, device_memory="1GiB")
@@ -112,16 +114,6 @@ def test_job_submit_runs_the_cli_on_the_ray_backend_and_resumes(ray_head, tiny_m
     assert [row["token_ids"] for row in rows] == expected
     assert all(len(row["token_ids"]) == NEW_TOKENS for row in rows)
     assert "0 recoveries from lost actors" in job["cli_output"]
-
-    # An interrupted job (two rows and a half-written third): a resubmission with --resume completes it.
-    lines = out.read_text().splitlines(keepends=True)
-    out.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
-    job = _submit(env, address, *cli, "--resume")
-    assert job["status"] == "SUCCEEDED", job
-    assert "2 of 5 prompts already done" in job["cli_output"]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [row["index"] for row in rows] == list(range(len(PROMPTS)))  # nothing lost, nothing twice
-    assert [row["token_ids"] for row in rows] == expected
 
     # A user mistake fails the job with one clear line, not a traceback.
     job = _submit(env, address, *cli)  # the output exists and neither --resume nor --overwrite is given
@@ -156,7 +148,7 @@ def _arenas_of(pids: set[int]) -> list[str]:
     return [p.name for p in SHM_DIR.iterdir() if (n := ArenaName.parse(p.name)) is not None and n.pid in pids]
 
 
-def test_two_replicas_on_two_nodes_survive_a_lost_node(ray_cluster, tiny_models, tmp_path):
+def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, tiny_models, tmp_path):
     """Runs last: it kills a worker node."""
     address, env = ray_cluster.dashboard, {k: v for k, v in ray_cluster.env.items() if k != "RAY_ADDRESS"}
     lines, bad = _batch(24)
@@ -170,10 +162,14 @@ def test_two_replicas_on_two_nodes_survive_a_lost_node(ray_cluster, tiny_models,
         assert main([*cli, "-o", str(ref)]) == 2  # the local backend: the reference rows (and three failed)
     finally:
         torch.set_num_threads(old)
-    job = _submit(env, address, *cli, "-o", str(out), "--backend", "ray", "--replicas", "2", wait=False)
+    # A local run was interrupted after two rows and half a third; the cluster resumes it (same manifest).
+    kept = ref.read_text().splitlines(keepends=True)
+    out.write_text("".join(kept[:2]) + kept[2][:20])
+    Path(f"{out}.manifest.json").write_text(Path(f"{ref}.manifest.json").read_text())
+    job = _submit(env, address, *cli, "-o", str(out), "--backend", "ray", "--replicas", "2", "--resume", wait=False)
     victim = ray_cluster.nodes[2]
     deadline = time.monotonic() + 180
-    while not out.exists() or out.read_text().count("\n") < 2:  # the first chunk is written: both replicas busy
+    while out.read_text().count("\n") < 4:  # a chunk of this job is written: both replicas are busy
         assert _job(env, address, job["submission_id"])["status"] in ("PENDING", "RUNNING"), "job ended early"
         assert time.monotonic() < deadline, "no chunk was written in 180 s"
         time.sleep(0.2)
@@ -185,6 +181,7 @@ def test_two_replicas_on_two_nodes_survive_a_lost_node(ray_cluster, tiny_models,
     logs = _ray(env, "job", "logs", f"--address={address}", job["submission_id"]).stdout
     assert record["status"] == "FAILED", logs  # exit status 2: three rows failed; everything else is written
     assert "3 of 24 rows failed" in logs and "Traceback" not in logs, logs
+    assert "2 of 24 prompts already done" in logs, logs
     assert "lost its lease on chunk" in logs and "goes back to the queue" in logs, logs
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     ids = [row["custom_id"] for row in rows]
