@@ -178,7 +178,8 @@ def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple
     draft = Transformer(config.draft, dtype=config.torch_dtype) if config.draft and not config.self_draft else None
     models = ModelPair.of(target, draft)
     profile = load_or_measure(config, log=lambda m: print(f"  [profile] {m}", flush=True))
-    predictions = {}
+    predictions: dict[str, float] = {}
+    what_if: dict[str, dict[str, float]] = {}  # acceptance -> (batch, k) -> predicted tok/s: what would pay
     for batch, k in grid:
         fixed = replace(config, max_batch_size=batch, num_draft_tokens=k)
         pair = models if k else ModelPair.of(target, None)
@@ -186,12 +187,20 @@ def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple
             placement = place_plan(fixed, make_plan(fixed, pair, base.max_seq_len), pair)
         except PlacementError:
             continue
-        step = estimate_step(profile, pair.costs(k > 0), placement, batch, k, alpha, context, config.expert_loading,
-                             config.interleave is not False)
-        predictions[f"{batch},{k}"] = step.tokens_per_s
+        for a in (alpha, 0.75, 0.9, 0.95):
+            step = estimate_step(profile, pair.costs(k > 0), placement, batch, k, a, context, config.expert_loading,
+                                 config.interleave is not False)
+            what_if.setdefault(f"{a:.3f}", {})[f"{batch},{k}"] = step.tokens_per_s
+        predictions[f"{batch},{k}"] = what_if[f"{alpha:.3f}"][f"{batch},{k}"]
     pick = max(predictions, key=predictions.get) if predictions else None
+    ratio = {}
+    for a, rates in what_if.items():
+        spec = [v for key, v in rates.items() if not key.endswith(",0")]
+        plain = [v for key, v in rates.items() if key.endswith(",0")]
+        if spec and plain:
+            ratio[a] = max(spec) / max(plain)
     return {"pick": [int(x) for x in pick.split(",")] if pick else None, "predictions": predictions,
-            "profile": str(profile.provenance.get("fingerprint", ""))[:200]}
+            "predicted_draft_over_nodraft_at_alpha": ratio}
 
 
 def best(rows: list[dict], label: str) -> dict | None:
@@ -321,6 +330,7 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
                 errors = [abs(planner["predictions"][k] - v) / v for k, v in measured.items()
                           if k in planner["predictions"]]
                 entry["median_prediction_error"] = statistics.median(errors) if errors else None
+            entry["predicted_draft_over_nodraft_at_alpha"] = planner.get("predicted_draft_over_nodraft_at_alpha")
         per_budget.append(entry)
     identical = all(t[: len(all_tokens[0])] == all_tokens[0][: len(t)] for t in all_tokens) if all_tokens else None
     for key in ("draft_over_nodraft", "self_over_nodraft", "self_over_draft", "ours_over_accelerate"):
