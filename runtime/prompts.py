@@ -84,22 +84,26 @@ def read_prompts_file(path: str | os.PathLike[str]) -> list[Prompt]:
 
     ``.jsonl``: one JSON value per non-blank line: an object with ``"prompt"`` (string) or
     ``"prompt_token_ids"`` / ``"token_ids"`` (list of ints), or a bare JSON string.
-    ``.txt`` (or any other suffix): one prompt per line, blank lines skipped.
+    ``.txt`` (or any other suffix): one prompt per line, blank lines skipped. An OpenAI batch file's
+    ``/v1/completions`` requests give their ``body.prompt`` (chat requests are refused: they need the chat template).
     Lines end at "\n" only (form feed, U+2028 and the like are text). Raises :class:`PromptFileError` naming the
     file (and line number) for anything malformed.
     """
+    from .offline.formats import input_format
     from .offline.rows import RowError
-    from .offline.simple import SimpleFormat
     from .offline.source import InputSource
 
     source = InputSource.file(path)
-    fmt = SimpleFormat(text=source.text)
+    fmt = input_format(source)
     prompts: list[Prompt] = []
     for raw in source.rows():
         row = fmt.parse(raw)
         if isinstance(row, RowError):
             raise PromptFileError(f"{source.where(row.lineno)}: {row.message}")
-        prompts.append(row.prompt if isinstance(row.prompt, str) else list(row.prompt or ()))
+        if row.prompt is None:
+            raise PromptFileError(f"{source.where(row.lineno)}: a chat request; give prompts (a simple prompt file "
+                                  "or /v1/completions requests)")
+        prompts.append(row.prompt if isinstance(row.prompt, str) else list(row.prompt))
     if not prompts:
         raise PromptFileError(f"{source.name}: no prompts in file")
     return prompts

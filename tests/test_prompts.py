@@ -46,6 +46,18 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path: Path, bad: str) -> None:
         read_prompts_file(f)
 
 
+def test_openai_batch_files_give_their_completion_prompts(tmp_path: Path) -> None:
+    f = tmp_path / "batch.jsonl"
+    rows = [{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "def f():"}},
+            {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": [4, 5]}}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_prompts_file(f) == ["def f():", [4, 5]]
+    chat = {"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}}
+    f.write_text(json.dumps(rows[0]) + "\n" + json.dumps(chat) + "\n")
+    with pytest.raises(PromptFileError, match=r"batch\.jsonl:2: a chat request"):
+        read_prompts_file(f)
+
+
 @pytest.mark.parametrize("name", ["empty.jsonl", "empty.txt"])
 def test_empty_file_is_an_error(tmp_path: Path, name: str) -> None:
     f = tmp_path / name
