@@ -121,7 +121,7 @@ def main() -> None:
 
 def _section(record: dict) -> str:
     s = record["summary"]
-    rows = "\n".join(f"| {r['rows']:,} | {r['corpus_bytes'] / 2**20:.0f} MiB | {r['peak_rss'] / 2**20:.0f} MiB | "
+    rows = "\n".join(f"| {r['rows']:,} | {r['corpus_bytes'] / 2**20:.1f} MiB | {r['peak_rss'] / 2**20:.0f} MiB | "
                      f"{r['output_rows']:,} | {r['wall_s']:.0f} |" for r in record["runs"])
     at = ", ".join(f"{k}: {v:.0f} MiB" for k, v in s["largest_rss_mib_at"].items() if v is not None)
     return (f"Run {record['run_at']}: `specoffload generate` (local backend, tiny random Llama, 1 new token per row, "
