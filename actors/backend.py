@@ -12,7 +12,8 @@ from specoffload.runtime.backends import BackendError, BackendOptions
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.offline.chunks import Chunk, ChunkDone
 
-from .client import EngineLost, connect, first_line
+from .client import EngineLost, connect
+from .rayget import first_line
 
 
 class RayBackend:
@@ -27,7 +28,7 @@ class RayBackend:
         try:
             self.pool = connect(config, options.ray_address, replicas=options.replicas or 1)
         except (RayError, ConnectionError, TimeoutError) as exc:  # Ray could not start or be reached: one line
-            raise EngineLost(f"could not start the Ray backend: {type(exc).__name__}: {first_line(exc)}") from None
+            raise EngineLost(f"could not start the Ray backend: {first_line(exc, with_type=True)}") from None
         if options.show_placement:
             print(self.pool.placement, file=sys.stderr)
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.config import ConfigError, EngineConfig
@@ -33,6 +33,7 @@ from specoffload.runtime.transport.shm import ARENA_TAG, sweep_dead_sockets
 from .coordinator import Coordinator
 from .launcher import launch, plan_resources
 from .proxy import CALL_TIMEOUT_S
+from .rayget import first_line, ray_get
 from .replicas import ReplicaPool
 from .roles import RoleInfo
 
@@ -159,20 +160,14 @@ def _get(ref: Any, timeout_s: float | None = None) -> Any:
     """ray.get, re-raising an error of the coordinator as its own type (e.g. PromptError), not RayTaskError, and
     a dead coordinator or Ray as one `EngineLost` line. timeout_s: None for generate (it may take hours)."""
     try:
-        return ray.get(ref, timeout=timeout_s)
-    except RayTaskError as exc:
-        raise exc.as_instanceof_cause() from None
+        return ray_get(ref, timeout_s)
     except GetTimeoutError:
         raise EngineLost(f"the coordinator did not answer a control call within {timeout_s:.0f} s") from None
     except RayActorError as exc:
         raise EngineLost(f"the coordinator actor died ({first_line(exc)}); its role actors died with it. "
                          "Reconnect to go on (with the CLI: rerun with --resume)") from None
     except RayError as exc:
-        raise EngineLost(f"Ray failed under the engine: {type(exc).__name__}: {first_line(exc)}") from None
+        raise EngineLost(f"Ray failed under the engine: {first_line(exc, with_type=True)}") from None
     except ConnectionError as exc:
         raise EngineLost(f"the connection to Ray was lost: {first_line(exc)}") from None
 
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else type(exc).__name__

@@ -48,6 +48,7 @@ from specoffload.runtime.transport.shm import ARENA_TAG
 from .coordinator import Coordinator
 from .launcher import Bundle, bundle_resources, launch, plan_resources
 from .proxy import WorkerLost
+from .rayget import first_line, ray_get
 
 logger = logging.getLogger("specoffload.actors")
 
@@ -221,11 +222,11 @@ class ReplicaPool:
         coordinator, on another node if its own is gone)."""
         replica.lost_leases += 1
         replica.down = True
-        self._event("lease_lost", replica, chunk=chunk.number, error=_first_line(exc))
+        self._event("lease_lost", replica, chunk=chunk.number, error=first_line(exc, with_type=True))
         self.metrics.inc("lost_leases", 1, replica.index)
         first, last = chunk.rows[0].index, chunk.rows[-1].index
         self.log(f"replica {replica.index} (node {replica.node[:12]}) lost its lease on chunk {chunk.number} (rows "
-                 f"{first}-{last}): {_first_line(exc)}; the chunk goes back to the queue")
+                 f"{first}-{last}): {first_line(exc, with_type=True)}; the chunk goes back to the queue")
         if isinstance(exc, RayTaskError):  # alive, but its role actors are spent: a fresh coordinator, from Ray
             with contextlib.suppress(RayError):
                 ray.kill(replica.actor, no_restart=False)
@@ -240,8 +241,8 @@ class ReplicaPool:
             return True
         except (RayActorError, RayTaskError) as exc:
             replica.gone = True
-            self._event("gone", replica, error=_first_line(exc))
-            self.log(f"replica {replica.index} is gone for this job: {_first_line(exc)}")
+            self._event("gone", replica, error=first_line(exc, with_type=True))
+            self.log(f"replica {replica.index} is gone for this job: {first_line(exc, with_type=True)}")
             return False
         replica.restarts += 1
         replica.down = False
@@ -363,13 +364,7 @@ class _Metrics:
 def _get(ref: Any, timeout_s: float | None = None) -> Any:
     """ray.get, re-raising an engine's error (e.g. a too-small budget) as its own type."""
     try:
-        return ray.get(ref, timeout=timeout_s)
-    except RayTaskError as exc:
-        raise exc.as_instanceof_cause() from None
+        return ray_get(ref, timeout_s)
     except GetTimeoutError:
         raise ReplicaError(f"a replica did not start within {timeout_s:.0f} s (see `ray status`)") from None
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
