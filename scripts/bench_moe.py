@@ -229,6 +229,8 @@ def main() -> int:
                     help="drafting systems: two alternating batches (on) or one drafting between its passes (off)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one budget, one batch each, 8 new tokens, no (1)")
+    ap.add_argument("--no-planner", action="store_true",
+                    help="skip the planner's pick (it measures a hardware profile for a new target: minutes)")
     ap.add_argument("--out", default="moe")
     args = ap.parse_args()
     if args.quick:
@@ -285,7 +287,7 @@ def main() -> int:
                                                      draft=draft), prompts, params, RANDOM_DRAFT_WORKERS, args.reps))
         pick = None
         alpha = best3["acceptance"] if best3 is not None else None
-        if alpha is not None:
+        if alpha is not None and not args.no_planner:
             grid = [(b, 0) for b in map(int, args.batches_nodraft.split(","))]
             grid += [(b, args.k) for b in map(int, args.batches_draft.split(","))]
             pick = planner_pick(replace(base, draft=draft), budget, alpha, grid,

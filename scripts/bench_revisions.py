@@ -92,6 +92,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each runs every combination twice)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 round, 2 reps")
+    ap.add_argument("--combos", default=",".join(f"{b}:{s}" for b, s in COMBOS),
+                    help="backend:system pairs to measure (default: all)")
+    ap.add_argument("--out", default="revisions", help="docs/perf/<out>.json and its README section")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--revision", default="new", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="local", help=argparse.SUPPRESS)
@@ -107,33 +110,37 @@ def main() -> int:
         raise SystemExit("--baseline must be a folder with an installed specoffload (see the module docstring)")
     if args.quick:
         args.rounds, args.reps = 1, 2
+    combos = [tuple(c.split(":")) for c in args.combos.split(",")]
+    if not combos or any(c not in COMBOS for c in combos):
+        raise SystemExit(f"--combos: pairs of {[f'{b}:{s}' for b, s in COMBOS]}")
     rates: dict[tuple[str, str, str], list[float]] = {}
     tokens: dict[tuple[str, str, str], list] = {}
     for round_ in range(args.rounds):
         order = ("old", "new", "new", "old") if round_ % 2 == 0 else ("new", "old", "old", "new")
         for revision in order:
-            for backend, system in COMBOS:
+            for backend, system in combos:
                 key = (revision, backend, system)
                 result = run_one(revision, args.baseline, backend, system, args.reps)
                 rates.setdefault(key, []).extend(result["rates"])
                 tokens[key] = result["tokens"]
                 print(f"round {round_} {revision:3s} {backend:5s} {system:7s}: "
                       f"{statistics.median(result['rates']):6.2f} tok/s", flush=True)
-    identical = len({json.dumps(t) for (_, _, system), t in tokens.items() if system == "nodraft"}) == 1 and len(
-        {json.dumps(t) for (_, _, system), t in tokens.items() if system == "draft"}) == 1
+    identical = all(len({json.dumps(t) for (_, _, sys_), t in tokens.items() if sys_ == system}) == 1
+                    for system in {system for _, system in combos})
     rows, summary = [], {"greedy_tokens_identical": identical}
     for (revision, backend, system), values in sorted(rates.items()):
         median, low, high = median_spread(values)
         rows.append({"revision": revision, "backend": backend, "system": system, "tok_s_median": median,
                      "tok_s_min": low, "tok_s_max": high, "n": len(values)})
     med = {(r["revision"], r["backend"], r["system"]): r["tok_s_median"] for r in rows}
-    for system in SYSTEMS:
-        summary[f"new_over_old_local_{system}"] = med["new", "local", system] / med["old", "local", system]
+    for backend, system in combos:
+        summary[f"new_over_old_{backend}_{system}"] = med["new", backend, system] / med["old", backend, system]
     for revision in ("old", "new"):
-        summary[f"ray_overhead_{revision}"] = med[revision, "local", "draft"] / med[revision, "ray", "draft"] - 1
+        if (revision, "ray", "draft") in med and (revision, "local", "draft") in med:
+            summary[f"ray_overhead_{revision}"] = med[revision, "local", "draft"] / med[revision, "ray", "draft"] - 1
     meta = {"date": utc_now(), "baseline": args.label, "rounds": args.rounds, "reps": args.reps,
             "cpu_count": os.cpu_count(), "workload": "8 HumanEval prompts x 32 tokens, 8 new, 4.5 GiB, disk tier"}
-    write_json(PERF / "revisions.json", {"summary": summary, "meta": meta, "rows": rows})
+    write_json(PERF / f"{args.out}.json", {"summary": summary, "meta": meta, "rows": rows})
     lines = ["| revision | backend | system | tok/s median | min | max | n |", "|---|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['revision']} | {r['backend']} | {r['system']} | {r['tok_s_median']:.2f} | {r['tok_s_min']:.2f} "
               f"| {r['tok_s_max']:.2f} | {r['n']} |" for r in rows]
@@ -142,7 +149,7 @@ def main() -> int:
             f"(time per token). Greedy tokens identical across revisions and backends: {identical}.\n\n"
             + "\n".join(lines) + "\n\n" + "Summary: " + ", ".join(f"{k} = {v:.3f}" if isinstance(v, float)
                                                                     else f"{k} = {v}" for k, v in summary.items()))
-    write_section(PERF / "README.md", "revisions", text, heading="revisions (`scripts/bench_revisions.py`)")
+    write_section(PERF / "README.md", args.out, text, heading=f"{args.out} (`scripts/bench_revisions.py`)")
     print(text)
     return 0
 
