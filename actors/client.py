@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.config import ConfigError, EngineConfig
@@ -161,6 +161,8 @@ def _get(ref: Any, timeout_s: float | None = None) -> Any:
     a dead coordinator or Ray as one `EngineLost` line. timeout_s: None for generate (it may take hours)."""
     try:
         return ray_get(ref, timeout_s)
+    except RayTaskError:  # the coordinator's own error, already re-raised as its type: not a lost engine
+        raise
     except GetTimeoutError:
         raise EngineLost(f"the coordinator did not answer a control call within {timeout_s:.0f} s") from None
     except RayActorError as exc:
