@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.common import PERF, drop_caches, utc_now, write_json
+from scripts.common import PERF, drop_caches, figure, utc_now, write_json
 from scripts.get_models import default_cache, model_dir
 from scripts.readme_section import write_section
 from specoffload.planner import estimate_step
@@ -422,25 +422,17 @@ def report(args: argparse.Namespace, target: Path, budgets: list[int], results: 
 
 def plot_acceptance(args: argparse.Namespace, summary: dict) -> Path:
     """Self-draft acceptance and resident hit rate against resident experts per layer: <out>_acceptance.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.6, 3.6))
-    for key, label in (("acceptance_by_resident_experts", "acceptance (per draft token)"),
-                       ("hit_rate_by_resident_experts", "hit rate (target picks resident)")):
-        points = sorted((int(n), v) for n, v in summary.get(key, {}).items())
-        if points:
-            ax.plot(*zip(*points), marker="o", label=label)
-    ax.set_xlabel("resident experts per layer")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"{args.target}: resident-expert drafting")
-    ax.legend(fontsize=7)
     path = PERF / f"{args.out}_acceptance.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, (5.6, 3.6)) as ax:
+        for key, label in (("acceptance_by_resident_experts", "acceptance (per draft token)"),
+                           ("hit_rate_by_resident_experts", "hit rate (target picks resident)")):
+            points = sorted((int(n), v) for n, v in summary.get(key, {}).items())
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set_xlabel("resident experts per layer")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{args.target}: resident-expert drafting")
+        ax.legend(fontsize=7)
     return path
 
 
@@ -448,30 +440,22 @@ def plot_sweep(args: argparse.Namespace, per_budget: list[dict]) -> Path | None:
     """Best steady tok/s per system against the budget, with the planner's pick marked: docs/perf/<out>_sweep.png."""
     if len(per_budget) < 2:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    gib = [e["budget"] / 2**30 for e in per_budget]
-    for n, label in SYSTEMS.items():
-        points = [(g, e[f"best_{n}"]["tok_s"]) for g, e in zip(gib, per_budget) if e.get(f"best_{n}")]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=label)
-    for g, e in zip(gib, per_budget):
-        if e.get("planner_pick"):
-            ax.annotate(f"pick b={e['planner_pick'][0]}, k={e['planner_pick'][1]}", (g, 0), textcoords="offset points",
-                        xytext=(0, 6), ha="center", fontsize=7)
-    ax.set_xlabel("memory budget (GiB, everything the engine holds)")
-    ax.set_ylabel("steady decode tokens/s (best batch)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{args.target}: where speculation pays")
-    ax.legend(fontsize=7)
     path = PERF / f"{args.out}_sweep.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, (6.4, 4.0)) as ax:
+        gib = [e["budget"] / 2**30 for e in per_budget]
+        for n, label in SYSTEMS.items():
+            points = [(g, e[f"best_{n}"]["tok_s"]) for g, e in zip(gib, per_budget) if e.get(f"best_{n}")]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        for g, e in zip(gib, per_budget):
+            if e.get("planner_pick"):
+                ax.annotate(f"pick b={e['planner_pick'][0]}, k={e['planner_pick'][1]}", (g, 0),
+                            textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        ax.set_xlabel("memory budget (GiB, everything the engine holds)")
+        ax.set_ylabel("steady decode tokens/s (best batch)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{args.target}: where speculation pays")
+        ax.legend(fontsize=7)
     return path
 
 

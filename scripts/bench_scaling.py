@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from scripts.common import PERF, utc_now, write_json
+from scripts.common import PERF, figure, utc_now, write_json
 from scripts.get_models import model_dir
 from scripts.local_cluster import BIN, LocalCluster
 from scripts.readme_section import write_section
@@ -116,25 +116,17 @@ def project(costs: dict, nodes: list[int]) -> list[dict]:
 
 
 def plot(path: Path, projection: list[dict], measured: dict[int, float]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ns = [p["nodes"] for p in projection]
-    ax.plot(ns, [p["tokens_per_s"] for p in projection], "--", label="projection (model, not measured)")
-    ax.plot(ns, [measured[1] * n for n in ns], ":", color="grey", label="linear from 1 replica")
-    ax.plot(list(measured), list(measured.values()), "o", color="black", label="measured (this machine)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("nodes (one replica each, one core per replica here)")
-    ax.set_ylabel("tokens/s (generation phase)")
-    ax.set_title("Offline job throughput vs nodes: PROJECTION beyond 2")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
+    with figure(path, (6.4, 4.2), dpi=110) as ax:
+        ns = [p["nodes"] for p in projection]
+        ax.plot(ns, [p["tokens_per_s"] for p in projection], "--", label="projection (model, not measured)")
+        ax.plot(ns, [measured[1] * n for n in ns], ":", color="grey", label="linear from 1 replica")
+        ax.plot(list(measured), list(measured.values()), "o", color="black", label="measured (this machine)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("nodes (one replica each, one core per replica here)")
+        ax.set_ylabel("tokens/s (generation phase)")
+        ax.set_title("Offline job throughput vs nodes: PROJECTION beyond 2")
+        ax.legend()
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: where results go, the page-cache drop, the result file, median and spread.
+"""What the benchmark scripts share: where results go, the page-cache drop, the result file, median and spread,
+the plots' figure.
 
 Only code that was the same in several scripts lives here. The scripts' rooflines and machine descriptions
 stay with them: they measure and record different things (memory bandwidth and GEMM rates per dtype in
@@ -7,18 +8,20 @@ bench_generate, cold O_DIRECT disk reads in bench_offload; each JSON keeps its o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from specoffload.runtime.offload.direct_io import drop_page_cache as drop_caches  # the one page-cache drop
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 PERF = ROOT / "docs" / "perf"  # benchmark results: JSON per benchmark, sections of its README.md
 
-__all__ = ["PERF", "ROOT", "drop_caches", "median_spread", "utc_now", "write_json"]
+__all__ = ["PERF", "ROOT", "drop_caches", "figure", "median_spread", "utc_now", "write_json"]
 
 
 def utc_now() -> str:
@@ -37,3 +40,21 @@ def median_spread(values: Iterable[float]) -> tuple[float, float, float]:
     """(median, min, max) of the repetitions' values: what every benchmark table reports."""
     xs = list(values)
     return statistics.median(xs), min(xs), max(xs)
+
+
+@contextlib.contextmanager
+def figure(path: Path, size: tuple[float, float], dpi: int = 120) -> Iterator[Any]:
+    """One headless (Agg) matplotlib axes to draw on; on exit the figure is laid out, saved to ``path`` and
+    closed (closed also when drawing fails)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=size)
+    try:
+        yield ax
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)

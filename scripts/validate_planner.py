@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.common import PERF, utc_now, write_json
+from scripts.common import PERF, figure, utc_now, write_json
 from scripts.get_models import model_dir
 from scripts.readme_section import write_section
 from specoffload.planner import estimate_workload
@@ -157,30 +157,24 @@ def summary(jobs: list[dict]) -> dict:
 
 def plot(jobs: list[dict], path: Path) -> bool:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401  (optional: the results stand without the plot)
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    hi = 0.0
-    for j, marker in zip(jobs, "osD^v<>"):
-        pts = [r for r in j["grid"] if r["fits"]]
-        xs, ys = [r["predicted"] for r in pts], [r["measured"] for r in pts]
-        hi = max(hi, *xs, *ys)
-        ax.scatter(xs, ys, marker=marker, label=f"{j['job']} (alpha {j['warmup']['alpha']:.2f})")
-        for r in pts:
-            ax.annotate(f"b{r['batch']}k{r['k']}", (r["predicted"], r["measured"]), fontsize=6)
-    ax.plot([0, hi * 1.05], [0, hi * 1.05], "k--", linewidth=0.8, label="predicted = measured")
-    ax.set_xlabel("predicted tokens/s")
-    ax.set_ylabel("measured tokens/s")
-    ax.set_title("Planner on full prompts: predicted vs measured")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, (5.5, 5)) as ax:
+        hi = 0.0
+        for j, marker in zip(jobs, "osD^v<>"):
+            pts = [r for r in j["grid"] if r["fits"]]
+            xs, ys = [r["predicted"] for r in pts], [r["measured"] for r in pts]
+            hi = max(hi, *xs, *ys)
+            ax.scatter(xs, ys, marker=marker, label=f"{j['job']} (alpha {j['warmup']['alpha']:.2f})")
+            for r in pts:
+                ax.annotate(f"b{r['batch']}k{r['k']}", (r["predicted"], r["measured"]), fontsize=6)
+        ax.plot([0, hi * 1.05], [0, hi * 1.05], "k--", linewidth=0.8, label="predicted = measured")
+        ax.set_xlabel("predicted tokens/s")
+        ax.set_ylabel("measured tokens/s")
+        ax.set_title("Planner on full prompts: predicted vs measured")
+        ax.legend(fontsize=7)
     return True
-
 
 def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool) -> str:
     pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
