@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from specoffload.planner.placement import ModelShape
+from specoffload.planner.shapes import PartKey
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -60,3 +63,13 @@ def _profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     profiler.PROFILE_DIR = tmp_path_factory.mktemp("profiles")
     yield
     profiler.PROFILE_DIR = old
+
+
+def dense_shape(name: str, layers: int, attention: int, mlp: int, head: int, embedding: int, kv: int) -> ModelShape:
+    """A synthetic dense model's parts for the planner's tests: bytes per embedding, per layer's attention and MLP,
+    and the head; kv: KV-cache bytes per token."""
+    parts: list[tuple[PartKey, int]] = [(PartKey("embedding"), embedding)]
+    for j in range(layers):
+        parts += [(PartKey("attention", j), attention), (PartKey("dense_mlp", j), mlp)]
+    parts.append((PartKey("head"), head))
+    return ModelShape(name, tuple(parts), layers, kv)

@@ -28,8 +28,8 @@ from specoffload.planner.acceptance import (
     position_counts,
     t_quantile,
 )
-from specoffload.planner.placement import ModelShape, PlacementPolicy, place
-from specoffload.planner.shapes import PartKey
+from specoffload.planner.placement import PlacementPolicy, place
+from tests.conftest import dense_shape
 
 # --- the between-prompt error --------------------------------------------------------------------------------
 
@@ -144,16 +144,8 @@ def test_curve_properties(accepted: list[int], level: float) -> None:
 # --- maximin choice over the alpha range ---------------------------------------------------------------------
 
 
-def _shape(name: str, layers: int, attention: int, mlp: int, head: int, embedding: int, kv: int) -> ModelShape:
-    parts: list[tuple[PartKey, int]] = [(PartKey("embedding"), embedding)]
-    for j in range(layers):
-        parts += [(PartKey("attention", j), attention), (PartKey("dense_mlp", j), mlp)]
-    parts.append((PartKey("head"), head))
-    return ModelShape(name, tuple(parts), layers, kv)
-
-
-TARGET = _shape("target", 4, attention=200, mlp=800, head=400, embedding=1000, kv=16)
-DRAFT = _shape("draft", 2, attention=20, mlp=80, head=40, embedding=100, kv=4)
+TARGET = dense_shape("target", 4, attention=200, mlp=800, head=400, embedding=1000, kv=16)
+DRAFT = dense_shape("draft", 2, attention=20, mlp=80, head=40, embedding=100, kv=4)
 GiB = 1024**3
 
 

@@ -32,6 +32,7 @@ from specoffload.planner.cost import ChainLink, chain_period, estimate_prefill, 
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.placement import ModelShape, Placement, PlacementPolicy, place
 from specoffload.planner.shapes import PartKey
+from tests.conftest import dense_shape
 
 # --- acceptance ----------------------------------------------------------------------------------------------
 
@@ -222,14 +223,6 @@ def test_profile_load_errors(tmp_path) -> None:  # noqa: ANN001
 
 
 # --- synthetic models ----------------------------------------------------------------------------------------
-
-
-def dense_shape(name: str, layers: int, attention: int, mlp: int, head: int, embedding: int, kv: int) -> ModelShape:
-    parts: list[tuple[PartKey, int]] = [(PartKey("embedding"), embedding)]
-    for j in range(layers):
-        parts += [(PartKey("attention", j), attention), (PartKey("dense_mlp", j), mlp)]
-    parts.append((PartKey("head"), head))
-    return ModelShape(name, tuple(parts), layers, kv)
 
 
 # 4 layers; bf16 bytes: attention 100 params, mlp 400 params (800 FLOPs/token), head 200 params (400 FLOPs/token)
