@@ -35,14 +35,30 @@ drafts are what k' would have drafted), and Leviathan's eq. 1 when every a_i = a
 observed ones take the last position's rate; each a_i is shrunk toward the pooled alpha by `PRIOR_ROUNDS` pseudo
 rounds, so a position seen a few times does not swing it. The curve at another acceptance level (a scenario of the
 range) keeps its shape: every a_i's odds are scaled by the same factor (`AcceptanceCurve.at`).
+
+A batch is as slow as its slowest row: it is refilled only when every row is done (runtime/offload/batches.py),
+so a wave of B rows takes the rounds its slowest row needs, not the rounds at the mean rate. Measured (issue 14,
+16 HumanEval prompts, batch 8, 64 tokens): k = 8 took 37 passes where the mean rate counts 24, k = 2 59 against
+50; both are what a row at acceptance ~0.73 needs (the mean was 0.90). Two things spread the rounds R_r that row r
+needs for N tokens:
+  - chance within a row: tokens per round X = 1 + A are i.i.d. with mean mu and variance v (A truncated at k:
+    P(A >= i) = prod_{j<=i} a_j, E[A^2] = sum_i (2i - 1) P(A >= i)); by the renewal central limit theorem R_r is
+    about normal with mean N / mu and variance N v / mu^3;
+  - prompts differ: a row's own rate alpha_r varies between prompts with standard deviation `spread` (the part
+    of the per-prompt rates that persists from the first half of a completion to the second: `between_prompt_sd`).
+The slowest of B rows sits near the (B - 3/8) / (B + 1/4) quantile (Blom's plotting position, z_B standard
+deviations up); the two parts add in quadrature, the between-prompt one taken at alpha - z_B * spread so that the
+convexity of N / mu in alpha is kept (`rounds_for_slowest`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -125,11 +141,14 @@ class AcceptanceCurve:
 
     rates: tuple[float, ...]
     alpha: float
+    spread: float = 0.0  # between-prompt standard deviation of a row's own pooled rate (module docstring)
 
     def __post_init__(self) -> None:
         if not self.rates or not all(0.0 <= a <= 1.0 for a in (*self.rates, self.alpha)):
             raise ValueError(f"an acceptance curve needs rates in [0, 1] (at least one), got {self.rates}, "
                              f"alpha {self.alpha}")
+        if not 0.0 <= self.spread <= 0.5:
+            raise ValueError(f"spread must be a standard deviation in [0, 0.5], got {self.spread}")
         object.__setattr__(self, "rates", tuple(float(a) for a in self.rates))
 
     @classmethod
@@ -150,15 +169,29 @@ class AcceptanceCurve:
             total += survive
         return total
 
+    def variance(self, k: int) -> float:
+        """Variance of the tokens committed per row per round with k drafts: Var(A) with P(A >= i) the survival
+        prod_{j<=i} a_j, E[A] = sum_i P(A >= i), E[A^2] = sum_i (2i - 1) P(A >= i), i = 1..k."""
+        _check_k(k)
+        mean = square = 0.0
+        survive = 1.0
+        for i in range(1, k + 1):
+            survive *= self.rate(i)
+            mean += survive
+            square += (2 * i - 1) * survive
+        return max(0.0, square - mean * mean)
+
     def at(self, alpha: float) -> AcceptanceCurve:
-        """The same shape at pooled rate `alpha`: each a_i's odds times odds(alpha) / odds(self.alpha)."""
+        """The same shape (and spread) at pooled rate `alpha`: each a_i's odds times odds(alpha) / odds(self.alpha)."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        if alpha == self.alpha:
+            return self
         if alpha in (0.0, 1.0) or self.alpha in (0.0, 1.0):
-            return AcceptanceCurve((alpha,), alpha) if alpha != self.alpha else self
+            return AcceptanceCurve((alpha,), alpha, self.spread)
         factor = (alpha / (1 - alpha)) / (self.alpha / (1 - self.alpha))
         return AcceptanceCurve(tuple(a if a in (0.0, 1.0) else a * factor / (1 - a + a * factor)
-                                     for a in self.rates), alpha)
+                                     for a in self.rates), alpha, self.spread)
 
 
 Acceptance = float | AcceptanceCurve
@@ -175,20 +208,94 @@ def pooled_alpha(acceptance: Acceptance) -> float:
     return acceptance.alpha if isinstance(acceptance, AcceptanceCurve) else float(acceptance)
 
 
+def as_curve(acceptance: Acceptance) -> AcceptanceCurve:
+    """A scalar alpha as Leviathan's curve (every position at alpha, no spread); a curve as it is."""
+    if isinstance(acceptance, AcceptanceCurve):
+        return acceptance
+    if isinstance(acceptance, bool) or not isinstance(acceptance, numbers.Real) or not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"alpha must be a probability in [0, 1], got {acceptance!r}")
+    return AcceptanceCurve.geometric(float(acceptance))
+
+
+def slowest_quantile(rows: int) -> float:
+    """z_B: how many standard deviations above the mean the slowest of `rows` normal draws lies (Blom's plotting
+    position (B - 3/8) / (B + 1/4); 0 for one row)."""
+    if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or rows < 1:
+        raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
+    return 0.0 if rows == 1 else NormalDist().inv_cdf((rows - 0.375) / (rows + 0.25))
+
+
+def rounds_for_slowest(acceptance: Acceptance, k: int, tokens: int, rows: int) -> float:
+    """Expected verify rounds until the slowest of `rows` rows has committed `tokens` tokens (module docstring):
+
+        R = mean_rounds + sqrt(D_between^2 + D_within^2),  D_between = N / mu(alpha - z_B spread) - N / mu,
+                                                           D_within = z_B sqrt(N v / mu^3)
+    with mu = E[tokens per round] and v its variance at k; at most N (a round commits at least one token)."""
+    mean = mean_rounds(acceptance, k, tokens)
+    z = slowest_quantile(rows)
+    if k == 0 or tokens == 0 or z == 0.0:
+        return mean
+    curve = as_curve(acceptance)
+    mu = curve.tokens(k)
+    low = curve.at(max(0.0, curve.alpha - z * curve.spread)) if curve.spread > 0 else curve
+    between = tokens / low.tokens(k) - tokens / mu
+    within = z * math.sqrt(tokens * curve.variance(k) / mu**3)
+    return min(float(tokens), mean + math.hypot(between, within))
+
+
+def mean_rounds(acceptance: Acceptance, k: int, tokens: int) -> float:
+    """Expected rounds one row needs to commit `tokens` tokens: the first round at which the committed count
+    reaches N. By Wald's identity mu E[R] = E[committed] = N + E[overshoot], and for integer steps the overshoot
+    settles at (E[X^2] - mu) / (2 mu) (renewal theory), so E[R] = N / mu + (v + mu^2 - mu) / (2 mu^2): N exactly
+    at k = 0, about half a round above N / mu at large k; never above N."""
+    _check_k(k)
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+        raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
+    if tokens == 0:
+        return 0.0
+    curve = as_curve(acceptance)
+    mu = curve.tokens(k)
+    return min(float(tokens), tokens / mu + (curve.variance(k) + mu * mu - mu) / (2 * mu * mu))
+
+
+def between_prompt_sd(rounds_by_prompt: Sequence[Sequence[tuple[float, float]]]) -> float:
+    """The spread of the prompts' own acceptance rates that persists along a completion: split each prompt's
+    rounds (trials, successes) into its first and second half, rate p1 and p2 per half; the covariance of p1 and p2
+    over prompts estimates the variance they share (a prompt the draft finds easy stays easy), while the binomial
+    noise and the short easy or hard stretches inside a completion, independent between the halves, drop out
+    (the plain variance of whole-prompt rates kept them: on 8 prompts x 32 tokens it put the slowest of 8 rows
+    15-19% too slow, issue 14). sqrt(max(0, cov)); 0 with fewer than two prompts of two rounds with trials."""
+    halves = []
+    for rounds in rounds_by_prompt:
+        tried = [(float(t), float(s)) for t, s in rounds if t > 0]
+        if len(tried) < 2:
+            continue
+        cut = (len(tried) + 1) // 2
+        first, second = tried[:cut], tried[cut:]
+        halves.append((sum(s for _, s in first) / sum(t for t, _ in first),
+                       sum(s for _, s in second) / sum(t for t, _ in second)))
+    if len(halves) < 2:
+        return 0.0
+    m1 = sum(a for a, _ in halves) / len(halves)
+    m2 = sum(b for _, b in halves) / len(halves)
+    cov = sum((a - m1) * (b - m2) for a, b in halves) / (len(halves) - 1)
+    return min(0.5, math.sqrt(max(0.0, cov)))
+
+
 def curve_from_counts(at_risk: Sequence[float], accepted: Sequence[float], alpha: float,
-                      prior_rounds: float = PRIOR_ROUNDS) -> AcceptanceCurve:
+                      prior_rounds: float = PRIOR_ROUNDS, spread: float = 0.0) -> AcceptanceCurve:
     """The product-limit curve from per-position counts: at_risk[i - 1] rounds reached position i with i drafted,
     accepted[i - 1] of them accepted it; each rate shrunk toward `alpha` by `prior_rounds` pseudo rounds. Trailing
-    positions nobody reached are dropped (the last observed rate carries on)."""
+    positions nobody reached are dropped (the last observed rate carries on). `spread`: the between-prompt one."""
     if len(at_risk) != len(accepted) or any(not 0 <= a <= r for r, a in zip(at_risk, accepted)):
         raise ValueError(f"need 0 <= accepted <= at_risk per position, got {list(accepted)} of {list(at_risk)}")
     n = len(at_risk)
     while n and at_risk[n - 1] <= 0:
         n -= 1
     if n == 0:
-        return AcceptanceCurve.geometric(alpha)
+        return AcceptanceCurve((alpha,), alpha, spread)
     rates = tuple((accepted[i] + prior_rounds * alpha) / (at_risk[i] + prior_rounds) for i in range(n))
-    return AcceptanceCurve(rates, alpha)
+    return AcceptanceCurve(rates, alpha, spread)
 
 
 def position_counts(accepted: Sequence[int], drafted: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -241,6 +348,11 @@ def estimate_alpha(accepted: Sequence[int], drafted: Sequence[int]) -> Acceptanc
     return _estimate(trials, successes)
 
 
+#: the between-prompt spread is estimated from the first SPREAD_ROUNDS rounds of the last SPREAD_PROMPTS prompts
+SPREAD_ROUNDS = 64
+SPREAD_PROMPTS = 256
+
+
 class AcceptanceTracker:
     """Running estimate of alpha for the runtime's online re-planning; optionally forgets old rounds.
 
@@ -260,6 +372,7 @@ class AcceptanceTracker:
         self._prompts: dict[Hashable, tuple[float, float, int]] = {}  # key -> (trials, successes, at round)
         self._at_risk: list[float] = []  # per position i of a round (index i - 1), decayed like the totals
         self._hits: list[float] = []
+        self._rounds_by_prompt: OrderedDict[Hashable, list[tuple[int, int]]] = OrderedDict()  # for the spread
 
     def record(self, accepted: int, drafted: int, prompt: Hashable | None = None) -> None:
         """Add one row's verify round. Rounds with drafted = 0 carry no information and are ignored."""
@@ -280,6 +393,12 @@ class AcceptanceTracker:
             t, s, at = self._prompts.get(prompt, (0.0, 0.0, self.rounds))
             fade = self.decay ** (self.rounds - at)
             self._prompts[prompt] = (t * fade + trials, s * fade + successes, self.rounds)
+            rounds = self._rounds_by_prompt.setdefault(prompt, [])
+            self._rounds_by_prompt.move_to_end(prompt)
+            if len(rounds) < SPREAD_ROUNDS:
+                rounds.append((trials, successes))
+            if len(self._rounds_by_prompt) > SPREAD_PROMPTS:
+                self._rounds_by_prompt.popitem(last=False)
 
     def record_many(self, accepted: Sequence[int], drafted: Sequence[int],
                     prompts: Sequence[Hashable] | None = None) -> None:
@@ -295,20 +414,25 @@ class AcceptanceTracker:
         if self.trials <= 0:
             return None
         if len(self._prompts) >= 2:
-            counts = [(t * self.decay ** (self.rounds - at), s * self.decay ** (self.rounds - at))
-                      for t, s, at in self._prompts.values()]
-            by_prompt = estimate_alpha_by_prompt(counts)
+            by_prompt = estimate_alpha_by_prompt(self._prompt_counts())
             return AcceptanceEstimate(by_prompt.alpha, by_prompt.trials, by_prompt.successes, by_prompt.stderr,
                                       by_prompt.groups)
         return _estimate(self.trials, self.successes)
 
 
+    def _prompt_counts(self) -> list[tuple[float, float]]:
+        """(trials, successes) per prompt key, faded like the totals."""
+        return [(t * self.decay ** (self.rounds - at), s * self.decay ** (self.rounds - at))
+                for t, s, at in self._prompts.values()]
+
     def curve(self) -> AcceptanceCurve | None:
-        """The (weighted) acceptance per position of a round, or None before any draft position was tried."""
+        """The (weighted) acceptance per position of a round with the between-prompt spread of the prompts' own
+        rates (0 without prompt keys), or None before any draft position was tried."""
         estimate = self.estimate()
         if estimate is None:
             return None
-        return curve_from_counts(self._at_risk, self._hits, estimate.alpha)
+        return curve_from_counts(self._at_risk, self._hits, estimate.alpha,
+                                 spread=between_prompt_sd(list(self._rounds_by_prompt.values())))
 
 
 def _estimate(trials: float, successes: float) -> AcceptanceEstimate:

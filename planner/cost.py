@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from .acceptance import Acceptance, tokens_per_round
+from .acceptance import Acceptance, rounds_for_slowest, tokens_per_round
 from .experts import expected_distinct_experts, selects_experts
 from .placement import Placement, slot_unit
 from .profile import HardwareProfile, ProfileError
@@ -262,9 +262,11 @@ def estimate_workload(
 
         rows  = min(batch, ceil(num_prompts / num_batches))          (a batch never holds more rows than prompts)
         waves = ceil(num_prompts / (rows * num_batches))
-        decode_steps per wave = num_batches * ceil((new_tokens - 1) / E(alpha, k))   (the prefill pass emits one)
+        decode_steps per wave = num_batches * round(R_slowest(new_tokens - 1))     (the prefill pass emits one)
         total = waves * (num_batches * T_prefill + decode_steps * T_step)
-    with T_step at the mean KV length prompt_len + new_tokens / 2. Every wave is costed as full.
+    with T_step at the mean KV length prompt_len + new_tokens / 2; R_slowest the rounds the slowest of the
+    batch's rows needs (a batch is refilled only when all its rows are done; acceptance.py `rounds_for_slowest`:
+    the expected rounds of one row for a batch of one, new_tokens - 1 at k = 0). Every wave is costed as full.
     """
     num_batches = 2 if k >= 1 and interleave else 1
     rows = min(batch, math.ceil(workload.num_prompts / num_batches))
@@ -272,7 +274,7 @@ def estimate_workload(
     context = round(workload.prompt_len + workload.new_tokens / 2)
     step = estimate_step(profile, costs, placement, rows, k, alpha, context, expert_loading, interleave)
     prefill = estimate_prefill(profile, costs, placement, rows, k, workload.prompt_len, expert_loading, interleave)
-    decode_steps = num_batches * math.ceil((workload.new_tokens - 1) / tokens_per_round(alpha, k))
+    decode_steps = num_batches * round(rounds_for_slowest(alpha, k, workload.new_tokens - 1, rows))
     prefill_s = waves * num_batches * prefill.t_step
     decode_s = waves * decode_steps * step.t_step
     total = prefill_s + decode_s

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from .acceptance import Acceptance, AcceptanceCurve, pooled_alpha
+from .acceptance import Acceptance, AcceptanceCurve, pooled_alpha, rounds_for_slowest, tokens_per_round
 from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimate_workload
 from .errors import SpecOffloadError
 from .placement import Placement, PlacementError, PlacementPolicy, place
@@ -245,6 +245,7 @@ def replan(
     merged_rows: int,
     alpha_range: tuple[float, float] | None = None,
     expert_loading: str = "auto",
+    tokens: int | None = None,
 ) -> Replan:
     """Online re-planning with a drafter loaded and placed for two batches of `batch` rows: the decode step with
     the best worst-case ratio over `alpha_range` (module docstring) among
@@ -253,14 +254,22 @@ def replan(
         k = 0 with one batch of `merged_rows` rows (speculation off: the rows of both batches in one, the KV memory
         they were placed with; the other batch stays empty, as a no-draft plan runs).
 
+    tokens: new tokens per row; given, a speculating batch's rate counts its slowest row (a batch is refilled only
+    when all its rows are done: rate x (N / R_slowest(N)) / E(k), acceptance.py `rounds_for_slowest`).
     Ties go to the smaller k. Decode steps only: the rows' prefill is the same whichever is chosen.
     """
     if costs.draft is None or k_max < 1:
         raise ValueError("replan needs a drafter (costs.draft) and k_max >= 1; without one there is nothing to choose")
     candidates = [(k, batch) for k in range(1, k_max + 1)] + [(0, merged_rows)]
     scenarios = _alpha_grid(alpha, alpha_range)
+
+    def wave(a: Acceptance, k: int, rows: int) -> float:
+        if not tokens or k == 0:
+            return 1.0
+        return tokens / rounds_for_slowest(a, k, tokens, rows) / tokens_per_round(a, k)
+
     rates = {c: [estimate_step(profile, costs, placement, c[1], c[0], a, context, expert_loading).tokens_per_s
-                 for a in scenarios] for c in candidates}
+                 * wave(a, c[0], c[1]) for a in scenarios] for c in candidates}
     best_at = [max(r[n] for r in rates.values()) for n in range(len(scenarios))]
     worst = {c: min(r / b for r, b in zip(rates[c], best_at)) for c in candidates}
     point = next(n for n, a in enumerate(scenarios) if a is alpha)

@@ -63,7 +63,8 @@ class Warmup:
 
     def describe(self) -> str:
         lo, hi = self.alpha_range
-        return (f"{self.estimate.alpha:.3f} ({CONFIDENCE:.0%} range {lo:.2f}-{hi:.2f}; warm-up on {self.prompts} of "
+        return (f"{self.estimate.alpha:.3f} ({CONFIDENCE:.0%} range {lo:.2f}-{hi:.2f}, a prompt's own rate spread "
+                f"+-{self.curve.spread:.2f}; warm-up on {self.prompts} of "
                 f"the job's prompts, {self.new_tokens} tokens each at k = {self.k}, "
                 f"{self.estimate.trials:.0f} draft positions, {self.seconds:.0f} s)")
 

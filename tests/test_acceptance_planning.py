@@ -202,6 +202,49 @@ def test_replan_turns_speculation_off_and_merges_rows() -> None:
 
 
 
+def test_online_stream_rate_from_the_jobs_own_passes() -> None:
+    """A pass that takes longer than everything but its io waited on the io: the rate it delivered is its bytes /
+    its period, and the re-plan is made at that rate; a pass no slower than its compute says nothing."""
+    from dataclasses import replace as dc_replace
+
+    from specoffload.planner import estimate_step
+    from specoffload.planner.plan import fixed_plan
+    from specoffload.runtime.offload.replan import PASS_WINDOW, KReplanner
+
+    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    placement = place(TARGET, DRAFT, policy, 4200, GiB)
+    costs = ModelCosts.from_shapes(TARGET, DRAFT)
+    plan = dc_replace(fixed_plan(2, 2, 48), policy=search(PROFILE, TARGET, DRAFT, WORKLOAD, alpha=0.9,
+                                                          device_memory=4200, host_memory=GiB, batches=(2,),
+                                                          ks=(2,), unified_memory=False).best)
+    replanner = KReplanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
+    model = estimate_step(PROFILE, costs, placement, 2, 2, 0.0, 24)
+    assert model.t_io > 0
+    assert replanner.calibrated_profile() is PROFILE  # nothing observed yet
+    for _ in range(PASS_WINDOW):
+        replanner.observe_pass(3 * model.t_step, 2, 2)  # the disk at a third of the profile's rate
+    slow = replanner.calibrated_profile()
+    assert slow.stream_bytes_per_s == pytest.approx(model.t_io * PROFILE.stream_bytes_per_s / (3 * model.t_step))
+    assert replanner.stream_rate == slow.stream_bytes_per_s
+    assert model.bound == "io"
+    fast = estimate_step(dc_replace(PROFILE, stream_bytes_per_s=1e18), costs, placement, 2, 2, 0.0, 24)
+    quick = KReplanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
+    for _ in range(PASS_WINDOW):
+        quick.observe_pass(fast.t_step * 0.5, 2, 2)  # faster than the model's io: the disk delivered more
+    assert quick.calibrated_profile().stream_bytes_per_s == pytest.approx(model.t_io * PROFILE.stream_bytes_per_s
+                                                                          / (fast.t_step * 0.5))
+    quick_disk = dc_replace(PROFILE, stream_bytes_per_s=1e6)  # compute-bound: the pass never waits on the io
+    assert estimate_step(quick_disk, costs, placement, 2, 2, 0.0, 24).bound != "io"
+    compute = KReplanner(plan, interval=1, profile=quick_disk, costs=costs, placement=placement)
+    for _ in range(PASS_WINDOW):
+        compute.observe_pass(fast.t_step * 0.9, 2, 2)
+    assert compute.calibrated_profile() is quick_disk and compute.stream_rate is None
+    mixed = KReplanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
+    for n in range(PASS_WINDOW):
+        mixed.observe_pass(3 * model.t_step, n % 2 + 1, 2)  # the window spans two ks: no rate
+    assert mixed.calibrated_profile() is PROFILE
+
+
 # --- online: speculation off, rows merged (tiny models) -----------------------------------------------------
 
 

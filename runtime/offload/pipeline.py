@@ -81,6 +81,7 @@ class Pipeline:
         self.running = True
         bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
         self.params = params
+        self.replanner.tokens_per_row = params.max_new_tokens
         self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update,
                                rows=lambda: self.replanner.rows)
         self.rounds_since_adapt, self.adapted = 0, 0
@@ -224,8 +225,11 @@ class Pipeline:
             r.num_drafted += k
             r.num_accepted += accepted[n]
             r.commit(emitted[n][: accepted[n] + 1])
-        self.verify_log.append((time.perf_counter(), b.index, sum(len(r.output) for r in b.rows) - before,
-                                len(b.rows)))
+        now = time.perf_counter()
+        decoding = b.num_new is not None and int(b.num_new.max()) <= k + 1  # (a prefill pass is not the steady state)
+        if self.verify_log and decoding:  # the pass's period: from the end of the previous one
+            self.replanner.observe_pass(now - self.verify_log[-1][0], k, len(b.rows))
+        self.verify_log.append((now, b.index, sum(len(r.output) for r in b.rows) - before, len(b.rows)))
         if k >= 1:
             self.replanner.record(accepted, k, [r.index for r in b.rows])
         # The target cache keeps pending + the accepted drafts; the draft cache saw committed + d_1..d_{k-1}.

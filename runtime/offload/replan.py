@@ -11,6 +11,14 @@ ratio to the best candidate over the range). The decision is
             placed with), which a batch takes once the other has drained, as a no-draft plan runs. Turning
             speculation back on splits the rows again at the next wave.
 
+The cost model's stream rate is the job's own too: the disk this runs on delivered the same policy's bytes 1.5-3x
+faster in the profile's calibration than minutes later in the job (issue 14, docs/perf/README.md). Each decode pass's
+period is observed (`observe_pass`); when the median of the last PASS_WINDOW periods is longer than everything but
+the io the model counts for that pass (its step with an unbounded stream rate), the pass waited on the io, so the
+rate the io delivered is its streamed bytes / that period, and the decision is made at that rate (when the pass is
+io-bound by the model at a rate above what its period shows, the same ratio raises it). `stream_rate` holds the
+rate used last (None until observed).
+
 A new k takes effect at each batch's next draft round. Only when the planner chose k ("auto") and a drafter is
 loaded. While speculation is off nothing is drafted, so nothing new is observed: the decision stands for the rest
 of the run (k_max = 0 plans have no drafter to turn on).
@@ -19,9 +27,12 @@ of the run (k_max = 0 plans have no drafter to turn on).
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 
-from specoffload.planner import AcceptanceTracker, HardwareProfile, ModelCosts, replan
+from specoffload.planner import AcceptanceTracker, HardwareProfile, ModelCosts, estimate_step, replan
 from specoffload.planner.placement import Placement
 from specoffload.planner.plan import Plan
 
@@ -29,6 +40,10 @@ logger = logging.getLogger("specoffload.offload")
 
 #: two-sided confidence of the alpha range the online decision must hold over
 CONFIDENCE = 0.8
+#: decode passes whose median period calibrates the stream rate (fewer observed: the profile's rate)
+PASS_WINDOW = 8
+#: a stream rate no disk reaches: the model's step without io stalls
+UNBOUNDED = 1e18
 
 
 class KReplanner:
@@ -44,11 +59,42 @@ class KReplanner:
         self.tracker = AcceptanceTracker(half_life=64)
         self.replans: list[dict[str, float]] = []
         self.rounds = 0
+        self.passes: deque[tuple[float, int, int]] = deque(maxlen=PASS_WINDOW)  # (seconds, k, rows) per pass
+        self.tokens_per_row: int | None = None  # the run's max_new_tokens: the slowest row of a wave is priced
+        self.stream_rate: float | None = None
 
     @property
     def active(self) -> bool:
         return (self.plan.policy is not None and self.plan.k_max > 0 and self.interval > 0
                 and None not in (self.profile, self.costs, self.placement))
+
+    def observe_pass(self, seconds: float, k: int, rows: int) -> None:
+        """One decode pass of `rows` rows at k drafts took `seconds` (end of the previous pass to the end of this)."""
+        if seconds > 0 and rows > 0:
+            self.passes.append((seconds, k, rows))
+
+    def calibrated_profile(self) -> HardwareProfile | None:
+        """The profile at the stream rate the job's own passes show (module docstring); the profile itself when
+        too few passes were observed, the last ones differ in k or rows, or nothing streams."""
+        profile = self.profile
+        if profile is None or self.costs is None or self.placement is None or len(self.passes) < PASS_WINDOW // 2:
+            return profile
+        shapes = {(k, rows) for _, k, rows in self.passes}
+        if len(shapes) != 1:
+            return profile
+        (k, rows), = shapes
+        period = statistics.median(s for s, _, _ in self.passes)
+        context = self.plan.max_seq_len // 2
+        model = estimate_step(profile, self.costs, self.placement, rows, k, 0.0, context, self.expert_loading)
+        if model.t_io <= 0:
+            return profile
+        streamed = model.t_io * profile.stream_bytes_per_s
+        fast = estimate_step(replace(profile, stream_bytes_per_s=UNBOUNDED), self.costs, self.placement, rows, k,
+                             0.0, context, self.expert_loading)
+        if period <= fast.t_step and model.bound != "io":
+            return profile  # the pass did not wait on the io: its period says nothing about the rate
+        self.stream_rate = streamed / period
+        return replace(profile, stream_bytes_per_s=self.stream_rate)
 
     def record(self, accepted: Sequence[int], k: int, prompts: Sequence[Hashable] | None = None) -> None:
         """One verified batch: row r (of request prompts[r]) accepted accepted[r] of k drafts (k >= 1)."""
@@ -59,13 +105,17 @@ class KReplanner:
         estimate, curve = self.tracker.estimate(), self.tracker.curve()
         if estimate is None or curve is None:
             return
-        assert self.profile is not None and self.costs is not None and self.placement is not None
-        choice = replan(self.profile, self.costs, self.placement, self.plan.batch, curve,
+        assert self.costs is not None and self.placement is not None
+        profile = self.calibrated_profile()
+        assert profile is not None
+        choice = replan(profile, self.costs, self.placement, self.plan.batch, curve,
                         self.plan.max_seq_len, self.plan.k_max, self.plan.batch * self.plan.num_batches,
-                        alpha_range=estimate.plausible(CONFIDENCE), expert_loading=self.expert_loading)
+                        alpha_range=estimate.plausible(CONFIDENCE), expert_loading=self.expert_loading,
+                        tokens=self.tokens_per_row)
         if (choice.k, choice.rows) != (self.k, self.rows):
             self.replans.append({"round": self.rounds, "alpha": estimate.alpha, "k_from": self.k, "k_to": choice.k,
-                                 "rows_from": self.rows, "rows_to": choice.rows})
+                                 "rows_from": self.rows, "rows_to": choice.rows,
+                                 "stream_rate": profile.stream_bytes_per_s})
             logger.info("re-plan after %d rounds: alpha %.3f -> k %d, %d rows per batch (was k %d, %d rows)",
                         self.rounds, estimate.alpha, choice.k, choice.rows, self.k, self.rows)
             self.k, self.rows = choice.k, choice.rows
