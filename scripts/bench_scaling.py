@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import secrets
 import subprocess
 import tempfile
@@ -42,6 +43,22 @@ from scripts.local_cluster import BIN, LocalCluster
 from scripts.readme_section import write_section
 
 REPLICA = {"specoffload_replica": 1}
+
+
+def cpu_times() -> list[tuple[int, int]]:
+    """Per core (busy, total) jiffies from /proc/stat: the busy share over a run tells a quiet machine from a shared
+    one (two replicas, one core each, should keep both cores near 100% and nothing else should be running)."""
+    cores = []
+    for line in Path("/proc/stat").read_text().splitlines():
+        if re.match(r"cpu\d+ ", line):
+            user, nice, system, idle, iowait, *rest = (int(x) for x in line.split()[1:])
+            busy = user + nice + system + sum(rest[:3])  # irq, softirq, steal
+            cores.append((busy, busy + idle + iowait))
+    return cores
+
+
+def busy_share(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> list[float]:
+    return [round((b1 - b0) / max(t1 - t0, 1), 3) for (b0, t0), (b1, t1) in zip(before, after)]
 
 
 def make_corpus(path: Path, rows: int, prompt_tokens: int, new_tokens: int) -> list[str]:
@@ -76,8 +93,10 @@ class Jobs:
         cmd = [str(BIN / "ray"), "job", "submit", f"--address={self.cluster.dashboard}", f"--submission-id={job_id}",
                "--no-wait", "--", str(BIN / "specoffload"), *self.cli, "--replicas", str(replicas), "-o", str(out),
                "--summary", str(summary)]
+        load_at_submit, cpu = os.getloadavg()[0], cpu_times()
         subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True, timeout=120)
-        return {"id": job_id, "out": out, "summary": summary, "submitted": time.time()}
+        return {"id": job_id, "out": out, "summary": summary, "submitted": time.time(), "cpu": cpu,
+                "load_at_submit": load_at_submit}
 
     def wait(self, job: dict, timeout_s: float = 3600) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -89,7 +108,9 @@ class Jobs:
                               env=self.env, capture_output=True, text=True, timeout=120).stdout
         summary = json.loads(job["summary"].read_text()) if job["summary"].exists() else {}
         return {"status": record["status"], "wall_s": time.time() - job["submitted"], "summary": summary,
+                "load_avg_1min_at_submit": job["load_at_submit"],  # ~0 when nothing else runs here
                 "load_avg_1min_at_end": os.getloadavg()[0],  # above 2 on this 2-core machine: someone else computed
+                "core_busy_share": busy_share(job["cpu"], cpu_times()),
                 "logs": logs[-4000:], "rows": [json.loads(x) for x in job["out"].read_text().splitlines()]}
 
 
@@ -237,9 +258,11 @@ def _section(record: dict) -> str:
         f"OpenAI batch file, {setup['new_tokens']} new tokens each (EOS ignored), greedy, chunks of "
         f"{setup['chunk_size']} rows; every run a `ray job submit`.",
         "",
-        "| run | job status | tokens/s (generation phase) | job wall s |",
-        "|---|---|---:|---:|",
-        *[f"| {name} | {r['status']} | {r['summary'].get('tokens_per_s', float('nan')):.2f} | {r['wall_s']:.0f} |"
+        "| run | job status | tokens/s (generation phase) | job wall s | load avg at submit | busy share, core 0 / 1 |",
+        "|---|---|---:|---:|---:|---:|",
+        *[f"| {name} | {r['status']} | {r['summary'].get('tokens_per_s', float('nan')):.2f} | {r['wall_s']:.0f} | "
+          f"{r.get('load_avg_1min_at_submit', float('nan')):.2f} | "
+          f"{' / '.join(f'{b:.2f}' for b in r.get('core_busy_share', []))} |"
           for name, r in record["runs"].items()],
         "",
         f"**scaling_2 = {s['scaling_2']:.2f}x** (goal >= 1.8).",
