@@ -20,6 +20,10 @@ whole job (every n/w-th) with the job's sampling, estimates the acceptance per p
 (`AcceptanceCurve`, exact for every k <= 8) and its between-prompt range (Student's t on w - 1 degrees of freedom),
 and the plan holds over that range (maximin, planner/search.py). On the same data, 8 spread prompts x 32 tokens
 predict 5.93 tokens per round at k = 8 against the 5.91 the whole job observed.
+
+The warm-up streams the job's weights under the job's budget, so its decode passes also say what the disk delivers
+now; the plan is searched at that rate (the profile's was measured once, and this VM's disk moved 1.5-3x between
+the profile, its calibration and the job: issue 14).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from specoffload.planner.plan import MAX_AUTO_K, Plan
 
 from .config import EngineConfig
 from .engine import Engine
+from .offload.profiler import load_or_measure
+from .offload.replan import observed_stream_rate
 from .planning import ModelPair, make_plan
 from .sampling import SamplingParams
 
@@ -56,6 +62,7 @@ class Warmup:
     new_tokens: int
     k: int
     seconds: float
+    stream_rate: float | None = None  # what its decode passes streamed at (replan.py `observed_stream_rate`)
 
     @property
     def alpha_range(self) -> tuple[float, float]:
@@ -66,7 +73,8 @@ class Warmup:
         return (f"{self.estimate.alpha:.3f} ({CONFIDENCE:.0%} range {lo:.2f}-{hi:.2f}, a prompt's own rate spread "
                 f"+-{self.curve.spread:.2f}; warm-up on {self.prompts} of "
                 f"the job's prompts, {self.new_tokens} tokens each at k = {self.k}, "
-                f"{self.estimate.trials:.0f} draft positions, {self.seconds:.0f} s)")
+                f"{self.estimate.trials:.0f} draft positions, {self.seconds:.0f} s"
+                + (f"; its passes streamed {self.stream_rate / 1e9:.2f} GB/s" if self.stream_rate else "") + ")")
 
 
 def spread(items: Sequence, n: int) -> list:
@@ -77,9 +85,11 @@ def spread(items: Sequence, n: int) -> list:
 
 
 def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                       prompts_used: int = WARMUP_PROMPTS, max_tokens: int = WARMUP_TOKENS) -> Warmup:
+                       prompts_used: int = WARMUP_PROMPTS, max_tokens: int = WARMUP_TOKENS,
+                       profile: HardwareProfile | None = None) -> Warmup:
     """Generate for `prompts_used` of the job's prompts (spread over it) at k = MAX_AUTO_K with the job's
-    sampling, at most `max_tokens` each, under the config's budget (module docstring)."""
+    sampling, at most `max_tokens` each, under the config's budget (module docstring). With a profile, also the
+    stream rate the warm-up's own passes show: the disk's rate now, not when the profile was measured."""
     chosen = spread(list(prompts), prompts_used)
     new_tokens = max(2, min(max_tokens, params.max_new_tokens))
     seq = max(len(p) for p in chosen) + new_tokens
@@ -93,7 +103,11 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
     estimate, curve = warm.replanner.tracker.estimate(), warm.replanner.tracker.curve()
     if estimate is None or curve is None:
         raise ValueError("the warm-up drafted nothing (every prompt finished at once)")
-    return Warmup(estimate, curve, len(chosen), new_tokens, MAX_AUTO_K, time.perf_counter() - start)
+    rate = None
+    if profile is not None and warm.placement is not None:
+        rate = observed_stream_rate(profile, warm.models.costs(warm.plan.drafting), warm.placement,
+                                    warm.replanner.pass_log, seq // 2, config.expert_loading)
+    return Warmup(estimate, curve, len(chosen), new_tokens, MAX_AUTO_K, time.perf_counter() - start, rate)
 
 
 @dataclass(frozen=True)
@@ -113,7 +127,10 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
                         new_tokens=params.max_new_tokens)
     warmup = None
     if config.planned and models.draft is not None and config.num_draft_tokens != 0:
-        warmup = measure_acceptance(config, prompts, params)
+        profile = profile or load_or_measure(config)
+        warmup = measure_acceptance(config, prompts, params, profile=profile)
+        if warmup.stream_rate is not None:  # the disk's rate now (it drifts: runtime/offload/replan.py)
+            profile = replace(profile, stream_bytes_per_s=warmup.stream_rate)
     plan = make_plan(config, models, max_seq_len, workload=workload, profile=profile,
                      alpha=warmup.curve if warmup else None,
                      alpha_range=warmup.alpha_range if warmup else None)

@@ -32,7 +32,6 @@ import json
 import statistics
 import sys
 import time
-from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from specoffload.runtime import EngineConfig, SamplingParams
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload.profiler import load_or_measure
-from specoffload.runtime.offload.replan import KReplanner
+from specoffload.runtime.offload.replan import observed_stream_rate
 from specoffload.runtime.planning import ModelPair, place_plan
 from specoffload.runtime.prompts import humaneval_prompts, prose_prompts
 from specoffload.runtime.tokenizer import load_tokenizer
@@ -65,33 +64,23 @@ def run_policy(config: EngineConfig, prompts: list[list[int]], params: SamplingP
     engine.generate(prompts, params)
     wall = time.perf_counter() - t
     stats = engine.last_stats
-    assert engine.pipeline is not None
-    log = engine.pipeline.verify_log  # (end, batch, tokens, rows) per pass; each batch's first one is its prefill
-    skip = engine.plan.num_batches
-    periods = [(b[0] - a[0], b[3]) for a, b in zip(log[skip:], log[skip + 1:])]
+
     estimate = engine.replanner.tracker.estimate()
     out = {"measured": stats.generated_tokens / wall, "wall_s": wall, "passes": stats.passes,
            "bytes_read": stats.bytes_read, "drafted": stats.num_drafted, "accepted": stats.num_accepted,
            "alpha_observed": estimate.alpha if estimate is not None else None,
            "replans": list(engine.replanner.replans), "final_k": engine.replanner.k,
            "final_rows": engine.replanner.rows, "curve": engine.replanner.tracker.curve(),
-           "pass_periods": periods, "stream_rate_online": engine.replanner.stream_rate}
+           "pass_log": list(engine.replanner.pass_log), "stream_rate_online": engine.replanner.stream_rate}
     engine.close()
     del engine
     gc.collect()
     return out
 
 
-def job_stream_rate(profile, costs, placement, plan, periods: list[tuple[float, int]], k: int) -> float | None:  # noqa: ANN001
-    """The stream rate a run's own decode passes show, by the rule online re-planning uses (replan.py): the median
-    period of its passes at the run's usual rows, when it is longer than everything but the io. None: no rate."""
-    if not periods:
-        return None
-    rows = max(set(r for _, r in periods), key=[r for _, r in periods].count)
-    probe = KReplanner(plan, 0, profile, costs, placement)
-    probe.passes = deque(((s, k, r) for s, r in periods if r == rows), maxlen=len(periods))
-    probe.calibrated_profile()
-    return probe.stream_rate
+def job_stream_rate(profile, costs, placement, plan, passes: list[tuple[float, int, int]]) -> float | None:  # noqa: ANN001
+    """The stream rate a run's own decode passes show, by the rule online re-planning uses (replan.py)."""
+    return observed_stream_rate(profile, costs, placement, passes, plan.max_seq_len // 2)
 
 
 def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
@@ -110,6 +99,9 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
     warm = job.warmup
     assert warm is not None
     alpha = warm.curve  # what the planner predicted with: the acceptance per position of a round
+    base_profile = profile
+    if warm.stream_rate is not None:  # and the stream rate the warm-up's passes showed (runtime/warmup.py)
+        profile = replace(profile, stream_bytes_per_s=warm.stream_rate)
     pick = job.plan.policy
     print(f"[{name}] {len(prompts)} prompts of mean {job.workload.prompt_len:.0f} tokens, {args.new_tokens} new; "
           f"alpha {warm.describe()}; pick batch {pick.batch} k {pick.k} ({pick.predicted_tokens_per_s:.2f} tok/s "
@@ -130,7 +122,7 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
         observed, curve = run["alpha_observed"], run.pop("curve")
         given_alpha = (estimate_workload(profile, costs, placement, batch, k, curve, job.workload).tokens_per_s
                        if curve is not None else predicted)
-        job_rate = job_stream_rate(profile, costs, placement, plan, run.pop("pass_periods"), k)
+        job_rate = job_stream_rate(base_profile, costs, placement, plan, run.pop("pass_log"))
         at_job = estimate_workload(replace(profile, stream_bytes_per_s=job_rate) if job_rate else profile, costs,
                                    placement, batch, k, curve if curve is not None else alpha, job.workload)
         row = {"batch": batch, "k": k, "fits": True, "predicted": predicted, "predicted_at_observed_alpha":
@@ -164,9 +156,10 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
         "warmup": {"alpha": warm.estimate.alpha, "curve": list(warm.curve.rates), "spread": warm.curve.spread,
                    "range": list(warm.alpha_range),
                    "stderr": warm.estimate.stderr,
+                   "stream_rate": warm.stream_rate, "profile_stream_rate": base_profile.stream_bytes_per_s,
                    "prompts": warm.prompts, "tokens": warm.new_tokens, "k": warm.k, "positions": warm.estimate.trials,
                    "seconds": warm.seconds},
-        "profile": profile.to_json(), "grid": rows,
+        "profile": base_profile.to_json(), "grid": rows,
         "pick": {"batch": pick.batch, "k": pick.k, "predicted": pick.predicted_tokens_per_s,
                  "worst_ratio": pick.worst_ratio, "measured": pick_row["measured"]},
         "auto": auto,

@@ -239,10 +239,15 @@ def test_online_stream_rate_from_the_jobs_own_passes() -> None:
     for _ in range(PASS_WINDOW):
         compute.observe_pass(fast.t_step * 0.9, 2, 2)
     assert compute.calibrated_profile() is quick_disk and compute.stream_rate is None
+    few = KReplanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
+    for _ in range(PASS_WINDOW // 2 - 1):
+        few.observe_pass(3 * model.t_step, 2, 2)
+    assert few.calibrated_profile() is PROFILE  # too few passes to say
     mixed = KReplanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
-    for n in range(PASS_WINDOW):
-        mixed.observe_pass(3 * model.t_step, n % 2 + 1, 2)  # the window spans two ks: no rate
-    assert mixed.calibrated_profile() is PROFILE
+    for n in range(PASS_WINDOW):  # the window's most common shape (k 2, 2 rows) is the one measured
+        mixed.observe_pass(3 * model.t_step if n % 4 else 100.0, 2 if n % 4 else 1, 2)
+    assert mixed.calibrated_profile().stream_bytes_per_s == pytest.approx(slow.stream_bytes_per_s)
+    assert len(mixed.pass_log) == PASS_WINDOW
 
 
 # --- online: speculation off, rows merged (tiny models) -----------------------------------------------------

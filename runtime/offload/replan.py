@@ -60,6 +60,7 @@ class KReplanner:
         self.replans: list[dict[str, float]] = []
         self.rounds = 0
         self.passes: deque[tuple[float, int, int]] = deque(maxlen=PASS_WINDOW)  # (seconds, k, rows) per pass
+        self.pass_log: list[tuple[float, int, int]] = []  # every decode pass observed (the warm-up's rate)
         self.tokens_per_row: int | None = None  # the run's max_new_tokens: the slowest row of a wave is priced
         self.stream_rate: float | None = None
 
@@ -72,29 +73,19 @@ class KReplanner:
         """One decode pass of `rows` rows at k drafts took `seconds` (end of the previous pass to the end of this)."""
         if seconds > 0 and rows > 0:
             self.passes.append((seconds, k, rows))
+            self.pass_log.append((seconds, k, rows))
 
     def calibrated_profile(self) -> HardwareProfile | None:
-        """The profile at the stream rate the job's own passes show (module docstring); the profile itself when
-        too few passes were observed, the last ones differ in k or rows, or nothing streams."""
-        profile = self.profile
-        if profile is None or self.costs is None or self.placement is None or len(self.passes) < PASS_WINDOW // 2:
-            return profile
-        shapes = {(k, rows) for _, k, rows in self.passes}
-        if len(shapes) != 1:
-            return profile
-        (k, rows), = shapes
-        period = statistics.median(s for s, _, _ in self.passes)
-        context = self.plan.max_seq_len // 2
-        model = estimate_step(profile, self.costs, self.placement, rows, k, 0.0, context, self.expert_loading)
-        if model.t_io <= 0:
-            return profile
-        streamed = model.t_io * profile.stream_bytes_per_s
-        fast = estimate_step(replace(profile, stream_bytes_per_s=UNBOUNDED), self.costs, self.placement, rows, k,
-                             0.0, context, self.expert_loading)
-        if period <= fast.t_step and model.bound != "io":
-            return profile  # the pass did not wait on the io: its period says nothing about the rate
-        self.stream_rate = streamed / period
-        return replace(profile, stream_bytes_per_s=self.stream_rate)
+        """The profile at the stream rate the job's last decode passes show (module docstring); the profile itself
+        when too few passes were observed or they say nothing about the rate."""
+        if self.profile is None or self.costs is None or self.placement is None:
+            return self.profile
+        rate = observed_stream_rate(self.profile, self.costs, self.placement, list(self.passes),
+                                    self.plan.max_seq_len // 2, self.expert_loading)
+        if rate is None:
+            return self.profile
+        self.stream_rate = rate
+        return replace(self.profile, stream_bytes_per_s=rate)
 
     def record(self, accepted: Sequence[int], k: int, prompts: Sequence[Hashable] | None = None) -> None:
         """One verified batch: row r (of request prompts[r]) accepted accepted[r] of k drafts (k >= 1)."""
@@ -119,3 +110,27 @@ class KReplanner:
             logger.info("re-plan after %d rounds: alpha %.3f -> k %d, %d rows per batch (was k %d, %d rows)",
                         self.rounds, estimate.alpha, choice.k, choice.rows, self.k, self.rows)
             self.k, self.rows = choice.k, choice.rows
+
+
+def observed_stream_rate(profile: HardwareProfile, costs: ModelCosts, placement: Placement,
+                         passes: Sequence[tuple[float, int, int]], context: int, expert_loading: str = "auto",
+                         min_passes: int = PASS_WINDOW // 2) -> float | None:
+    """The stream rate decode passes (seconds, k, rows) show, by the rule of the module docstring, over the passes
+    of their most common (k, rows); None with fewer than `min_passes` of them, when nothing streams, or when the
+    passes were no slower than everything but their io (they did not wait on it)."""
+    if not passes:
+        return None
+    shapes = [(k, rows) for _, k, rows in passes]
+    k, rows = max(set(shapes), key=shapes.count)
+    periods = [s for s, kk, r in passes if (kk, r) == (k, rows)]
+    if len(periods) < min_passes:
+        return None
+    period = statistics.median(periods)
+    model = estimate_step(profile, costs, placement, rows, k, 0.0, context, expert_loading)
+    if model.t_io <= 0:
+        return None
+    fast = estimate_step(replace(profile, stream_bytes_per_s=UNBOUNDED), costs, placement, rows, k, 0.0, context,
+                         expert_loading)
+    if period <= fast.t_step and model.bound != "io":
+        return None  # the pass did not wait on the io: its period says nothing about the rate
+    return model.t_io * profile.stream_bytes_per_s / period
