@@ -148,9 +148,8 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         alpha = args.alpha if args.alpha is not None else base.acceptance_prior
         alpha_source = "--alpha" if args.alpha is not None else "prior (no prompts to measure it on)"
-        workload = Workload(num_prompts=len(encoded) or 256,
-                            prompt_len=sum(map(len, encoded)) / len(encoded) if encoded else max_seq_len / 2,
-                            new_tokens=args.max_new_tokens)
+        workload = (Workload.of_prompts([len(p) for p in encoded], args.max_new_tokens) if encoded else
+                    Workload(num_prompts=256, prompt_len=max_seq_len / 2, new_tokens=args.max_new_tokens))
         plan = make_plan(config, models, max_seq_len, workload=workload, alpha=alpha, profile=profile)
         alpha_source = f"{alpha:.3f} ({alpha_source})"
     print(f"workload: {workload.num_prompts} prompts x {workload.prompt_len:.0f} tokens, "

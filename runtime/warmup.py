@@ -123,8 +123,7 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
              max_seq_len: int, profile: HardwareProfile | None = None) -> JobPlan:
     """Warm-up (when a drafter may be used and the plan is the planner's), then the search over the job's workload
     with the warm-up's plausible acceptance range: the plan `Engine(config, plan=...)` runs."""
-    workload = Workload(num_prompts=len(prompts), prompt_len=sum(map(len, prompts)) / len(prompts),
-                        new_tokens=params.max_new_tokens)
+    workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
     warmup = None
     if config.planned and models.draft is not None and config.num_draft_tokens != 0:
         profile = profile or load_or_measure(config)

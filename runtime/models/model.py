@@ -94,11 +94,19 @@ class Transformer:
             allowed: Tensor | None = None) -> Tensor:
         """FFN block of `layer`: [B, T, H] -> [B, T, H]. For MoE, loads only the experts valid tokens select.
 
-        token_mask [B, T] bool marks valid tokens; padded tokens then select no expert (their output is junk).
+        token_mask [B, T] bool marks valid tokens; padded tokens then select no expert, and a dense MLP runs on
+        the valid tokens only (a prefill pads every row to the batch's longest prompt: 2.7x the tokens on prose
+        prompts, issue 14); a padded position keeps its input (junk no valid token reads: right padding, causal).
         allowed [E] bool: route among these experts only (see layers.route).
         """
         if not self.config.is_moe_layer(layer):
-            return layers.dense_mlp_forward(self.config, self._weights(PartKey("dense_mlp", layer)), hidden)
+            weights = self._weights(PartKey("dense_mlp", layer))
+            if token_mask is None or bool(token_mask.all()):
+                return layers.dense_mlp_forward(self.config, weights, hidden)
+            mask = token_mask.to(hidden.device)  # [B, T]
+            out = hidden.clone()
+            out[mask] = layers.dense_mlp_forward(self.config, weights, hidden[mask])  # [n valid, H]
+            return out
         state = self.moe_route(layer, hidden, token_mask, allowed)
         self.moe_experts(state, range(self.config.num_experts))
         return self.moe_finish(state, hidden)
