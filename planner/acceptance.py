@@ -419,7 +419,6 @@ class AcceptanceTracker:
                                       by_prompt.groups)
         return _estimate(self.trials, self.successes)
 
-
     def _prompt_counts(self) -> list[tuple[float, float]]:
         """(trials, successes) per prompt key, faded like the totals."""
         return [(t * self.decay ** (self.rounds - at), s * self.decay ** (self.rounds - at))

@@ -275,7 +275,7 @@ def estimate_prefill(
     """
     _check_plan(profile, costs, placement, batch, k)
     fed = max(batch, round(batch * prompt_len))
-    padded = max(float(prompt_len), padded_len if padded_len is not None else float(prompt_len))
+    padded = max(prompt_len, padded_len or prompt_len)
     t_draft = profile.draft_seconds(fed) + (k - 1) * profile.draft_seconds(batch) if k else 0.0
     share = _expert_share(costs, placement, expert_loading, batch * (k + 1), fed)
     return _pass(profile, costs, placement, fed, batch, math.ceil((padded + 1) / 2), t_draft, float(batch), share,
@@ -299,10 +299,10 @@ def estimate_workload(
         waves = ceil(num_prompts / (rows * num_batches))
         decode_steps per wave = num_batches * round(R_slowest(new_tokens - 1))     (the prefill pass emits one)
         total = waves * (num_batches * T_prefill + decode_steps * T_step)
-    with T_step at the mean KV length prompt_len + new_tokens / 2, the prefill padded to the expected longest prompt of
-    a batch (`Workload.padded_len`); R_slowest the rounds the slowest of the
-    batch's rows needs (a batch is refilled only when all its rows are done; acceptance.py `rounds_for_slowest`:
-    the expected rounds of one row for a batch of one, new_tokens - 1 at k = 0). Every wave is costed as full.
+    with T_step at the mean KV length prompt_len + new_tokens / 2, the prefill padded to the expected longest prompt
+    of a batch (`Workload.padded_len`); R_slowest the rounds the slowest of the batch's rows needs (a batch is
+    refilled only when all its rows are done; acceptance.py `rounds_for_slowest`: the expected rounds of one row
+    for a batch of one, new_tokens - 1 at k = 0). Every wave is costed as full.
     """
     num_batches = 2 if k >= 1 and interleave else 1
     rows = min(batch, math.ceil(workload.num_prompts / num_batches))

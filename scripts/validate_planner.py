@@ -78,11 +78,6 @@ def run_policy(config: EngineConfig, prompts: list[list[int]], params: SamplingP
     return out
 
 
-def job_stream_rate(profile, costs, placement, plan, passes: list[tuple[float, int, int]]) -> float | None:  # noqa: ANN001
-    """The stream rate a run's own decode passes show, by the rule online re-planning uses (replan.py)."""
-    return observed_stream_rate(profile, costs, placement, passes, plan.max_seq_len // 2)
-
-
 def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     name = f"{corpus}@{budget}"
     prompts = [tok.encode(p, add_special_tokens=False) for p in CORPORA[corpus](args.prompts)]
@@ -122,7 +117,8 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
         observed, curve = run["alpha_observed"], run.pop("curve")
         given_alpha = (estimate_workload(profile, costs, placement, batch, k, curve, job.workload).tokens_per_s
                        if curve is not None else predicted)
-        job_rate = job_stream_rate(base_profile, costs, placement, plan, run.pop("pass_log"))
+        # the rate the run's own decode passes show, by the rule online re-planning uses (replan.py)
+        job_rate = observed_stream_rate(base_profile, costs, placement, run.pop("pass_log"), plan.max_seq_len // 2)
         at_job = estimate_workload(replace(profile, stream_bytes_per_s=job_rate) if job_rate else profile, costs,
                                    placement, batch, k, curve if curve is not None else alpha, job.workload)
         row = {"batch": batch, "k": k, "fits": True, "predicted": predicted, "predicted_at_observed_alpha":

@@ -140,7 +140,7 @@ def test_tracker_curve_carries_the_spread() -> None:
     assert plain.curve().spread == 0.0  # no prompt keys: nothing to tell rows apart
 
 
-def test_workload_counts_the_slowest_row(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workload_counts_the_slowest_row() -> None:
     from tests.test_planner import COSTS, make_profile, manual_placement
 
     profile, placement = make_profile(), manual_placement((0, 1, 2, 3))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
@@ -59,8 +58,7 @@ class KReplanner:
         self.tracker = AcceptanceTracker(half_life=64)
         self.replans: list[dict[str, float]] = []
         self.rounds = 0
-        self.passes: deque[tuple[float, int, int]] = deque(maxlen=PASS_WINDOW)  # (seconds, k, rows) per pass
-        self.pass_log: list[tuple[float, int, int]] = []  # every decode pass observed (the warm-up's rate)
+        self.pass_log: list[tuple[float, int, int]] = []  # (seconds, k, rows) of every decode pass observed
         self.tokens_per_row: int | None = None  # the run's max_new_tokens: the slowest row of a wave is priced
         self.stream_rate: float | None = None
 
@@ -72,7 +70,6 @@ class KReplanner:
     def observe_pass(self, seconds: float, k: int, rows: int) -> None:
         """One decode pass of `rows` rows at k drafts took `seconds` (end of the previous pass to the end of this)."""
         if seconds > 0 and rows > 0:
-            self.passes.append((seconds, k, rows))
             self.pass_log.append((seconds, k, rows))
 
     def calibrated_profile(self) -> HardwareProfile | None:
@@ -80,7 +77,7 @@ class KReplanner:
         when too few passes were observed or they say nothing about the rate."""
         if self.profile is None or self.costs is None or self.placement is None:
             return self.profile
-        rate = observed_stream_rate(self.profile, self.costs, self.placement, list(self.passes),
+        rate = observed_stream_rate(self.profile, self.costs, self.placement, self.pass_log[-PASS_WINDOW:],
                                     self.plan.max_seq_len // 2, self.expert_loading)
         if rate is None:
             return self.profile
