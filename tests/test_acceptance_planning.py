@@ -250,6 +250,33 @@ def test_online_stream_rate_from_the_jobs_own_passes() -> None:
     assert len(mixed.pass_log) == PASS_WINDOW
 
 
+
+def test_online_stream_rate_from_the_loaders_own_time() -> None:
+    """With the io thread's load seconds observed (CPU), the rate is the bytes per pass / the mean load seconds per
+    pass, whatever the period: a pass slowed by compute is not read as a slow disk; on CUDA (loads only queue
+    copies) the period rule stands."""
+    from dataclasses import replace as dc_replace
+
+    from specoffload.planner import estimate_step
+    from specoffload.runtime.offload.replan import PASS_WINDOW, observed_stream_rate
+
+    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    placement = place(TARGET, DRAFT, policy, 4200, GiB)
+    costs = ModelCosts.from_shapes(TARGET, DRAFT)
+    model = estimate_step(PROFILE, costs, placement, 2, 2, 0.0, 24)
+    streamed = model.t_io * PROFILE.stream_bytes_per_s
+    loads = [model.t_io * f for f in (1.5, 2.5, 0.0, 4.0)] * (PASS_WINDOW // 4)  # mean 2x the model's io
+    for period in (0.5 * model.t_step, 3 * model.t_step, 10 * model.t_step):
+        passes = [(period, 2, 2, load) for load in loads]
+        rate = observed_stream_rate(PROFILE, costs, placement, passes, 24)
+        assert rate == pytest.approx(streamed / (2 * model.t_io))
+        assert rate == pytest.approx(PROFILE.stream_bytes_per_s / 2)
+    cuda = dc_replace(PROFILE, device="cuda", shared_compute=False)
+    cuda_model = estimate_step(cuda, costs, placement, 2, 2, 0.0, 24)
+    passes = [(3 * cuda_model.t_step, 2, 2, load) for load in loads]  # longer than any compute: waited on the io
+    assert observed_stream_rate(cuda, costs, placement, passes, 24) == pytest.approx(
+        cuda_model.t_io * cuda.stream_bytes_per_s / (3 * cuda_model.t_step))
+
 # --- online: speculation off, rows merged (tiny models) -----------------------------------------------------
 
 

@@ -36,4 +36,8 @@ def test_per_row_params_equal_running_each_group_alone(tiny_models, single_threa
         [r.token_ids for r in engine.generate(PROMPTS, [GREEDY] * len(PROMPTS))]
     with pytest.raises(ValueError, match="one per prompt"):
         engine.generate(PROMPTS, [GREEDY])
+    if offloaded:  # each decode pass is observed with the io thread's seconds in load ops (replan.py's stream rate)
+        log = engine.replanner.pass_log
+        assert log and all(seconds > 0 and load >= 0 for seconds, _, _, load in log)
+        assert sum(load for *_, load in log) > 0 and engine.pipeline.load_seconds >= sum(load for *_, load in log)
     engine.close()

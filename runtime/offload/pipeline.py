@@ -71,6 +71,9 @@ class Pipeline:
         #: per verify op of the current run: (perf_counter at its end, batch, tokens it committed, rows); the
         #: steady-state decode rate of a window of passes is read off it (scripts/bench_moe.py)
         self.verify_log: list[tuple[float, int, int, int]] = []
+        #: seconds the io thread spent in load ops (reading and converting weights into slots), and its value at
+        #: the last verify: the loads between two verifies are attributed to the later pass (replan.py)
+        self.load_seconds = self.load_mark = 0.0
         self.running = False
 
     def run(self, requests: list[Request], params: SamplingParams, progress: bool = False) -> OffloadStats:
@@ -177,7 +180,9 @@ class Pipeline:
 
     # ---- op handlers (each runs on its resource's thread) ----------------------------------------------------------
     def _load(self, op: Op) -> None:
+        start = time.perf_counter()
         self.workers.prefetch.load(op.layer, max(op.group, 0), op.slot)
+        self.load_seconds += time.perf_counter() - start  # (the io thread's own work: read and convert)
 
     def _embed(self, op: Op) -> None:
         b = self.batches[op.batch]
@@ -227,8 +232,9 @@ class Pipeline:
             r.commit(emitted[n][: accepted[n] + 1])
         now = time.perf_counter()
         decoding = b.num_new is not None and int(b.num_new.max()) <= k + 1  # (a prefill pass is not the steady state)
-        if self.verify_log and decoding:  # the pass's period: from the end of the previous one
-            self.replanner.observe_pass(now - self.verify_log[-1][0], k, len(b.rows))
+        load_s, self.load_mark = self.load_seconds - self.load_mark, self.load_seconds
+        if self.verify_log and decoding:  # the pass's period, and the loads done, since the end of the previous one
+            self.replanner.observe_pass(now - self.verify_log[-1][0], k, len(b.rows), load_s)
         self.verify_log.append((now, b.index, sum(len(r.output) for r in b.rows) - before, len(b.rows)))
         if k >= 1:
             self.replanner.record(accepted, k, [r.index for r in b.rows])

@@ -12,12 +12,16 @@ ratio to the best candidate over the range). The decision is
             speculation back on splits the rows again at the next wave.
 
 The cost model's stream rate is the job's own too: the disk this runs on delivered the same policy's bytes 1.5-3x
-faster in the profile's calibration than minutes later in the job (issue 14, docs/perf/README.md). Each decode pass's
-period is observed (`observe_pass`); when the median of the last PASS_WINDOW periods is longer than everything but
-the io the model counts for that pass (its step with an unbounded stream rate), the pass waited on the io, so the
-rate the io delivered is its streamed bytes / that period, and the decision is made at that rate (when the pass is
-io-bound by the model at a rate above what its period shows, the same ratio raises it). `stream_rate` holds the
-rate used last (None until observed).
+faster in the profile's calibration than minutes later in the job (issue 14, docs/perf/README.md). Each decode pass
+is observed (`observe_pass`): its period and the seconds the io thread spent in load ops since the previous pass
+(reading and converting the weights into slots). On a CPU the rate is the bytes the model streams per pass / the
+mean load seconds per pass over the last PASS_WINDOW passes: what the loader itself delivered, whatever the compute
+beside it did. (The rule before read the rate off the period of a pass that waited on the io; a pass slowed by
+compute the model undercounts, e.g. 8 draft steps, then read as a slow disk: at k = 8 it showed 1.02 GB/s where
+the loader delivered 1.65, and a no-draft plan priced at it came out 37% slow; docs/perf/README.md.) On CUDA a load
+op only queues its copies, so there the period rule stands: when the median period is longer than everything but
+the io the model counts for that pass (its step with an unbounded stream rate), the pass waited on the io and the
+rate is its streamed bytes / that period. `stream_rate` holds the rate used last (None until observed).
 
 A new k takes effect at each batch's next draft round. Only when the planner chose k ("auto") and a drafter is
 loaded. While speculation is off nothing is drafted, so nothing new is observed: the decision stands for the rest
@@ -58,7 +62,8 @@ class KReplanner:
         self.tracker = AcceptanceTracker(half_life=64)
         self.replans: list[dict[str, float]] = []
         self.rounds = 0
-        self.pass_log: list[tuple[float, int, int]] = []  # (seconds, k, rows) of every decode pass observed
+        # (seconds, k, rows, load seconds) of every decode pass observed
+        self.pass_log: list[tuple[float, int, int, float]] = []
         self.tokens_per_row: int | None = None  # the run's max_new_tokens: the slowest row of a wave is priced
         self.stream_rate: float | None = None
 
@@ -67,10 +72,11 @@ class KReplanner:
         return (self.plan.policy is not None and self.plan.k_max > 0 and self.interval > 0
                 and None not in (self.profile, self.costs, self.placement))
 
-    def observe_pass(self, seconds: float, k: int, rows: int) -> None:
-        """One decode pass of `rows` rows at k drafts took `seconds` (end of the previous pass to the end of this)."""
+    def observe_pass(self, seconds: float, k: int, rows: int, load_s: float = 0.0) -> None:
+        """One decode pass of `rows` rows at k drafts took `seconds` (end of the previous pass to the end of this),
+        while the io thread spent `load_s` seconds in load ops (0: not measured)."""
         if seconds > 0 and rows > 0:
-            self.pass_log.append((seconds, k, rows))
+            self.pass_log.append((seconds, k, rows, max(0.0, load_s)))
 
     def calibrated_profile(self) -> HardwareProfile | None:
         """The profile at the stream rate the job's last decode passes show (module docstring); the profile itself
@@ -110,24 +116,28 @@ class KReplanner:
 
 
 def observed_stream_rate(profile: HardwareProfile, costs: ModelCosts, placement: Placement,
-                         passes: Sequence[tuple[float, int, int]], context: int, expert_loading: str = "auto",
+                         passes: Sequence[tuple[float, int, int, float]], context: int, expert_loading: str = "auto",
                          min_passes: int = PASS_WINDOW // 2) -> float | None:
-    """The stream rate decode passes (seconds, k, rows) show, by the rule of the module docstring, over the passes
-    of their most common (k, rows); None with fewer than `min_passes` of them, when nothing streams, or when the
-    passes were no slower than everything but their io (they did not wait on it)."""
+    """The stream rate decode passes (seconds, k, rows, load seconds) show, by the rule of the module docstring,
+    over the passes of their most common (k, rows); None with fewer than `min_passes` of them, when nothing
+    streams, or (period rule) when the passes were no slower than everything but their io."""
     if not passes:
         return None
-    shapes = [(k, rows) for _, k, rows in passes]
+    shapes = [(k, rows) for _, k, rows, _ in passes]
     k, rows = max(set(shapes), key=shapes.count)
-    periods = [s for s, kk, r in passes if (kk, r) == (k, rows)]
-    if len(periods) < min_passes:
+    chosen = [(s, load) for s, kk, r, load in passes if (kk, r) == (k, rows)]
+    if len(chosen) < min_passes:
         return None
-    period = statistics.median(periods)
     model = estimate_step(profile, costs, placement, rows, k, 0.0, context, expert_loading)
     if model.t_io <= 0:
         return None
+    streamed = model.t_io * profile.stream_bytes_per_s  # bytes per pass
+    loads = [load for _, load in chosen]
+    if profile.device == "cpu" and sum(loads) > 0:  # (a pass may see 0 loads, the next two passes' worth)
+        return streamed / statistics.fmean(loads)  # what the loader delivered per second of its own work
+    period = statistics.median(s for s, _ in chosen)
     fast = estimate_step(replace(profile, stream_bytes_per_s=UNBOUNDED), costs, placement, rows, k, 0.0, context,
                          expert_loading)
     if period <= fast.t_step and model.bound != "io":
         return None  # the pass did not wait on the io: its period says nothing about the rate
-    return model.t_io * profile.stream_bytes_per_s / period
+    return streamed / period
