@@ -21,9 +21,11 @@ whole job (every n/w-th) with the job's sampling, estimates the acceptance per p
 and the plan holds over that range (maximin, planner/search.py). On the same data, 8 spread prompts x 32 tokens
 predict 5.93 tokens per round at k = 8 against the 5.91 the whole job observed.
 
-The warm-up streams the job's weights under the job's budget, so its decode passes also say what the disk delivers
-now; the plan is searched at that rate (the profile's was measured once, and this VM's disk moved 1.5-3x between
-the profile, its calibration and the job: issue 14).
+The warm-up streams the job's weights under the job's budget, so its loader also says what the disk delivers now
+(streamed bytes / its seconds in load ops: runtime/offload/replan.py `observed_stream_rate`); the plan is searched
+at that rate (the profile's was measured once, and this VM's disk moved 1.5-3x between the profile, its
+calibration and the job: issue 14). Read off the passes' periods instead, a warm-up at k = 8 showed a disk 30-40%
+slower than its loader delivered: the draft steps' compute the model undercounts was taken for io.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Warmup:
     new_tokens: int
     k: int
     seconds: float
-    stream_rate: float | None = None  # what its decode passes streamed at (replan.py `observed_stream_rate`)
+    stream_rate: float | None = None  # what its loader delivered (replan.py `observed_stream_rate`)
 
     @property
     def alpha_range(self) -> tuple[float, float]:
@@ -89,7 +91,7 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
                        profile: HardwareProfile | None = None) -> Warmup:
     """Generate for `prompts_used` of the job's prompts (spread over it) at k = MAX_AUTO_K with the job's
     sampling, at most `max_tokens` each, under the config's budget (module docstring). With a profile, also the
-    stream rate the warm-up's own passes show: the disk's rate now, not when the profile was measured."""
+    stream rate the warm-up's own loader delivered: the disk's rate now, not when the profile was measured."""
     chosen = spread(list(prompts), prompts_used)
     new_tokens = max(2, min(max_tokens, params.max_new_tokens))
     seq = max(len(p) for p in chosen) + new_tokens

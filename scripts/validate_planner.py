@@ -14,10 +14,11 @@ then the end-to-end run with batch and k "auto" (the planned plan, online re-pla
     auto / best   the auto run's rate / the best measured fixed policy          goal >= 0.9
     error         |predicted - measured| / measured per grid policy, median over draft (k >= 1) and no-draft rows
                   apart: predicted with the warm-up's acceptance (what the planner saw)    goal <= 15%
-    error at the job's own rate    the same prediction made with the stream rate the job's own decode passes show
-                  (runtime/offload/replan.py `calibrated_profile`, what online re-planning uses) and the acceptance
-                  it observed: what is left of the error once the disk's drift between the planning and the job
-                  (1.5-3x on this VM) and the acceptance estimate are taken out, i.e. the cost model's own error
+    error at the job's own rate    the same prediction made with the stream rate the job's own loader delivered
+                  (runtime/offload/replan.py `observed_stream_rate`, what online re-planning uses: streamed bytes /
+                  the io thread's seconds in load ops) and the acceptance it observed: what is left of the error once
+                  the disk's drift between the planning and the job (1.5-3x on this VM) and the acceptance estimate
+                  are taken out, i.e. the cost model's own error
 
 Writes docs/perf/planner_validation.json ("summary": the worst pick / best and auto / best over the jobs, the
 median errors), a plot of predicted vs measured and a section of docs/perf/README.md. Long: run it under the
