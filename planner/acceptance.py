@@ -36,6 +36,21 @@ observed ones take the last position's rate; each a_i is shrunk toward the poole
 rounds, so a position seen a few times does not swing it. The curve at another acceptance level (a scenario of the
 range) keeps its shape: every a_i's odds are scaled by the same factor (`AcceptanceCurve.at`).
 
+The first position also depends on how the row's previous round ended. Measured (issue 14, 16 HumanEval prompts,
+64 tokens, greedy): after a rejection the next round's first draft is accepted at 0.66, after a fully accepted
+round at 0.91-0.93 (a rejection marks a point where draft and target diverge; the text right after it is hard
+for the draft too), the same at k = 8 and k = 2. What changes with k is the mix: at k = 8, 47% of rounds follow a
+full acceptance (pooled first-position rate 0.78), at k = 2, 80% (0.87). So a curve measured at k = 8 priced a
+k = 2 policy with the k = 8 mix, 20% too many passes. With both rates kept (`rates[0]`: after a rejection or at
+the start; `after_full`), the rounds are a two-state Markov chain: from state s a round is fully accepted with
+p_s = a_s * c_k, c_k = prod_{i=2..k} a_i, so the stationary share of rounds after a full one is
+
+    pi_k = p_R / (1 - p_F + p_R)
+
+and the round's first position is accepted at pi_k a_F + (1 - pi_k) a_R (exact for the mean tokens per round,
+which is linear in a_1: `AcceptanceCurve.first_rate`). On the k = 8 run's counts this predicts 0.85 for k = 2
+against the 0.87 measured.
+
 A batch is as slow as its slowest row: it is refilled only when every row is done (runtime/offload/batches.py),
 so a wave of B rows takes the rounds its slowest row needs, not the rounds at the mean rate. Measured (issue 14,
 16 HumanEval prompts, batch 8, 64 tokens): k = 8 took 37 passes where the mean rate counts 24, k = 2 59 against
@@ -142,11 +157,15 @@ class AcceptanceCurve:
     rates: tuple[float, ...]
     alpha: float
     spread: float = 0.0  # between-prompt standard deviation of a row's own pooled rate (module docstring)
+    # the first position's rate in a round that follows a fully accepted round of the same row; rates[0] is then
+    # the rate after a rejection (or at the start); None: one first-position rate whatever came before
+    after_full: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.rates or not all(0.0 <= a <= 1.0 for a in (*self.rates, self.alpha)):
+        extra = () if self.after_full is None else (self.after_full,)
+        if not self.rates or not all(0.0 <= a <= 1.0 for a in (*self.rates, self.alpha, *extra)):
             raise ValueError(f"an acceptance curve needs rates in [0, 1] (at least one), got {self.rates}, "
-                             f"alpha {self.alpha}")
+                             f"alpha {self.alpha}, after a full round {self.after_full}")
         if not 0.0 <= self.spread <= 0.5:
             raise ValueError(f"spread must be a standard deviation in [0, 0.5], got {self.spread}")
         object.__setattr__(self, "rates", tuple(float(a) for a in self.rates))
@@ -160,12 +179,28 @@ class AcceptanceCurve:
         """a_i for position i >= 1 (beyond the observed positions: the last one's)."""
         return self.rates[min(i, len(self.rates)) - 1]
 
+    def first_rate(self, k: int) -> float:
+        """a_1 of a round at k drafts in the steady state: pi_k a_F + (1 - pi_k) a_R with the stationary share
+        pi_k = p_R / (1 - p_F + p_R) of rounds that follow a full one, p_s = a_s prod_{i=2..k} a_i (module
+        docstring); rates[0] without `after_full`."""
+        if self.after_full is None or k < 1:
+            return self.rates[0]
+        rest = math.prod(self.rate(i) for i in range(2, k + 1))
+        p_reject, p_full = self.rates[0] * rest, self.after_full * rest
+        denominator = 1.0 - p_full + p_reject
+        share = p_reject / denominator if denominator > 0 else 1.0
+        return share * self.after_full + (1.0 - share) * self.rates[0]
+
+    def _rates_at(self, k: int) -> list[float]:
+        """a_1..a_k of a round at k drafts (the first position at k's steady-state mix)."""
+        return [self.first_rate(k), *(self.rate(i) for i in range(2, k + 1))] if k else []
+
     def tokens(self, k: int) -> float:
         """Expected tokens committed per row per round with k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j."""
         _check_k(k)
         total = survive = 1.0
-        for i in range(1, k + 1):
-            survive *= self.rate(i)
+        for a in self._rates_at(k):
+            survive *= a
             total += survive
         return total
 
@@ -175,8 +210,8 @@ class AcceptanceCurve:
         _check_k(k)
         mean = square = 0.0
         survive = 1.0
-        for i in range(1, k + 1):
-            survive *= self.rate(i)
+        for i, a in enumerate(self._rates_at(k), start=1):
+            survive *= a
             mean += survive
             square += (2 * i - 1) * survive
         return max(0.0, square - mean * mean)
@@ -190,8 +225,12 @@ class AcceptanceCurve:
         if alpha in (0.0, 1.0) or self.alpha in (0.0, 1.0):
             return AcceptanceCurve((alpha,), alpha, self.spread)
         factor = (alpha / (1 - alpha)) / (self.alpha / (1 - self.alpha))
-        return AcceptanceCurve(tuple(a if a in (0.0, 1.0) else a * factor / (1 - a + a * factor)
-                                     for a in self.rates), alpha, self.spread)
+
+        def scaled(a: float) -> float:
+            return a if a in (0.0, 1.0) else a * factor / (1 - a + a * factor)
+
+        return AcceptanceCurve(tuple(scaled(a) for a in self.rates), alpha, self.spread,
+                               None if self.after_full is None else scaled(self.after_full))
 
 
 Acceptance = float | AcceptanceCurve
@@ -283,19 +322,27 @@ def between_prompt_sd(rounds_by_prompt: Sequence[Sequence[tuple[float, float]]])
 
 
 def curve_from_counts(at_risk: Sequence[float], accepted: Sequence[float], alpha: float,
-                      prior_rounds: float = PRIOR_ROUNDS, spread: float = 0.0) -> AcceptanceCurve:
+                      prior_rounds: float = PRIOR_ROUNDS, spread: float = 0.0,
+                      after_full: tuple[float, float] | None = None) -> AcceptanceCurve:
     """The product-limit curve from per-position counts: at_risk[i - 1] rounds reached position i with i drafted,
     accepted[i - 1] of them accepted it; each rate shrunk toward `alpha` by `prior_rounds` pseudo rounds. Trailing
-    positions nobody reached are dropped (the last observed rate carries on). `spread`: the between-prompt one."""
+    positions nobody reached are dropped (the last observed rate carries on). `spread`: the between-prompt one.
+    after_full: (rounds, accepted) of the first position in rounds that followed a fully accepted round of the same
+    row, counted apart from at_risk[0] / accepted[0] (module docstring); None or no rounds: one first rate."""
     if len(at_risk) != len(accepted) or any(not 0 <= a <= r for r, a in zip(at_risk, accepted)):
         raise ValueError(f"need 0 <= accepted <= at_risk per position, got {list(accepted)} of {list(at_risk)}")
+    if after_full is not None and not 0 <= after_full[1] <= after_full[0]:
+        raise ValueError(f"need 0 <= accepted <= rounds after a full round, got {after_full}")
+    full = None
+    if after_full is not None and after_full[0] > 0:
+        full = (after_full[1] + prior_rounds * alpha) / (after_full[0] + prior_rounds)
     n = len(at_risk)
     while n and at_risk[n - 1] <= 0:
         n -= 1
     if n == 0:
-        return AcceptanceCurve((alpha,), alpha, spread)
+        return AcceptanceCurve((alpha,), alpha, spread, full)
     rates = tuple((accepted[i] + prior_rounds * alpha) / (at_risk[i] + prior_rounds) for i in range(n))
-    return AcceptanceCurve(rates, alpha, spread)
+    return AcceptanceCurve(rates, alpha, spread, full)
 
 
 def position_counts(accepted: Sequence[int], drafted: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -350,6 +397,8 @@ def estimate_alpha(accepted: Sequence[int], drafted: Sequence[int]) -> Acceptanc
 
 #: the between-prompt spread is estimated from the first SPREAD_ROUNDS rounds of the last SPREAD_PROMPTS prompts
 SPREAD_ROUNDS = 64
+#: rows (prompt keys) whose last round's outcome the tracker remembers (the oldest is forgotten first)
+LAST_ROUND_PROMPTS = 4096
 SPREAD_PROMPTS = 256
 
 
@@ -373,6 +422,10 @@ class AcceptanceTracker:
         self._at_risk: list[float] = []  # per position i of a round (index i - 1), decayed like the totals
         self._hits: list[float] = []
         self._rounds_by_prompt: OrderedDict[Hashable, list[tuple[int, int]]] = OrderedDict()  # for the spread
+        # per prompt key, whether its last round was fully accepted; the first position of the rounds that follow
+        # one is counted here (rounds, accepted), apart from _at_risk[0] / _hits[0] (module docstring)
+        self._last_full: OrderedDict[Hashable, bool] = OrderedDict()
+        self._full_at_risk = self._full_hits = 0.0
 
     def record(self, accepted: int, drafted: int, prompt: Hashable | None = None) -> None:
         """Add one row's verify round. Rounds with drafted = 0 carry no information and are ignored."""
@@ -385,11 +438,18 @@ class AcceptanceTracker:
         while len(self._at_risk) < drafted:
             self._at_risk.append(0.0)
             self._hits.append(0.0)
+        after_full = prompt is not None and self._last_full.get(prompt, False)
+        self._full_at_risk = self.decay * self._full_at_risk + after_full
+        self._full_hits = self.decay * self._full_hits + (after_full and accepted > 0)
         for i in range(len(self._at_risk)):
-            reached = i < min(accepted + 1, drafted)
+            reached = i < min(accepted + 1, drafted) and not (i == 0 and after_full)
             self._at_risk[i] = self.decay * self._at_risk[i] + reached
             self._hits[i] = self.decay * self._hits[i] + (reached and accepted > i)
         if prompt is not None:
+            self._last_full[prompt] = accepted == drafted
+            self._last_full.move_to_end(prompt)
+            if len(self._last_full) > LAST_ROUND_PROMPTS:
+                self._last_full.popitem(last=False)
             t, s, at = self._prompts.get(prompt, (0.0, 0.0, self.rounds))
             fade = self.decay ** (self.rounds - at)
             self._prompts[prompt] = (t * fade + trials, s * fade + successes, self.rounds)
@@ -431,7 +491,8 @@ class AcceptanceTracker:
         if estimate is None:
             return None
         return curve_from_counts(self._at_risk, self._hits, estimate.alpha,
-                                 spread=between_prompt_sd(list(self._rounds_by_prompt.values())))
+                                 spread=between_prompt_sd(list(self._rounds_by_prompt.values())),
+                                 after_full=(self._full_at_risk, self._full_hits))
 
 
 def _estimate(trials: float, successes: float) -> AcceptanceEstimate:

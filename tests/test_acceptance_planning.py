@@ -22,6 +22,7 @@ from specoffload.planner import (
     search,
 )
 from specoffload.planner.acceptance import (
+    PRIOR_ROUNDS,
     AcceptanceCurve,
     curve_from_counts,
     expected_tokens,
@@ -140,6 +141,56 @@ def test_curve_properties(accepted: list[int], level: float) -> None:
     assert moved.alpha == level and all(0.0 <= a <= 1.0 for a in moved.rates)
     assert (moved.tokens(6) >= curve.tokens(6) - 1e-9) == (level >= pooled) or abs(level - pooled) < 1e-9
 
+
+
+def _simulate_rounds(a_reject: float, a_full: float, later: tuple[float, ...], k: int, rounds: int,
+                     rng: random.Random) -> float:
+    """Mean tokens per round of one row whose first-position rate depends on whether its last round was full."""
+    full, total = False, 0
+    for _ in range(rounds):
+        accepted = 0
+        for i in range(k):
+            a = (a_full if full else a_reject) if i == 0 else later[min(i, len(later)) - 1]
+            if rng.random() >= a:
+                break
+            accepted += 1
+        full = accepted == k
+        total += accepted + 1
+    return total / rounds
+
+
+def test_first_position_mixes_by_the_previous_round_at_each_k() -> None:
+    """rates[0] after a rejection, after_full after a full round: the steady-state first rate at k is
+    pi_k a_F + (1 - pi_k) a_R, pi_k = p_R / (1 - p_F + p_R); tokens per round match a simulation of the chain."""
+    curve = AcceptanceCurve((0.6, 0.9), alpha=0.8, after_full=0.95)
+    share = 0.6 * 0.9 / (1 - 0.95 * 0.9 + 0.6 * 0.9)
+    assert curve.first_rate(2) == pytest.approx(share * 0.95 + (1 - share) * 0.6)
+    assert curve.tokens(2) == pytest.approx(1 + curve.first_rate(2) * (1 + 0.9))
+    assert curve.first_rate(1) == pytest.approx(0.6 / (1 - 0.95 + 0.6) * 0.95 + 0.05 / 0.65 * 0.6)
+    # fewer drafts: more rounds end full, so the first position is easier at small k than at large k
+    assert curve.first_rate(1) > curve.first_rate(2) > curve.first_rate(8) > 0.6
+    rng = random.Random(7)
+    for k in (1, 2, 5):
+        simulated = _simulate_rounds(0.6, 0.95, (0.9, 0.85, 0.93), k, 60_000, rng)
+        shaped = AcceptanceCurve((0.6, 0.9, 0.85, 0.93), alpha=0.8, after_full=0.95)
+        assert shaped.tokens(k) == pytest.approx(simulated, rel=0.01)
+    assert AcceptanceCurve((0.6, 0.9), alpha=0.8).first_rate(2) == 0.6  # without after_full: as before
+    moved = curve.at(0.9)
+    assert moved.after_full is not None and 0.95 < moved.after_full < 1 and moved.rates[0] > 0.6
+
+
+def test_tracker_counts_the_first_position_by_the_rows_previous_round() -> None:
+    """A prompt's round after its fully accepted round counts its first position apart (after_full)."""
+    tracker = AcceptanceTracker()
+    for accepted in (2, 0, 1, 2, 2):  # start, after full, after reject, after reject, after full
+        tracker.record(accepted, 2, prompt="a")
+    tracker.record(2, 2)  # no key: never counted as after a full round
+    tracker.record(0, 2)
+    alpha = tracker.estimate().alpha
+    curve = tracker.curve()
+    assert curve.after_full == pytest.approx((1 + PRIOR_ROUNDS * alpha) / (2 + PRIOR_ROUNDS))
+    assert curve.rates[0] == pytest.approx((4 + PRIOR_ROUNDS * alpha) / (5 + PRIOR_ROUNDS))  # 5 rounds, 4 accepted
+    assert AcceptanceTracker().curve() is None
 
 # --- maximin choice over the alpha range ---------------------------------------------------------------------
 
