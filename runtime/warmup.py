@@ -76,7 +76,7 @@ class Warmup:
                 f"+-{self.curve.spread:.2f}; warm-up on {self.prompts} of "
                 f"the job's prompts, {self.new_tokens} tokens each at k = {self.k}, "
                 f"{self.estimate.trials:.0f} draft positions, {self.seconds:.0f} s"
-                + (f"; its passes streamed {self.stream_rate / 1e9:.2f} GB/s" if self.stream_rate else "") + ")")
+                + (f"; its loader delivered {self.stream_rate / 1e9:.2f} GB/s" if self.stream_rate else "") + ")")
 
 
 def spread(items: Sequence, n: int) -> list:
