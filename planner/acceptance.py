@@ -397,9 +397,9 @@ def estimate_alpha(accepted: Sequence[int], drafted: Sequence[int]) -> Acceptanc
 
 #: the between-prompt spread is estimated from the first SPREAD_ROUNDS rounds of the last SPREAD_PROMPTS prompts
 SPREAD_ROUNDS = 64
+SPREAD_PROMPTS = 256
 #: rows (prompt keys) whose last round's outcome the tracker remembers (the oldest is forgotten first)
 LAST_ROUND_PROMPTS = 4096
-SPREAD_PROMPTS = 256
 
 
 class AcceptanceTracker:
