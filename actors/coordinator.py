@@ -233,20 +233,22 @@ class Coordinator:
             self.roles = None
             raise
 
-    def generate(self, prompts: list[Any],
-                 params: dict[str, Any] | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-        """params: the fields of one SamplingParams for every prompt, or of one per prompt."""
+    def generate(self, prompts: list[Any], params: dict[str, Any] | list[dict[str, Any]] | None,
+                 keys: list[int] | None = None) -> list[dict[str, Any]]:
+        """params: the fields of one SamplingParams for every prompt, or of one per prompt; keys: each prompt's
+        random-stream key (Engine.generate)."""
         with self.lock:
             engine, roles = self._engine()
             roles.recoveries = 0
             per_row = [SamplingParams(**p) for p in params] if isinstance(params, list) else (
                 SamplingParams(**params) if params else None)
-            results = engine.generate(prompts, per_row)
+            results = engine.generate(prompts, per_row, keys=keys)
         return [dataclasses.asdict(r) for r in results]
 
-    def run_chunk(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> dict[str, Any]:
+    def run_chunk(self, prompts: list[list[int]], params: list[dict[str, Any]],
+                  keys: list[int] | None = None) -> dict[str, Any]:
         """A leased chunk of a job (replicas.py): its rows' results without their prompts, and what it cost."""
-        results = self.generate(prompts, params)
+        results = self.generate(prompts, params, keys)
         engine, roles = self._engine()
         stats = engine.last_stats
         keep = ("token_ids", "text", "finish_reason", "num_drafted", "num_accepted")

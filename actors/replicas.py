@@ -271,8 +271,8 @@ class ReplicaPool:
     # ---- like an engine ---------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  chunk_size: int | None = None) -> list[GenerationResult]:
-        """Complete every prompt on the replicas; results in input order. Greedy rows equal `Engine.generate`'s;
-        sampled rows are drawn per chunk (each chunk is one engine call with the given seed)."""
+        """Complete every prompt on the replicas; results in input order, equal to `Engine.generate`'s (a sampled
+        row draws from its seed and its index alone, whichever replica and chunk run it)."""
         per_row = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         tokenizer = load_tokenizer(self.config.target) if any(isinstance(p, str) for p in prompts) else None
         jobs = []

@@ -180,7 +180,7 @@ class Role:
 
     def _reset(self) -> None:
         """Drop the worker's per-batch state (the coordinator re-creates it)."""
-        for name in ("caches", "generators", "partial"):
+        for name in ("caches", "routing", "partial"):
             getattr(self.worker, name, {}).clear()
 
     def _own_slots(self) -> tuple[str, ...]:

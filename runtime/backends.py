@@ -67,7 +67,8 @@ class LocalBackend:
             if not jobs:
                 yield ChunkDone(chunk, ())
                 continue
-            results = self.engine.generate([list(j.token_ids) for j in jobs], [j.params for j in jobs])
+            results = self.engine.generate([list(j.token_ids) for j in jobs], [j.params for j in jobs],
+                                           keys=[j.index for j in jobs])
             stats = self.engine.last_stats
             self.bytes_read += getattr(stats, "bytes_read", 0)
             self.passes += getattr(stats, "passes", 0)

@@ -60,6 +60,12 @@ class EngineConfig:
     interleave: with a drafter, True: two batches alternate, the drafter proposing for one while the target
         verifies the other (its steps hidden behind the pass); False: one batch drafts for itself between its own
         passes (the KV caches of one batch instead of two); "auto": the planner chooses.
+
+    Continuous batching (offloaded; runtime/offload/batches.py):
+    refill: a finished row's slot takes a waiting prompt at once, prefilled inside its batch's next streamed pass
+        beside the other rows' decode tokens (False: a batch waits for its slowest row, then takes a new wave).
+    prefill_chunk: prompt tokens one streamed pass feeds at most (a longer prompt continues over the batch's next
+        passes, so one long prompt does not stall the rows decoding beside it); None: whole prompts.
     """
 
     target: str | Path
@@ -83,6 +89,8 @@ class EngineConfig:
     resident_experts: int | None = None
     migrate_interval: int = 8
     interleave: bool | str = True
+    refill: bool = True
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -136,6 +144,12 @@ class EngineConfig:
         if self.expert_group is not None and (isinstance(self.expert_group, bool)
                                               or not isinstance(self.expert_group, int) or self.expert_group < 1):
             raise ConfigError(f"expert_group must be an integer >= 1 (experts per slot), got {self.expert_group!r}")
+        if not isinstance(self.refill, bool):
+            raise ConfigError(f"refill must be True or False, got {self.refill!r}")
+        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)
+                                               or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ConfigError(f"prefill_chunk must be an integer >= 1 (prompt tokens per pass) or None, "
+                              f"got {self.prefill_chunk!r}")
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
 

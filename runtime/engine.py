@@ -42,6 +42,7 @@ from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
 from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
 from .request import GenerationResult, Request
 from .resident import ResidentRunner
+from .rng import row_seed
 from .sampling import SamplingParams
 from .stats import GenerateStats, OffloadStats
 from .tokenizer import load_tokenizer
@@ -114,7 +115,8 @@ class Engine:
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,
                                                self.tracer, recovery, config.num_threads,
-                                               adapt_interval=config.migrate_interval if config.self_draft else 0)
+                                               adapt_interval=config.migrate_interval if config.self_draft else 0,
+                                               refill=config.refill, prefill_chunk=config.prefill_chunk)
 
     # ---- construction -----------------------------------------------------------------------------------------------
     def _check_vocabularies(self, draft: Transformer) -> None:
@@ -156,19 +158,24 @@ class Engine:
     # ---- generation -------------------------------------------------------------------------------------------------
     def generate(
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-        progress: bool = False,
+        progress: bool = False, keys: Sequence[int | str] | None = None,
     ) -> list[GenerationResult]:
         """Complete every prompt; results come back in input order.
 
         params: one SamplingParams for every prompt, or one per prompt. max_new_tokens and the stop ids are per
-        request anyway; rows that share their warping (temperature, top-p, top-k, seed: `_warping`) run together,
-        each such group in one runner call, so every row is drawn from its own parameters' distribution.
+        request anyway; rows that share their warping (temperature, top-p, top-k: `_warping`) run together, each
+        such group in one runner call, so every row is drawn from its own parameters' distribution.
+        keys: each prompt's identity for its random stream (default: its index in `prompts`): a sampled row draws
+        from (its params' seed, its key) alone (runtime/rng.py), so it comes out the same whatever else runs.
         """
         encoded = self._encode(prompts)
         per_row = _per_row(params, len(encoded))
+        if keys is not None and len(keys) != len(encoded):
+            raise ValueError(f"keys: one per prompt ({len(encoded)}); got {len(keys)}")
         eos = frozenset(self.target.config.eos_token_ids)
         requests = [Request(i, ids, min(p.max_new_tokens, self.max_seq_len - len(ids)),
-                            frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos))
+                            frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos),
+                            seed=None if p.greedy else row_seed(p.seed, i if keys is None else keys[i]))
                     for i, (ids, p) in enumerate(zip(encoded, per_row))]
         groups: dict[tuple, list[Request]] = {}
         for r, p in zip(requests, per_row):
@@ -244,8 +251,8 @@ def _per_row(params: SamplingParams | Sequence[SamplingParams] | None, rows: int
 
 
 def _warping(p: SamplingParams) -> tuple:
-    """What rows must share to be drafted and verified together: the logit warping and the random stream."""
-    return ("greedy",) if p.greedy else (p.temperature, p.top_p, p.top_k, p.seed)
+    """What rows must share to be drafted and verified together: the logit warping (each row has its own stream)."""
+    return ("greedy",) if p.greedy else (p.temperature, p.top_p, p.top_k)
 
 
 def _sum_stats(stats: list[GenerateStats]) -> GenerateStats:

@@ -114,6 +114,20 @@ class KVCache:
         self.batch_size = len(rows)
         self._set_lengths(self._lengths[index])
 
+    def take_rows(self, rows: list[int]) -> KVCache:
+        """A new cache holding a copy of `rows` of this one (contents and lengths), e.g. to feed some rows alone."""
+        out = KVCache.__new__(KVCache)
+        out.__dict__.update(self.__dict__)
+        index = torch.as_tensor(rows, dtype=torch.long)
+        device_index = index.to(self.device)
+        used = int(self._lengths[index].max()) if len(rows) else 0
+        with torch.inference_mode():
+            out.k = self.k[:, :, :, :used].index_select(1, device_index)  # [layers, len(rows), kv, used, dim]
+            out.v = self.v[:, :, :, :used].index_select(1, device_index)
+        out.batch_size, out.growable = len(rows), True
+        out._set_lengths(self._lengths[index])
+        return out
+
     def assign_rows(self, rows: list[int], source: KVCache) -> None:
         """Copy row i of `source` (contents and length) into row rows[i] of this cache, e.g. after a prefill."""
         if (source.num_layers, source.num_kv_heads, source.head_dim) != (

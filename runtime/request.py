@@ -29,12 +29,16 @@ class GenerationResult:
 
 @dataclass
 class Request:
-    """A prompt being decoded. `tokens` holds prompt + output (the committed sequence)."""
+    """A prompt being decoded. `tokens` holds prompt + output (the committed sequence).
+
+    seed: the row's own random stream (runtime/rng.py `row_seed` of the job seed and the row's key); None for a
+    greedy row, which draws nothing."""
 
     index: int
     prompt: list[int]
     max_new_tokens: int
     stop_ids: frozenset[int]
+    seed: int | None = None
     output: list[int] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0

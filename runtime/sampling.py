@@ -78,3 +78,14 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, to
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One categorical sample per row: ``[rows, vocab] -> [rows]`` (weights need not be normalised)."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
+    """One categorical sample per row, row b from its own generator (None: torch's global one): [rows, vocab] ->
+    [rows]. A row's sample then depends on its own stream only, never on the rows beside it (runtime/rng.py)."""
+    if generators is None:
+        return sample(probs)
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
+    rows = [torch.multinomial(probs[b].cpu(), 1, generator=g) for b, g in enumerate(generators)]
+    return torch.cat(rows).to(probs.device)

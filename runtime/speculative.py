@@ -1,32 +1,41 @@
-"""One speculative decoding step for a batch of rows, in one process.
+"""The speculative core, one for both runners (resident.py and offload/pipeline.py): propose -> verify -> commit ->
+truncate.
 
-Cache invariants (per row b, with C_b committed tokens = prompt + output so far):
-  - the target's KV cache holds the first C_b - 1 committed tokens; the last committed token is
-    "pending": it is fed at the start of the next verification pass;
-  - the draft's KV cache holds a prefix of the committed tokens (C_b - 1 or fewer); the rest are
-    fed to the draft at the start of its next proposal round (one or two tokens in steady state).
+Cache invariants (per row, with C committed tokens = prompt + output so far):
+  - once a row is prefilled, the target's KV cache holds its first C - 1 committed tokens; the last committed
+    token is "pending": it is fed at the start of the next verify pass, followed by the row's drafts;
+  - the drafter's KV cache holds a prefix of the committed tokens; the rest are fed at its round's first call.
 
-A step with k draft tokens: the draft proposes d_1..d_k autoregressively; the target scores
-[pending, d_1, ..., d_k] in one pass (k + 1 positions); verification accepts n <= k of them and
-emits one more token (correction or bonus); both caches are truncated back to what was accepted.
-With k = 0 (no draft) the same step is plain batched decoding.
+A round of L draft calls proposes d_1..d_L for every row of a batch; row r keeps n_r = min(k, remaining_r - 1) of
+them (`draft_lengths`: never a draft past the row's length limit), so each row verifies exactly what it would
+verify alone. The target scores [pending, d_1..d_{n_r}]; verification (verify.py, Leviathan et al. 2023,
+Algorithm 1) accepts a_r <= n_r drafts and emits one more token; `commit` appends them. Then (`kept_lengths`) the
+target cache keeps C + a_r positions (pending + accepted drafts; the new last token is pending) and the drafter's
+C + min(a_r, L - 1) (it saw committed + d_1..d_{L-1}). With k = 0 the same step is plain batched decoding.
+
+Randomness is per request (rng.py): a draw is keyed by the row's seed, its committed count and the stream, so a
+sampled row's output does not depend on the rows beside it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import KVCache
-from .models.model import Transformer
+from .request import Request
+from .rng import DRAFT, VERIFY, draw_seed, generators
 from .sampling import SamplingParams, warp_logits
-from .verify import VerifyResult, verify_greedy, verify_sampling
+from .verify import verify_greedy, verify_sampling
+
+__all__ = ["DRAFT", "VERIFY", "StepTimes", "commit", "draft_lengths", "draw_seeds", "kept_lengths", "pad_right",
+           "verify_rows"]
 
 
 def pad_right(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad token rows: returns (ids [batch, max_len], num_new [batch])."""
-    width = max(len(r) for r in rows)
+    width = max(max(len(r) for r in rows), 1)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [batch, width]
     for b, row in enumerate(rows):
         ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
@@ -42,60 +51,47 @@ class StepTimes:
     verify: float = 0.0
 
 
-class SpeculativeStep:
-    """Draft → verify → commit for the rows currently in the caches."""
+def draft_lengths(rows: Sequence[Request], k: int, ready: Sequence[bool] | None = None) -> list[int]:
+    """Drafts row r verifies in a round of k: min(k, remaining - 1), 0 for a row not `ready` (still in prefill)."""
+    return [0 if ready is not None and not ready[n] else max(0, min(k, r.remaining - 1)) for n, r in enumerate(rows)]
 
-    def __init__(
-        self,
-        target: Transformer,
-        draft: Transformer | None,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> None:
-        self.target = target
-        self.draft = draft
-        self.params = params
-        self.generator = generator
 
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        return warp_logits(logits, p.temperature, p.top_p, p.top_k)
+def draw_seeds(rows: Sequence[Request], stream: int, token: int = 0) -> list[int] | None:
+    """Per-row seeds of one draw (rng.py); None when no row has a seed (greedy runs draw nothing)."""
+    if any(r.seed is None for r in rows):
+        return None
+    return [draw_seed(r.seed, r.num_tokens, stream, token) for r in rows]  # type: ignore[arg-type]
 
-    def propose(
-        self, cache: KVCache, unfed: list[list[int]], k: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft k tokens per row. Returns (draft_tokens [batch, k], p [batch, k, vocab] or None if greedy)."""
-        assert self.draft is not None and k >= 1
-        ids, num_new = pad_right(unfed)  # [batch, width], [batch]
-        last = (num_new - 1).unsqueeze(1)  # [batch, 1]
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for i in range(k):
-            logits = self.draft.forward(ids, cache, num_new=num_new, output_positions=last)  # [batch, 1, vocab]
-            logits = logits[:, 0]  # [batch, vocab]
-            if self.params.greedy:
-                token = logits.argmax(dim=-1)  # [batch]
-            else:
-                p_i = self._probs(logits)  # [batch, vocab]
-                token = torch.multinomial(p_i, 1, generator=self.generator).squeeze(1)
-                probs.append(p_i)
-            tokens.append(token)
-            if i + 1 < k:
-                ids = token.unsqueeze(1)  # [batch, 1]
-                num_new = torch.ones_like(num_new)
-                last = torch.zeros_like(last)
-        draft_tokens = torch.stack(tokens, dim=1)  # [batch, k]
-        p = torch.stack(probs, dim=1) if probs else None  # [batch, k, vocab]
-        return draft_tokens, p
 
-    def verify(self, cache: KVCache, pending: torch.Tensor, draft_tokens: torch.Tensor,
-               p: torch.Tensor | None) -> VerifyResult:
-        """Score [pending, d_1..d_k] with the target in one pass and run rejection sampling / greedy match."""
-        ids = torch.cat([pending.unsqueeze(1), draft_tokens], dim=1)  # [batch, k + 1]
-        logits = self.target.forward(ids, cache)  # [batch, k + 1, vocab]
-        if self.params.greedy:
-            return verify_greedy(draft_tokens, logits)
-        q = self._probs(logits)  # [batch, k + 1, vocab]
-        if p is None:  # k == 0
-            p = q.new_zeros((q.shape[0], 0, q.shape[2]))
-        return verify_sampling(draft_tokens, p, q, self.generator)
+def verify_rows(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: Sequence[int], p: torch.Tensor | None,
+                params: SamplingParams, seeds: Sequence[int] | None) -> tuple[list[int], list[list[int]]]:
+    """Greedy match or rejection sampling of drafts [rows, L] (row r: its first num_drafts[r] real) against the
+    target's logits [rows, L + 1, vocab], p [rows, L, vocab] the draft's warped distributions (None: greedy or
+    L = 0). Returns (accepted per row, emitted tokens per row: the first accepted + 1 are real)."""
+    with torch.inference_mode():
+        if params.greedy:
+            result = verify_greedy(drafts, logits, num_drafts)
+        else:
+            q = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, L + 1, vocab]
+            dp = p if p is not None else q.new_zeros((q.shape[0], drafts.shape[1], q.shape[2]))  # [rows, L, vocab]
+            result = verify_sampling(drafts, dp, q, generators(seeds) if seeds is not None else None, num_drafts)
+        return result.num_accepted.tolist(), result.tokens.tolist()
+
+
+def commit(rows: Sequence[Request], accepted: Sequence[int], emitted: Sequence[Sequence[int]],
+           num_drafts: Sequence[int]) -> list[int]:
+    """Append each row's accepted drafts and the one token after them; returns the committed counts before."""
+    before = [r.num_tokens for r in rows]
+    for r, a, tokens, n in zip(rows, accepted, emitted, num_drafts):
+        r.num_drafted += n
+        r.num_accepted += a
+        r.commit(list(tokens[: a + 1]))
+    return before
+
+
+def kept_lengths(committed: Sequence[int], accepted: Sequence[int], calls: int) -> tuple[list[int], list[int]]:
+    """(target, drafter) cache lengths to keep after a verify of rows that had `committed` tokens, after a round of
+    `calls` draft calls (see the module docstring)."""
+    target = [c + a for c, a in zip(committed, accepted)]
+    drafter = [c + min(a, max(calls - 1, 0)) for c, a in zip(committed, accepted)]
+    return target, drafter

@@ -6,10 +6,16 @@ distribution after all ``k`` drafts, used for the *bonus* token. ``p_i`` is the 
 ``x_i`` was sampled from. Per row, ``n`` drafts are *accepted*; then exactly one more token is emitted:
 the *recovered* token (target argmax / residual sample) at the first rejection, or the *bonus* token when
 ``n == k``. So every call emits ``n + 1`` tokens per row. ``k == 0`` is plain decoding.
+
+Ragged drafts: row ``b`` may carry only ``num_drafts[b] <= k`` real drafts (a row with no match, a row near its
+length limit, a row still in prefill). Its drafts past ``num_drafts[b]`` are never accepted, and position
+``num_drafts[b] + 1`` is its bonus position (``p := 0`` there), exactly as if the row had been verified alone with
+its own ``k``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,16 +57,30 @@ def _num_accepted(accepted: torch.Tensor) -> torch.Tensor:
     return accepted.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
-    """Greedy verification: accept the longest prefix where ``x_i == argmax q_i``.
+def _draft_mask(num_drafts: torch.Tensor | Sequence[int] | None, batch: int, k: int,
+                device: torch.device) -> torch.Tensor | None:
+    """[batch, k] True where position i < num_drafts[b] (None: every draft is real)."""
+    if num_drafts is None:
+        return None
+    n = torch.as_tensor(num_drafts, dtype=torch.long, device=device).reshape(batch)  # [batch]
+    if bool(((n < 0) | (n > k)).any()):
+        raise ValueError(f"num_drafts {n.tolist()} outside 0..{k}")
+    return torch.arange(k, device=device)[None, :] < n[:, None]
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                  num_drafts: torch.Tensor | Sequence[int] | None = None) -> VerifyResult:
+    """Greedy verification: accept the longest prefix where ``x_i == argmax q_i`` (and ``i <= num_drafts[b]``).
 
     The emitted token after the prefix is the target argmax at the first disagreement, or the bonus
-    argmax of ``q_{k+1}``. Accepted drafts equal the target argmax, so the emitted row is simply the
+    argmax of ``q_{n+1}``. Accepted drafts equal the target argmax, so the emitted row is simply the
     target argmax ``[:n + 1]``.
     """
-    _, k = _check_shapes(draft_tokens, target_logits)
+    batch, k = _check_shapes(draft_tokens, target_logits)
     target_tokens = greedy_tokens(target_logits)  # [batch, k + 1]
-    num_accepted = _num_accepted(draft_tokens == target_tokens[:, :k])  # [batch]
+    match = draft_tokens == target_tokens[:, :k]  # [batch, k]
+    mask = _draft_mask(num_drafts, batch, k, match.device)
+    num_accepted = _num_accepted(match if mask is None else match & mask)  # [batch]
     return _emit(num_accepted, target_tokens)
 
 
@@ -75,7 +95,8 @@ def verify_sampling(
     draft_tokens: torch.Tensor,
     p: torch.Tensor,
     q: torch.Tensor,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    num_drafts: torch.Tensor | Sequence[int] | None = None,
 ) -> VerifyResult:
     """Speculative sampling, vectorised over the batch.
 
@@ -99,24 +120,44 @@ def verify_sampling(
         draft_tokens: ``[batch, k]`` drafted tokens ``x_i`` (``k >= 0``).
         p: ``[batch, k, vocab]`` draft probabilities.
         q: ``[batch, k + 1, vocab]`` target probabilities.
-        generator: source of randomness for the uniforms and the categorical samples.
+        generator: source of randomness for the uniforms and the categorical samples: one for the batch, or one
+            per row (per-request streams, runtime/rng.py: row b then draws exactly num_drafts[b] uniforms and one
+            sample from its own generator, whatever the batch).
+        num_drafts: ``[batch]`` real drafts per row (default ``k``; see the module docstring).
     """
     batch, k = _check_shapes(draft_tokens, q)
     if p.shape != (batch, k, q.shape[-1]):
         raise ValueError(f"p shape {tuple(p.shape)} does not match q {tuple(q.shape)} minus one position")
+    per_row = generator is not None and not isinstance(generator, torch.Generator)
+    if per_row and len(generator) != batch:  # type: ignore[arg-type]
+        raise ValueError(f"{len(generator)} generators for {batch} rows")  # type: ignore[arg-type]
     p, q = p.float(), q.float()
     rows = torch.arange(batch, device=q.device)  # [batch]
+    mask = _draft_mask(num_drafts, batch, k, q.device)  # [batch, k] or None
+    if mask is not None:
+        p = p * mask[:, :, None]  # p_i := 0 past a row's drafts: its bonus position is num_drafts[b] + 1
 
     x = draft_tokens.unsqueeze(-1)  # [batch, k, 1]
     p_x = p.gather(-1, x).squeeze(-1)  # [batch, k]
     q_x = q[:, :k].gather(-1, x).squeeze(-1)  # [batch, k]
-    r = torch.rand(batch, k, generator=generator, device=q.device)  # [batch, k]
-    num_accepted = _num_accepted(r * p_x < q_x)  # [batch]
+    if per_row:
+        counts = [k] * batch if mask is None else mask.sum(dim=1).tolist()
+        r = torch.ones(batch, k, device=q.device)  # [batch, k]
+        for b, g in enumerate(generator):  # type: ignore[arg-type]
+            r[b, : counts[b]] = torch.rand(counts[b], generator=g).to(q.device)
+    else:
+        r = torch.rand(batch, k, generator=generator, device=q.device)  # [batch, k]
+    accept = r * p_x < q_x  # [batch, k]
+    num_accepted = _num_accepted(accept if mask is None else accept & mask)  # [batch]
 
-    # Position n + 1 of each row: the residual there, or q_{k+1} itself (p_{k+1} := 0) for the bonus.
+    # Position n + 1 of each row: the residual there, or q_{n+1} itself (p_{n+1} := 0) for the bonus.
     p_padded = torch.cat([p, p.new_zeros(batch, 1, p.shape[-1])], dim=1)  # [batch, k + 1, vocab]
     residual = _residual(p_padded[rows, num_accepted], q[rows, num_accepted])  # [batch, vocab]
-    next_token = sample(residual, generator)  # [batch]
+    if per_row:
+        next_token = torch.stack([sample(residual[b : b + 1].cpu(), g)[0] for b, g in enumerate(generator)])
+        next_token = next_token.to(q.device)  # [batch]
+    else:
+        next_token = sample(residual, generator)  # [batch]
 
     tokens = torch.cat([draft_tokens.long(), next_token.new_zeros(batch, 1)], dim=1)  # [batch, k + 1]
     tokens[rows, num_accepted] = next_token

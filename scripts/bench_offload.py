@@ -79,8 +79,8 @@ class RandomDrafter(ModelDrafter):
         super().__init__(config, weights, slots)
         self.rand = torch.Generator().manual_seed(0)
 
-    def propose(self, batch, ids, num_new, params):  # noqa: ANN001, ANN201
-        token, probs = super().propose(batch, ids, num_new, params)
+    def propose(self, batch, ids, num_new, params, seeds=None):  # noqa: ANN001, ANN201
+        token, probs = super().propose(batch, ids, num_new, params, seeds)
         rand = torch.randint(0, self.model.config.vocab_size, token.shape, generator=self.rand)
         return rand, None if probs is None else torch.full_like(probs, 1.0 / probs.shape[-1])
 

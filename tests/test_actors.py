@@ -218,7 +218,7 @@ def test_roles_over_sockets_and_arenas_match_the_local_backend(tiny_models, refe
 
 
 def test_seeded_sampling_over_the_wire_matches_the_local_backend(tiny_models, reference, single_thread):
-    """The generators live in the workers and draw in the same order: a seeded sample is the same sample."""
+    """Draws are per request (runtime/rng.py), wherever the workers run: a seeded sample is the same sample."""
     params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
     engine, roles = in_process_engine(_config(tiny_models, "llama", "qwen2_draft",
                                               _min_budget(tiny_models, "llama", "qwen2_draft")))
@@ -242,9 +242,10 @@ def test_roles_and_proxies_are_derived_from_the_worker_classes(tiny_models, sing
     classes = worker_classes(config)
     expected = {
         "prefetch": {"load"},
-        "attention": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "embed", "attention"},
-        "verifier": {"seed", "ffn", "head", "verify", "routing_counts"},
-        "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "seed", "propose", "adapt"},
+        "attention": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "reset_rows", "embed",
+                      "attention"},
+        "verifier": {"ffn", "head", "verify", "routing_counts"},
+        "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "reset_rows", "propose", "adapt"},
     }
     for role, cls in classes.items():
         methods = wire_methods(cls)

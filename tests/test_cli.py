@@ -175,7 +175,8 @@ def test_openai_batch_with_bad_rows_honours_each_rows_parameters(tiny_models, tm
     ref = engine.generate([[5, 6, 7], [9, 4], [3, 8]], [SamplingParams(max_new_tokens=4, ignore_eos=True),
                                                        SamplingParams(max_new_tokens=6, temperature=1.0, seed=3,
                                                                       ignore_eos=True),
-                                                       SamplingParams(max_new_tokens=3, ignore_eos=True)])
+                                                       SamplingParams(max_new_tokens=3, ignore_eos=True)],
+                          keys=[0, 2, 7])  # the rows' indices in the file: their random streams' keys
     assert ok == {"greedy": ref[0].token_ids, "hot": ref[1].token_ids, "default": ref[2].token_ids}
     assert [len(ids) for ids in ok.values()] == [4, 6, 3]  # each row's own max_tokens, else --max-new-tokens
 

@@ -1,5 +1,5 @@
-"""`Engine.generate` with one SamplingParams per prompt: each row gets exactly what its own parameters give when
-run alone with the same rows of its warping group (resident and offloaded engines)."""
+"""`Engine.generate` with one SamplingParams per prompt: each row gets exactly what its own parameters (and its key,
+for its random stream) give when run alone with the same rows of its warping group (resident and offloaded)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_per_row_params_equal_running_each_group_alone(tiny_models, single_threa
         mixed[4].token_ids)  # both groups' runs, summed
     greedy_rows = [0, 2, 4]
     alone_greedy = engine.generate([PROMPTS[i] for i in greedy_rows], [per_row[i] for i in greedy_rows])
-    alone_hot = engine.generate([PROMPTS[1], PROMPTS[3]], HOT)
+    alone_hot = engine.generate([PROMPTS[1], PROMPTS[3]], HOT, keys=[1, 3])  # the rows' own keys
     assert [r.token_ids for r in mixed] == [alone_greedy[0].token_ids, alone_hot[0].token_ids,
                                             alone_greedy[1].token_ids, alone_hot[1].token_ids,
                                             alone_greedy[2].token_ids]

@@ -147,7 +147,8 @@ def test_prepare_checks_limits_and_gives_each_row_its_parameters() -> None:
     defaults = SamplingParams(max_new_tokens=5, temperature=0.7, seed=100)
     prep = Preparer(FakeTokenizer(), Limits(vocab_size=40, context=8, max_seq_len=6), defaults, chunk_size=2)
     job = prep(RowRequest(5, 6, prompt="abc"))
-    assert job.token_ids == (0, 1, 2) and job.params == SamplingParams(max_new_tokens=5, temperature=0.7, seed=102)
+    # the job's seed as it is: the row's stream is (seed, its index), not a per-chunk seed (runtime/rng.py)
+    assert job.token_ids == (0, 1, 2) and job.params == SamplingParams(max_new_tokens=5, temperature=0.7, seed=100)
     own = prep(RowRequest(0, 1, "completions", prompt=(1,), overrides={"seed": 9, "temperature": 0.0,
                                                                        "max_new_tokens": 2, "stop": ("|", "bc")}))
     assert own.params.seed == 9 and own.params.greedy and own.params.max_new_tokens == 2
@@ -316,8 +317,9 @@ def test_chunks_keep_error_rows_in_place_and_release_in_order() -> None:
     assert [[r.index for r in c.rows] for c in chunks] == [[0, 1, 2], [3, 4, 5], [6]]
     assert [len(c.jobs) for c in chunks] == [2, 2, 0]
     assert errors_only(chunks[2]) is not None and errors_only(chunks[0]) is None
-    prompts, params = chunks[0].payload()
+    prompts, params, keys = chunks[0].payload()
     assert prompts == [[1], [2]] and params[0]["max_new_tokens"] == 128
+    assert keys == [r.index for r in chunks[0].jobs]  # each row's own random-stream key
     order = InOrder(first=0)
     done = [ChunkDone(c, ()) for c in chunks]
     assert order.add(done[2]) == [] and order.add(done[1]) == []

@@ -28,10 +28,12 @@ class Chunk:
     def jobs(self) -> tuple[RowJob, ...]:
         return tuple(r for r in self.rows if isinstance(r, RowJob))
 
-    def payload(self) -> tuple[list[list[int]], list[dict[str, Any]]]:
-        """What a remote worker needs: the prompts' token ids and each row's SamplingParams fields."""
+    def payload(self) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
+        """What a remote worker needs: the prompts' token ids, each row's SamplingParams fields, and each row's key
+        for its random stream (its index in the input: runtime/rng.py)."""
         jobs = self.jobs
-        return [list(j.token_ids) for j in jobs], [dataclasses.asdict(j.params) for j in jobs]
+        return ([list(j.token_ids) for j in jobs], [dataclasses.asdict(j.params) for j in jobs],
+                [j.index for j in jobs])
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ class Limits:
 
 class Preparer:
     """RowRequest -> RowJob (or RowError). defaults: the command line's sampling parameters, for what a row leaves
-    out; a row without its own seed gets `defaults.seed + its chunk number`, so a resumed chunk draws as before."""
+    out (its seed included: a sampled row draws from (seed, its index) alone, runtime/rng.py, so a resumed row
+    draws as before whatever the chunking)."""
 
     def __init__(self, tokenizer: Any | None, limits: Limits, defaults: SamplingParams, chunk_size: int) -> None:
         self.tokenizer, self.limits, self.defaults, self.chunk_size = tokenizer, limits, defaults, chunk_size
@@ -81,7 +82,7 @@ class Preparer:
 
     def _params(self, r: RowRequest) -> SamplingParams:
         d, o = self.defaults, r.overrides
-        seed = o.get("seed", None if d.seed is None else d.seed + r.index // self.chunk_size)
+        seed = o.get("seed", d.seed)
         stop_ids = d.stop_token_ids + tuple(t for s in o.get("stop", ()) if (t := self._stop_id(s)) is not None)
         if "stop" in o and self.tokenizer is None:
             raise ValueError("stop strings need the target's tokenizer (it has none)")

@@ -42,8 +42,18 @@ class BatchKV:
 
     @wire
     def truncate(self, batch: int, lengths: Sequence[int]) -> None:
-        self.caches[batch].truncate(torch.tensor(list(lengths), dtype=torch.long))
+        """Keep at most lengths[r] positions of row r (a row already shorter keeps what it has)."""
+        cache = self.caches[batch]
+        cache.truncate(torch.minimum(torch.tensor(list(lengths), dtype=torch.long), cache.lengths))
 
     @wire
     def select_rows(self, batch: int, keep: Sequence[int]) -> None:
         self.caches[batch].select_rows(list(keep))
+
+    @wire
+    def reset_rows(self, batch: int, rows: Sequence[int], capacity: int) -> None:
+        """Empty rows `rows` of batch `batch` for new requests (their slots are reused: no other row moves), with
+        room for `capacity` positions per row."""
+        cache = self.caches[batch]
+        cache.ensure_capacity(capacity)
+        cache.reset_rows(list(rows))

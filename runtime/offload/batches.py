@@ -1,14 +1,18 @@
-"""The coordinator's state of the interleaved batches: admission, a fresh wave of worker state, restart.
+"""The coordinator's state of the interleaved batches: admission, row refill, a fresh wave of worker state, restart.
 
-Batch b in {0, 1} (one batch, b = 0, without a drafter) holds up to `plan.batch` requests. A batch whose rows
-have all finished is refilled from the waiting queue at its verify op: a new *wave*. Online re-planning may change
-the rows a wave admits (`rows`, replan.py): with speculation off, one batch takes the rows of both once the other
-has drained (the other then stays empty: its steps run no pass); with speculation back on, an empty batch is
-refilled beside the next wave. Each wave gets empty KV
-caches in the attention worker and the drafter, sized for its rows (`capacity`), and freshly seeded
-generators: `batch_seed` is the only place the seeds are derived, so the local and Ray backends draw the same
-samples. After a lost worker, `restart` re-creates a batch's caches for its unfinished rows; its next pass then
-feeds every committed token again (pipeline.py).
+Batch b in {0, 1} (one batch, b = 0, without a drafter) holds up to `plan.batch` requests. With `refill` (the
+default), a row that finishes frees its slot at its batch's verify op and a waiting request takes that slot at
+once: its KV rows are emptied in place (`reset_rows`: no other row moves or is copied), and the batch's next
+target pass feeds its prompt beside the other rows' decode tokens (pipeline.py; the weights stream once either
+way). Without refill (kept as a switch, for benchmarks) a batch is refilled only when every row has finished: a
+new *wave*, the batch waiting for its slowest row.
+
+Online re-planning may change the rows a wave admits (`rows`, replan.py): with speculation off, one batch takes the
+rows of both once the other has drained (the other then stays empty: its steps run no pass); with speculation back
+on, an empty batch is refilled beside the next wave. Each wave gets empty KV caches in the attention worker and the
+drafter, sized for its rows (`capacity`). Random draws are per request (runtime/rng.py): nothing here seeds.
+After a lost worker, `restart` re-creates a batch's caches for its unfinished rows; its next pass then feeds every
+committed token again (pipeline.py).
 """
 
 from __future__ import annotations
@@ -32,41 +36,45 @@ class Batch:
 
     index: int
     rows: list[Request] = field(default_factory=list)
-    drafts: torch.Tensor | None = None  # [rows, k] proposed for the next target pass
-    p: torch.Tensor | None = None  # [rows, k, vocab] draft probabilities (sampling only)
-    draft_tokens: list[torch.Tensor] = field(default_factory=list)  # k x [rows] during a draft round
-    draft_probs: list[torch.Tensor] = field(default_factory=list)  # k x [rows, vocab]
+    drafts: torch.Tensor | None = None  # [rows, L] proposed for the next target pass (row r: num_drafts[r] real)
+    p: torch.Tensor | None = None  # [rows, L, vocab] draft probabilities (sampling only)
+    num_drafts: list[int] = field(default_factory=list)  # real drafts per row of `drafts`
+    draft_tokens: list[torch.Tensor] = field(default_factory=list)  # L x [rows] during a draft round
+    draft_probs: list[torch.Tensor] = field(default_factory=list)  # L x [rows, vocab]
+    feed: list[int] | None = None  # committed tokens the next pass feeds per row (a prefill may be cut: chunks)
+    ready: list[bool] = field(default_factory=list)  # the next pass reaches the row's pending token: it verifies
     hidden: torch.Tensor | None = None  # [rows, T, H] during a target pass
-    num_new: torch.Tensor | None = None  # [rows] tokens fed per row this pass
+    num_new: torch.Tensor | None = None  # [rows] tokens fed per row this pass (committed + drafts)
     token_mask: torch.Tensor | None = None  # [rows, T]
-    pass_k: int = 0  # draft tokens verified by the current pass
-    round_k: int = 0  # draft tokens of the current draft round
+    pass_k: int = 0  # width L of the drafts the current pass verifies
+    round_k: int = 0  # k of the current draft round
     committed: list[int] = field(default_factory=list)
+    fed_before: list[int] = field(default_factory=list)  # the target cache's length per row before the pass
     logits: torch.Tensor | None = None  # [rows, pass_k + 1, vocab]
+    adapt_counts: list[list[int]] | None = None  # routing counts the drafter adapts to at the next round's start
 
     def clear_pass(self) -> None:
         """Forget the pass and draft round in flight (nothing of them was committed)."""
         self.drafts = self.p = self.hidden = self.logits = self.num_new = self.token_mask = None
-        self.draft_tokens, self.draft_probs = [], []
-
-
-def batch_seed(seed: int | None, batch: int, wave: int, stream: int) -> int | None:
-    """The seed of a wave's generator: stream 0 verifies (rejection sampling), stream 1 drafts."""
-    return None if seed is None else seed * 4 + 2 * batch + stream + wave
+        self.feed = None
+        self.draft_tokens, self.draft_probs, self.num_drafts, self.ready = [], [], [], []
 
 
 class Batches:
     """The batches of one generate call over `workers`; see the module docstring. `on_finished(n)` reports rows
     that finished (progress)."""
 
-    def __init__(self, workers: Workers, plan: Plan, seed: int | None, waiting: deque[Request],
-                 on_finished=lambda n: None, rows: Callable[[], int] | None = None) -> None:  # noqa: ANN001
-        """rows: the rows a wave may admit now (online re-planning; default plan.batch)."""
-        self.workers, self.plan, self.seed, self.waiting = workers, plan, seed, waiting
+    def __init__(self, workers: Workers, plan: Plan, waiting: deque[Request], on_finished=lambda n: None,  # noqa: ANN001
+                 rows: Callable[[], int] | None = None, refill: bool = True) -> None:
+        """rows: the rows a wave may admit now (online re-planning; default plan.batch); refill: a finished row's
+        slot takes a waiting request at once (False: only when the whole batch has finished)."""
+        self.workers, self.plan, self.waiting = workers, plan, waiting
         self.on_finished = on_finished
         self.rows = rows or (lambda: plan.batch)
+        self.refill = refill
         self.items = [Batch(n) for n in range(plan.num_batches)]
         self.waves = 0
+        self.refilled = 0  # rows admitted into a running batch's freed slots
 
     def __getitem__(self, index: int) -> Batch:
         return self.items[index]
@@ -84,10 +92,7 @@ class Batches:
     def admit(self, b: Batch, share: int = 1) -> None:
         """Fill an empty batch with up to `rows()` waiting requests (a `share` of what is waiting). More rows than
         plan.batch (speculation off, merging) only once every other batch has drained: until then it stays empty."""
-        limit = self.rows()
-        if limit > self.plan.batch and any(o.rows for o in self.items if o is not b):
-            limit = 0
-        n = min(limit, math.ceil(len(self.waiting) / share))
+        n = min(self._limit(b), math.ceil(len(self.waiting) / share))
         b.rows = [self.waiting.popleft() for _ in range(n)]
         b.clear_pass()
         if b.rows:
@@ -97,21 +102,39 @@ class Batches:
             self.workers.drafter.drop(b.index)
 
     def retire_finished(self, b: Batch) -> None:
-        """After verification: drop the batch's finished rows from it and its caches; refill it when empty."""
-        keep = [n for n, r in enumerate(b.rows) if not r.finished]
-        if len(keep) == len(b.rows):
+        """After verification: drop the batch's finished rows; refill their slots from the queue (with `refill`),
+        or the whole batch once it is empty."""
+        finished = [n for n, r in enumerate(b.rows) if r.finished]
+        if not finished:
             return
-        self.on_finished(len(b.rows) - len(keep))
+        self.on_finished(len(finished))
+        take = 0
+        if self.refill and self.waiting:
+            live = len(b.rows) - len(finished)
+            take = min(len(finished), max(0, self._limit(b) - live), len(self.waiting))
+        if take:
+            slots = finished[:take]
+            new = [self.waiting.popleft() for _ in range(take)]
+            for n, r in zip(slots, new):
+                b.rows[n] = r
+            capacity = self._capacity(b.rows)
+            self.workers.attention.reset_rows(b.index, slots, capacity)
+            self.workers.drafter.reset_rows(b.index, slots, capacity)
+            self.refilled += take
+        gone = set(finished[take:])
+        if not gone:
+            return
+        keep = [n for n in range(len(b.rows)) if n not in gone]
         b.rows = [b.rows[n] for n in keep]
         if keep:
             self.workers.attention.select_rows(b.index, keep)
             self.workers.drafter.select_rows(b.index, keep)
-        else:
-            self.admit(b)
-            if self.rows() <= self.plan.batch:  # speculating: a batch left empty by merging takes rows again
-                for other in self.items:
-                    if not other.rows and self.waiting:
-                        self.admit(other)
+            return
+        self.admit(b)
+        if self.rows() <= self.plan.batch:  # speculating: a batch left empty by merging takes rows again
+            for other in self.items:
+                if not other.rows and self.waiting:
+                    self.admit(other)
 
     def restart(self, b: Batch) -> None:
         """After a lost worker: forget the pass in flight, retire finished rows, fresh caches for the rest."""
@@ -124,12 +147,20 @@ class Batches:
         else:
             self.admit(b)
 
+    def _limit(self, b: Batch) -> int:
+        """Rows batch b may hold now: rows(), or none while merging rows of both batches into another one."""
+        limit = self.rows()
+        if limit > self.plan.batch and any(o.rows for o in self.items if o is not b):
+            limit = 0
+        return limit
+
+    def _capacity(self, rows: list[Request]) -> int:
+        """KV positions per row: the longest prompt + output of the rows, plus the k_max + 1 speculative positions
+        of a pass."""
+        return max(len(r.prompt) + r.max_new_tokens for r in rows) + self.plan.k_max + 1
+
     def _new_wave(self, b: Batch) -> None:
-        rows = len(b.rows)
-        # the longest prompt + output of the batch, plus the k_max + 1 speculative positions of a pass
-        capacity = max(len(r.prompt) + r.max_new_tokens for r in b.rows) + self.plan.k_max + 1
+        rows, capacity = len(b.rows), self._capacity(b.rows)
         self.workers.attention.reset(b.index, rows, capacity)
-        self.workers.verifier.seed(b.index, batch_seed(self.seed, b.index, self.waves, 0))
         self.workers.drafter.reset(b.index, rows, capacity)
-        self.workers.drafter.seed(b.index, batch_seed(self.seed, b.index, self.waves, 1))
         self.waves += 1

@@ -29,7 +29,8 @@ from ..config import ConfigError, EngineConfig
 from ..kv_cache import KVCache
 from ..models.config import ModelConfig
 from ..models.model import Transformer
-from ..sampling import SamplingParams, warp_logits
+from ..rng import generators
+from ..sampling import SamplingParams, sample_rows, warp_logits
 from .batch_kv import BatchKV
 from .wire import wire
 
@@ -44,16 +45,21 @@ class Drafter(Protocol):
     """Proposes draft tokens for the rows of one batch b in {0, 1}; see the module docstring."""
 
     def reset(self, batch: int, rows: int, capacity: int) -> None: ...
-    def seed(self, batch: int, seed: int | None) -> None: ...
     def drop(self, batch: int) -> None: ...
     def lengths(self, batch: int) -> list[int]: ...
-    def truncate(self, batch: int, lengths: Sequence[int]) -> None: ...
+    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
+        """Keep at most lengths[r] positions of row r."""
+        ...
     def select_rows(self, batch: int, keep: Sequence[int]) -> None: ...
+    def reset_rows(self, batch: int, rows: Sequence[int], capacity: int) -> None:
+        """Empty these rows for new requests (refill: the other rows keep their state)."""
+        ...
 
-    def propose(self, batch: int, ids: Tensor, num_new: Tensor,
-                params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+    def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
+                seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
         """Feed ids [rows, T] (row r: its first num_new[r] valid) and draw the next token per row: (token [rows],
-        probs [rows, vocab] of the warped draft distribution, or None when greedy)."""
+        probs [rows, vocab] of the warped draft distribution, or None when greedy). seeds: one per row, the
+        row's own draw (runtime/rng.py); None: torch's global generator."""
         ...
 
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:
@@ -62,26 +68,10 @@ class Drafter(Protocol):
         ...
 
 
-class BatchRNG:
-    """Mixin: one seeded generator per batch (`self.generators[b]`), for workers that sample."""
-
-    generators: dict[int, torch.Generator]
-
-    @wire
-    def seed(self, batch: int, seed: int | None) -> None:
-        """Seed batch `batch`'s generator (None: draw from torch's global generator)."""
-        self.generators.pop(batch, None)
-        if seed is not None:
-            self.generators[batch] = torch.Generator().manual_seed(seed)
-
-
 class NoDrafter:
     """k = 0: no draft model, one batch, nothing to propose."""
 
     def reset(self, batch: int, rows: int, capacity: int) -> None:
-        pass
-
-    def seed(self, batch: int, seed: int | None) -> None:
         pass
 
     def drop(self, batch: int) -> None:
@@ -96,36 +86,41 @@ class NoDrafter:
     def select_rows(self, batch: int, keep: Sequence[int]) -> None:
         pass
 
-    def propose(self, batch: int, ids: Tensor, num_new: Tensor,
-                params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+    def reset_rows(self, batch: int, rows: Sequence[int], capacity: int) -> None:
+        pass
+
+    def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
+                seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
         raise RuntimeError("NoDrafter was asked to propose: the plan has k = 0 (schedule bug)")
 
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:
         return [0, 0, 0, 0]
 
 
-class ModelDrafter(BatchKV, BatchRNG):
+class ModelDrafter(BatchKV):
     """An external draft model (same vocabulary as the target), resident, one KV cache per batch."""
 
-    def __init__(self, config: EngineConfig, weights: WeightPlan | None = None,
-                 slots: Sequence[Tensor] | None = None) -> None:
-        assert config.draft is not None
-        self.model = Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
+    def __init__(self, config: EngineConfig | None, weights: WeightPlan | None = None,
+                 slots: Sequence[Tensor] | None = None, *, model: Transformer | None = None) -> None:
+        """model: an already built draft model (the resident runner's); default: config.draft's."""
+        if model is None:
+            assert config is not None and config.draft is not None
+            model = Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
+        self.model = model
         self.model.preload()
         self.caches: dict[int, KVCache] = {}
-        self.generators: dict[int, torch.Generator] = {}
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         return self.model.new_cache(rows, capacity)
 
     @wire
-    def propose(self, batch: int, ids: Tensor, num_new: Tensor,
-                params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+    def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
+                seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
         """Feed ids [rows, T] (row r: its first num_new[r] valid) and draw the next token per row.
 
         Returns (token [rows], probs [rows, vocab] or None when greedy).
         """
-        return draft_next(self.model, self.caches[batch], ids, num_new, params, self.generators.get(batch))
+        return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds)
 
     @wire
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:
@@ -134,22 +129,52 @@ class ModelDrafter(BatchKV, BatchRNG):
 
 
 def draft_next(model: Transformer, cache: KVCache, ids: Tensor, num_new: Tensor, params: SamplingParams,
-               generator: torch.Generator | None,
+               seeds: Sequence[int] | None = None,
                allowed_experts: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """One draft token per row: feed ids [rows, T] (row r: its first num_new[r] valid) through `model` and draw
     from its (warped) distribution at each row's last fed position: (token [rows], probs [rows, vocab] or None
-    when greedy). allowed_experts: MoE routing restricted to these experts per layer."""
+    when greedy). seeds: each row's own draw (runtime/rng.py). allowed_experts: MoE routing restricted to these
+    experts per layer.
+
+    Rows that join a batch bring their whole prompt: when padding every row to the longest would waste most of the
+    call, those rows' prefixes are fed first on their own (`feed_prefixes`), then every row its last token."""
     with torch.inference_mode():
+        num_new = torch.as_tensor(num_new, dtype=torch.long)
+        ids, num_new = feed_prefixes(model, cache, ids, num_new, allowed_experts)
         last = (num_new - 1)[:, None]  # [rows, 1]
         logits = model.forward(ids, cache, num_new=num_new, output_positions=last,
                                allowed_experts=allowed_experts)[:, 0]  # [rows, vocab]
         if params.greedy:
             return logits.argmax(dim=-1), None  # [rows]
         probs = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, vocab]
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
+        return sample_rows(probs, generators(seeds) if seeds is not None else None), probs
 
 
-class ResidentExpertDrafter(BatchKV, BatchRNG):
+def feed_prefixes(model: Transformer, cache: KVCache, ids: Tensor, num_new: Tensor,
+                  allowed_experts: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """If right-padding ids [rows, T] would compute more than twice the valid tokens, feed the long rows' tokens
+    but their last through `model` alone (a copy of their cache rows, written back), and return what is left:
+    (ids [rows, T'], num_new [rows]) with at most the last token of each long row. Same keys and values as one
+    padded call (causal attention: padding never reaches a valid position)."""
+    rows, width = ids.shape
+    valid = int(num_new.sum())
+    if rows < 2 or width <= 2 or 2 * valid >= rows * width:
+        return ids, num_new
+    long = [n for n in range(rows) if int(num_new[n]) > 1]
+    sub = cache.take_rows(long)
+    prefix_new = num_new[long] - 1  # [len(long)]
+    model.forward(ids[long, : int(prefix_new.max())], sub, num_new=prefix_new, compute_logits=False,
+                  allowed_experts=allowed_experts)
+    cache.assign_rows(long, sub)
+    rest = [[int(t) for t in ids[n, int(num_new[n]) - (1 if n in long else int(num_new[n])): int(num_new[n])]]
+            for n in range(rows)]
+    ids_out = torch.zeros((rows, max(len(r) for r in rest)), dtype=torch.long)  # [rows, T']
+    for n, r in enumerate(rest):
+        ids_out[n, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return ids_out, torch.tensor([len(r) for r in rest], dtype=torch.long)
+
+
+class ResidentExpertDrafter(BatchKV):
     """The MoE target drafts for itself: its embedding, attention, routers (and shared expert), head, and only
     `n` resident routed experts per layer, chosen by hotness (self-assisted speculative decoding, SpecMoE).
 
@@ -200,10 +225,32 @@ class ResidentExpertDrafter(BatchKV, BatchRNG):
         self.allowed = {j: self._mask(experts) for j, experts in self.resident.items()}
         self.heat = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.float64)  # [L, E]
         self.caches: dict[int, KVCache] = {}
-        self.generators: dict[int, torch.Generator] = {}
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         return self.model.new_cache(rows, capacity)
+
+    @wire
+    def reset_rows(self, batch: int, rows: Sequence[int], capacity: int) -> None:
+        """New requests in these rows: empty them in its own cache; drafting into the target's, nothing to do (the
+        target's attention worker resets them)."""
+        if self.target_kv is None:
+            super().reset_rows(batch, rows, capacity)
+        else:
+            self.caches.pop(batch, None)
+
+    @wire
+    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
+        if self.target_kv is None:
+            super().truncate(batch, lengths)
+        else:  # the target's cache is the attention worker's to truncate: only the view goes
+            self.caches.pop(batch, None)
+
+    @wire
+    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
+        if self.target_kv is None:
+            super().select_rows(batch, keep)
+        else:
+            self.caches.pop(batch, None)
 
     @wire
     def reset(self, batch: int, rows: int, capacity: int) -> None:
@@ -222,11 +269,10 @@ class ResidentExpertDrafter(BatchKV, BatchRNG):
         return self.caches[batch].lengths.tolist()
 
     @wire
-    def propose(self, batch: int, ids: Tensor, num_new: Tensor,
-                params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+    def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
+                seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
         """Feed ids [rows, T] and draw the next token per row, routing among the resident experts only."""
-        return draft_next(self.model, self.caches[batch], ids, num_new, params, self.generators.get(batch),
-                          self.allowed)
+        return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds, self.allowed)
 
     @wire
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:

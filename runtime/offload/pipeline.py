@@ -6,9 +6,12 @@ The life of a `run` (the engine has encoded the prompts into requests):
      embed, attention, ffn, head, verify) and k draft ops for batch B. `OpExecutor` runs them on the io / cpu /
      device threads with real overlap; each op handler below is a few calls on the workers.
   3. A target pass feeds each row its committed tokens not yet in the target's KV cache (the whole prompt for a
-     new row: prefill is the same layer-streamed pass) plus the row's draft tokens; `verify` commits tokens
-     exactly as the resident engine does, so greedy outputs are identical token for token.
-  4. A batch whose rows all finished is refilled from the queue at its verify op (`Batches.retire_finished`).
+     new row: prefill is the same layer-streamed pass, beside the other rows' decode tokens) plus the row's draft
+     tokens; a pass feeds at most `prefill_chunk` prompt tokens (a longer prefill continues in the batch's next
+     passes, the row verifying once its prompt is in). Drafts are ragged: row r verifies n_r = min(k, its
+     remaining - 1) of them. Propose, verify, commit and truncate are runtime/speculative.py's, as in the resident
+     runner, so greedy outputs are identical token for token.
+  4. A finished row's slot is refilled from the queue at its batch's verify op (`Batches.retire_finished`).
   5. If an op fails, the `Recovery` policy may restore the workers (the Ray backend restarts a lost actor); the
      batches then restart from their committed tokens and the schedule runs again. The local backend's policy
      never recovers: the error propagates.
@@ -29,10 +32,10 @@ from specoffload.planner.plan import Plan
 
 from ..request import Request
 from ..sampling import SamplingParams
-from ..speculative import pad_right
+from ..speculative import DRAFT, VERIFY, commit, draft_lengths, draw_seeds, kept_lengths, pad_right
 from ..stats import OffloadStats, request_totals
 from ..trace import Tracer
-from .batches import Batches
+from .batches import Batch, Batches
 from .executor import OpExecutor
 from .replan import KReplanner
 from .schedule import Op, PipelineSchedule
@@ -59,9 +62,14 @@ class Pipeline:
 
     def __init__(self, plan: Plan, weights: WeightPlan, num_layers: int, workers: Workers, replanner: KReplanner,
                  tracer: Tracer, recovery: Recovery | None = None, compute_threads: int | None = None,
-                 adapt_interval: int = 0) -> None:
+                 adapt_interval: int = 0, refill: bool = True, prefill_chunk: int | None = None) -> None:
         """adapt_interval: every this many verify rounds (and after the first), the drafter gets the target's
-        routing counts (`Drafter.adapt`, e.g. to migrate its resident experts; traced as "migrate"); 0: never."""
+        routing counts (`Drafter.adapt`, e.g. to migrate its resident experts; traced as "migrate"); 0: never.
+        refill: a finished row's slot takes a waiting request at once (Batches); prefill_chunk: prompt tokens one
+        pass feeds at most (None: every waiting prompt whole)."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
+        self.refill, self.prefill_chunk = refill, prefill_chunk
         self.plan, self.weights, self.num_layers = plan, weights, num_layers
         self.workers, self.replanner, self.tracer = workers, replanner, tracer
         self.recovery = recovery or NoRecovery()
@@ -85,9 +93,10 @@ class Pipeline:
         bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
         self.params = params
         self.replanner.tokens_per_row = params.max_new_tokens
-        self.batches = Batches(self.workers, self.plan, params.seed, deque(requests), on_finished=bar.update,
-                               rows=lambda: self.replanner.rows)
-        self.rounds_since_adapt, self.adapted = 0, 0
+        self.batches = Batches(self.workers, self.plan, deque(requests), on_finished=bar.update,
+                               rows=lambda: self.replanner.rows, refill=self.refill)
+        self.rounds_since_adapt, self.adapted, self.adapt_due = 0, 0, 0
+        self.routing: list[list[int]] = []  # the target's routing since the last adapt, from verified passes
         self.adaptation = [0, 0, 0, 0]  # hits, picks, bytes moved, experts moved (Drafter.adapt)
         self.hotness: list[list[int]] = []
         bytes_before = self.workers.bytes_read
@@ -184,14 +193,38 @@ class Pipeline:
         self.workers.prefetch.load(op.layer, max(op.group, 0), op.slot)
         self.load_seconds += time.perf_counter() - start  # (the io thread's own work: read and convert)
 
+    def _plan_feed(self, b: Batch) -> None:
+        """Decide what b's next pass feeds of each row's committed tokens (`b.feed`) and which rows it verifies
+        (`b.ready`: the pass reaches their pending token). A decoding row feeds its pending token; prompt tokens
+        (a new row's, or a whole row's after a restart) share the pass's `prefill_chunk` budget in row order."""
+        if b.feed is not None:
+            return
+        t_len = self.workers.attention.lengths(b.index)
+        b.fed_before = t_len
+        budget = self.prefill_chunk
+        b.feed, b.ready = [], []
+        for n, r in enumerate(b.rows):
+            unfed = r.num_tokens - t_len[n]
+            take = unfed
+            if unfed > 1 and budget is not None:
+                take = min(unfed, budget)
+                budget -= take
+            b.feed.append(take)
+            b.ready.append(take == unfed)
+
     def _embed(self, op: Op) -> None:
         b = self.batches[op.batch]
         if not b.rows:
             return
-        t_len = self.workers.attention.lengths(b.index)
-        k = 0 if b.drafts is None else b.drafts.shape[1]
+        self._plan_feed(b)
+        assert b.feed is not None
+        t_len, k = b.fed_before, 0 if b.drafts is None else b.drafts.shape[1]
         drafts = b.drafts.tolist() if b.drafts is not None else [[] for _ in b.rows]
-        ids, num_new = pad_right([r.tokens[t_len[n]:] + drafts[n] for n, r in enumerate(b.rows)])  # [rows, T]
+        if len(b.num_drafts) != len(b.rows):
+            b.num_drafts = [0] * len(b.rows)
+        b.num_drafts = [d if ready else 0 for d, ready in zip(b.num_drafts, b.ready)]
+        ids, num_new = pad_right([r.tokens[t_len[n]: t_len[n] + b.feed[n]] + drafts[n][: b.num_drafts[n]]
+                                  for n, r in enumerate(b.rows)])  # [rows, T]
         b.committed = [r.num_tokens for r in b.rows]
         b.pass_k, b.num_new = k, num_new
         b.token_mask = torch.arange(ids.shape[1])[None, :] < num_new[:, None]  # [rows, T]
@@ -213,8 +246,11 @@ class Pipeline:
             return
         assert b.num_new is not None
         self.workers.attention.advance(b.index, b.num_new.tolist())
-        k = b.pass_k
-        positions = (b.num_new - k - 1)[:, None] + torch.arange(k + 1)[None, :]  # [rows, k + 1]
+        k, width = b.pass_k, b.hidden.shape[1]
+        # row r's pending token and its n_r drafts are its last n_r + 1 fed positions (rows with fewer drafts, or
+        # none verified, read clamped positions whose logits verification ignores)
+        first = b.num_new - torch.tensor(b.num_drafts, dtype=torch.long) - 1  # [rows]
+        positions = (first[:, None] + torch.arange(k + 1)[None, :]).clamp(0, width - 1)  # [rows, k + 1]
         b.logits = self.workers.verifier.head(op.slot, b.hidden, positions)  # [rows, k + 1, vocab]
         b.hidden = None
 
@@ -224,51 +260,67 @@ class Pipeline:
             return
         k = b.pass_k
         drafts = b.drafts if b.drafts is not None else torch.zeros((len(b.rows), 0), dtype=torch.long)  # [rows, k]
-        accepted, emitted = self.workers.verifier.verify(b.index, b.logits, drafts, b.p, self.params)
+        seeds = None if self.params.greedy else draw_seeds(b.rows, VERIFY)
+        accepted, emitted = self.workers.verifier.verify(b.logits, drafts, b.num_drafts, b.p, self.params, seeds)
+        ready = [n for n, ok in enumerate(b.ready) if ok]
+        accepted = [a if ok else 0 for a, ok in zip(accepted, b.ready)]
         before = sum(len(r.output) for r in b.rows)
-        for n, r in enumerate(b.rows):
-            r.num_drafted += k
-            r.num_accepted += accepted[n]
-            r.commit(emitted[n][: accepted[n] + 1])
+        commit([b.rows[n] for n in ready], [accepted[n] for n in ready], [emitted[n] for n in ready],
+               [b.num_drafts[n] for n in ready])
         now = time.perf_counter()
-        decoding = b.num_new is not None and int(b.num_new.max()) <= k + 1  # (a prefill pass is not the steady state)
+        assert b.num_new is not None and b.feed is not None
+        decoding = all(ok for ok in b.ready) and all(f <= 1 for f in b.feed)  # (a prefill is not the steady state)
         load_s, self.load_mark = self.load_seconds - self.load_mark, self.load_seconds
         if self.verify_log and decoding:  # the pass's period, and the loads done, since the end of the previous one
             self.replanner.observe_pass(now - self.verify_log[-1][0], k, len(b.rows), load_s)
         self.verify_log.append((now, b.index, sum(len(r.output) for r in b.rows) - before, len(b.rows)))
-        if k >= 1:
-            self.replanner.record(accepted, k, [r.index for r in b.rows])
-        # The target cache keeps pending + the accepted drafts; the draft cache saw committed + d_1..d_{k-1}.
-        self.workers.attention.truncate(b.index, [c + a for c, a in zip(b.committed, accepted)])
-        if k >= 1:
-            self.workers.drafter.truncate(b.index, [c + min(a, k - 1) for c, a in zip(b.committed, accepted)])
+        drafted = [n for n in ready if b.num_drafts[n] >= 1]
+        if drafted:
+            self.replanner.record([accepted[n] for n in drafted], [b.num_drafts[n] for n in drafted],
+                                  [b.rows[n].index for n in drafted])
+        # Ready rows: the target keeps pending + accepted drafts, the drafter what it saw of them; a row still in
+        # prefill keeps what the pass fed, and its drafter one token less than committed (it re-feeds the last).
+        target, drafter = kept_lengths(b.committed, accepted, k)
+        fed = [t + f for t, f in zip(b.fed_before, b.feed)]
+        self.workers.attention.truncate(b.index, [t if ok else f for t, f, ok in zip(target, fed, b.ready)])
+        if k >= 1:  # (no draft call this round: the drafter saw nothing new)
+            self.workers.drafter.truncate(b.index, [d if ok else c - 1 for d, c, ok
+                                                    in zip(drafter, b.committed, b.ready)])
         b.drafts = b.p = b.logits = None
+        b.feed, b.num_drafts, b.ready = None, [], []
         self.verified += 1
-        self.rounds_since_adapt += 1
+        if self.adapt_interval:  # decided here, in verify order, from whole passes: the same in every run
+            counts = self.workers.verifier.routing_counts(b.index)
+            self.routing = [[x + y for x, y in zip(a, c)] for a, c in zip(self.routing, counts)] or counts
+            self.rounds_since_adapt += 1
+            if self.rounds_since_adapt >= (self.adapt_interval if self.adapt_due else 1):
+                b.adapt_counts, self.routing, self.rounds_since_adapt = self.routing, [], 0
+                self.adapt_due += 1
         self.batches.retire_finished(b)
 
-    def _adapt(self) -> None:
+    def _adapt(self, counts: list[list[int]]) -> None:
         """Hand the target's routing since the last call to the drafter (on its own "migrate" trace track: moving
         resident experts is a cost of its own)."""
-        counts = self.workers.verifier.routing_counts()
         with self.tracer.span("migrate", "migrate"):
             result = self.workers.drafter.adapt(counts)
         self.adaptation = [a + r for a, r in zip(self.adaptation, result)]
         self.hotness = [[a + c for a, c in zip(acc, layer)] for acc, layer in zip(self.hotness, counts)] or counts
-        self.rounds_since_adapt = 0
         self.adapted += 1
 
     def _draft(self, op: Op) -> None:
         b = self.batches[op.batch]
         if not b.rows:
             return
-        # k is fixed for a whole round (online re-planning changes it between rounds); never draft past the
-        # longest remaining budget of the batch (those tokens could not be accepted).
+        # k is fixed for a whole round (online re-planning changes it between rounds); row r drafts n_r of its
+        # calls' tokens (speculative.draft_lengths): none while its prompt is still being fed in chunks
         if op.token == 0:
             b.round_k = self.replanner.k
-            if self.adapt_interval and self.rounds_since_adapt >= (self.adapt_interval if self.adapted else 1):
-                self._adapt()
-        limit = min(b.round_k, max(r.remaining for r in b.rows) - 1)
+            if b.adapt_counts is not None:
+                self._adapt(b.adapt_counts)
+                b.adapt_counts = None
+            self._plan_feed(b)
+            b.num_drafts = draft_lengths(b.rows, b.round_k, b.ready)
+        limit = max(b.num_drafts, default=0)
         if op.token >= limit or len(b.draft_tokens) < op.token:  # (rows admitted after this round began: skip it)
             return
         if op.token == 0:
@@ -278,13 +330,14 @@ class Pipeline:
         else:
             ids = b.draft_tokens[-1][:, None]  # [rows, 1]
             num_new = torch.ones(len(b.rows), dtype=torch.long)
-        token, probs = self.workers.drafter.propose(b.index, ids, num_new, self.params)  # [rows], [rows, vocab]
+        seeds = None if self.params.greedy else draw_seeds(b.rows, DRAFT, op.token)
+        token, probs = self.workers.drafter.propose(b.index, ids, num_new, self.params, seeds)  # [rows], [rows, V]
         b.draft_tokens.append(token)
         if probs is not None:
             b.draft_probs.append(probs)
         if op.token == limit - 1:
-            b.drafts = torch.stack(b.draft_tokens, dim=1)  # [rows, k]
-            b.p = torch.stack(b.draft_probs, dim=1) if b.draft_probs else None  # [rows, k, vocab]
+            b.drafts = torch.stack(b.draft_tokens, dim=1)  # [rows, L]
+            b.p = torch.stack(b.draft_probs, dim=1) if b.draft_probs else None  # [rows, L, vocab]
             b.draft_tokens, b.draft_probs = [], []
 
 

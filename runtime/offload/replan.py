@@ -90,9 +90,11 @@ class KReplanner:
         self.stream_rate = rate
         return replace(self.profile, stream_bytes_per_s=rate)
 
-    def record(self, accepted: Sequence[int], k: int, prompts: Sequence[Hashable] | None = None) -> None:
-        """One verified batch: row r (of request prompts[r]) accepted accepted[r] of k drafts (k >= 1)."""
-        self.tracker.record_many(accepted, [k] * len(accepted), prompts)
+    def record(self, accepted: Sequence[int], k: int | Sequence[int],
+               prompts: Sequence[Hashable] | None = None) -> None:
+        """One verified batch: row r (of request prompts[r]) accepted accepted[r] of k (or k[r]) drafts (>= 1)."""
+        ks = [k] * len(accepted) if isinstance(k, int) else list(k)
+        self.tracker.record_many(accepted, ks, prompts)
         self.rounds += 1
         if not self.active or self.rounds % self.interval:
             return

@@ -26,10 +26,10 @@ from ..config import EngineConfig
 from ..kv_cache import KVCache
 from ..models.model import MoEPartial, Transformer
 from ..models.weights import Weights
-from ..sampling import SamplingParams, warp_logits
-from ..verify import verify_greedy, verify_sampling
+from ..sampling import SamplingParams
+from ..speculative import verify_rows
 from .batch_kv import BatchKV
-from .drafters import BatchRNG, Drafter, TargetShare, drafter_class, make_drafter
+from .drafters import Drafter, TargetShare, drafter_class, make_drafter
 from .embedding import EmbeddingRows
 from .streamer import TENSOR_ALIGN, WeightStreamer
 from .wire import wire
@@ -220,7 +220,7 @@ class AttentionWorker(BatchKV):
             self.rows.close()
 
 
-class VerifierWorker(BatchRNG):
+class VerifierWorker:
     """device: the target's FFN / experts and head (resident or from the op's slot), and verification."""
 
     def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None) -> None:
@@ -233,10 +233,9 @@ class VerifierWorker(BatchRNG):
         self.reader = _SlotReader(views, plan, experts)
         self.model.fetch = self.reader
         self.model.on_route = self._count_routing
-        cfg = self.model.config
-        self.routing = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.long)  # [L, E] since read
+        self.routing: dict[int, Tensor] = {}  # batch -> [L, E] tokens routed since last read
+        self._batch = -1  # the batch whose ffn runs now (its routing is counted for it)
         self.partial: dict[int, MoEPartial] = {}  # batch -> its MoE block in progress (expert groups)
-        self.generators: dict[int, torch.Generator] = {}
 
     @property
     def bytes_read(self) -> int:
@@ -249,6 +248,7 @@ class VerifierWorker(BatchRNG):
         A layer that streams in expert groups runs one group per call, in order: the first routes, each adds its
         experts' outputs (kept here per batch), the last returns the combination; the others return `hidden`."""
         units = self.plan.groups_of(layer)
+        self._batch = batch
         with self.reader.bind(layer, slot, max(group, 0)):
             if units <= 1 or not self.model.config.is_moe_layer(layer):
                 return self.model.ffn(layer, hidden, token_mask)
@@ -269,29 +269,29 @@ class VerifierWorker(BatchRNG):
             return self.model.logits(torch.gather(hidden, 1, index))
 
     @wire
-    def routing_counts(self) -> list[list[int]]:
-        """Tokens the target routed to each (layer, expert) since the last call (expert hotness; [] for a dense
-        layer), counting every valid token of every pass, prefill included; resets the counts."""
-        counts, self.routing = self.routing, torch.zeros_like(self.routing)
+    def routing_counts(self, batch: int) -> list[list[int]]:
+        """Tokens the target routed to each (layer, expert) in batch `batch`'s passes since the last call (expert
+        hotness; [] for a dense layer), counting every valid token, prefill included; resets them. Per batch, so a
+        caller reading after a batch's verify gets whole passes, whatever the other batch's pass is doing."""
         cfg = self.model.config
+        counts = self.routing.pop(batch, None)
+        if counts is None:
+            counts = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.long)
         return [counts[j].tolist() if cfg.is_moe_layer(j) else [] for j in range(cfg.num_layers)]
 
     def _count_routing(self, layer: int, topk_ids: Tensor, token_mask: Tensor | None) -> None:
         ids = topk_ids if token_mask is None else topk_ids[token_mask.to(topk_ids.device)]  # [n, k]
-        self.routing[layer] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.routing.shape[1])
+        cfg = self.model.config
+        counts = self.routing.setdefault(self._batch, torch.zeros(cfg.num_layers, max(cfg.num_experts, 1),
+                                                                   dtype=torch.long))
+        counts[layer] += torch.bincount(ids.reshape(-1).cpu(), minlength=counts.shape[1])
 
     @wire
-    def verify(self, batch: int, logits: Tensor, drafts: Tensor, p: Tensor | None,
-               params: SamplingParams) -> tuple[list[int], list[list[int]]]:
-        """Greedy match or rejection sampling (see runtime/verify.py): (accepted per row, emitted tokens per row)."""
-        with torch.inference_mode():
-            if params.greedy:
-                result = verify_greedy(drafts, logits)
-            else:
-                q = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, k + 1, vocab]
-                dp = p if p is not None else q.new_zeros((q.shape[0], 0, q.shape[2]))
-                result = verify_sampling(drafts, dp, q, self.generators.get(batch))
-            return result.num_accepted.tolist(), result.tokens.tolist()
+    def verify(self, logits: Tensor, drafts: Tensor, num_drafts: list[int], p: Tensor | None,
+               params: SamplingParams, seeds: list[int] | None) -> tuple[list[int], list[list[int]]]:
+        """Greedy match or rejection sampling of ragged drafts (runtime/speculative.py `verify_rows`): (accepted
+        per row, emitted tokens per row)."""
+        return verify_rows(logits, drafts, num_drafts, p, params, seeds)
 
 
 @dataclass
