@@ -115,7 +115,7 @@ class ResidentRunner:
     def _step(self, active: list[Request], t_cache: KVCache, k: int, params: SamplingParams,
               times: StepTimes) -> None:
         t0 = time.perf_counter()
-        num_drafts = draft_lengths(active, k)
+        num_drafts = draft_lengths(active, k, [len(r.output) > 0 for r in active])  # a row's first verify: no drafts
         calls = max(num_drafts)
         drafts = torch.zeros((len(active), 0), dtype=torch.long)  # [rows, L]
         p = None

@@ -52,7 +52,9 @@ class StepTimes:
 
 
 def draft_lengths(rows: Sequence[Request], k: int, ready: Sequence[bool] | None = None) -> list[int]:
-    """Drafts row r verifies in a round of k: min(k, remaining - 1), 0 for a row not `ready` (still in prefill)."""
+    """Drafts row r verifies in a round of k: min(k, remaining - 1); 0 for a row not `ready`: the pass that feeds
+    a row's prompt (its first verify) carries no drafts, in both runners, so a row's rounds do not depend on the
+    batch it joined."""
     return [0 if ready is not None and not ready[n] else max(0, min(k, r.remaining - 1)) for n, r in enumerate(rows)]
 
 

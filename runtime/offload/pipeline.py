@@ -319,7 +319,11 @@ class Pipeline:
                 self._adapt(b.adapt_counts)
                 b.adapt_counts = None
             self._plan_feed(b)
-            b.num_drafts = draft_lengths(b.rows, b.round_k, b.ready)
+            assert b.feed is not None
+            # a row's first verify (the pass that feeds its prompt) carries no drafts, in every runner: so a row's
+            # rounds, and with them its random draws, never depend on the batch it joined
+            decoding = [ok and f == 1 and len(r.output) > 0 for ok, f, r in zip(b.ready, b.feed, b.rows)]
+            b.num_drafts = draft_lengths(b.rows, b.round_k, decoding)
         limit = max(b.num_drafts, default=0)
         if op.token >= limit or len(b.draft_tokens) < op.token:  # (rows admitted after this round began: skip it)
             return

@@ -1,0 +1,102 @@
+"""Continuous batching in the offloaded pipeline (runtime/offload/batches.py): finished rows' slots are refilled at
+once, prompts may be fed in chunks across passes, and every row comes out as it would alone: greedy equal to the
+resident engine, sampled rows equal whatever the batch size, refill, chunking or runner (per-request streams)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specoffload.runtime.config import ConfigError, EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.sampling import SamplingParams
+from tests.conftest import OFFLOAD_PROMPTS
+
+PROMPTS = OFFLOAD_PROMPTS
+GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
+#: rows of very different lengths: a wave waits for its longest, refill does not
+UNEVEN = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 12, 3, 12, 2, 12, 3)]
+HOT = SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+
+
+def _offloaded(tiny_models, target: str = "llama", draft: str | None = "qwen2_draft", **kw) -> Engine:
+    drafter = draft if draft in (None, "self") else tiny_models[draft]
+    base = dict(target=tiny_models[target], draft=drafter, max_batch_size=2,
+                max_seq_len=48, num_draft_tokens=2 if draft else 0, device_memory="1GiB", replan_interval=0)
+    return Engine(EngineConfig(**(base | kw)))
+
+
+@pytest.mark.parametrize(("target", "draft", "extra"), [
+    ("llama", None, {}),
+    ("llama", "qwen2_draft", {}),
+    ("llama", "qwen2_draft", {"interleave": False}),
+    ("mixtral", "self", {"resident_experts": 2}),
+], ids=["nodraft", "draft", "one-batch", "self-draft"])
+@pytest.mark.parametrize("chunk", [None, 2], ids=["whole", "chunked"])
+def test_refill_and_chunked_prefill_keep_greedy_tokens(tiny_models, single_thread, resident_greedy, target, draft,
+                                                       extra, chunk):
+    engine = _offloaded(tiny_models, target, draft, prefill_chunk=chunk, **extra)
+    out = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == resident_greedy(target)
+    batches = engine.pipeline.batches
+    assert batches.refilled > 0  # 7 prompts, 2 rows per batch: slots were refilled while other rows ran
+    if draft is not None:
+        assert engine.last_stats.num_drafted > 0
+    engine.close()
+
+
+def test_refill_takes_fewer_passes_than_waves_on_uneven_rows(tiny_models, single_thread):
+    """Rows of 2-3 and 12 tokens: a wave runs as long as its longest row, refill puts a new row in a short one's
+    slot at once. Same tokens either way."""
+    runs = {}
+    for refill in (False, True):
+        engine = _offloaded(tiny_models, draft=None, refill=refill)
+        tokens = [r.token_ids for r in engine.generate(PROMPTS, UNEVEN)]
+        runs[refill] = (tokens, engine.last_stats.passes, engine.pipeline.batches.refilled)
+        engine.close()
+    assert runs[True][0] == runs[False][0] and [len(t) for t in runs[True][0]] == [2, 12, 3, 12, 2, 12, 3]
+    assert runs[False][2] == 0 and runs[True][2] > 0
+    # waves: 4 waves of 2 rows (the last of 1): 12 + 12 + 12 + 3 passes, + 1 prefill each; refill: fewer
+    assert runs[True][1] < runs[False][1]
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_passes(tiny_models, single_thread):
+    """One 30-token prompt beside short ones, 4 prompt tokens a pass: the long row joins over 8 passes while the
+    others decode; tokens equal the unchunked run's."""
+    prompts = [[1, 7, 9], [1, *range(20, 49)], [1, 4]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    out = {}
+    for chunk in (None, 4):
+        engine = _offloaded(tiny_models, draft=None, prefill_chunk=chunk, max_batch_size=3)
+        out[chunk] = ([r.token_ids for r in engine.generate(prompts, params)], engine.last_stats.passes)
+        engine.close()
+    assert out[4][0] == out[None][0]
+    assert out[4][1] >= out[None][1] + 6  # the long prompt's 30 tokens took ceil(30 - 2 / 4) passes, not one
+
+
+def test_sampled_rows_do_not_depend_on_the_batch(tiny_models, single_thread):
+    """Per-request randomness: at the same drafter and k, a sampled row is the same whatever the batch size, the
+    refill, the prefill chunking, or the runner (resident or offloaded)."""
+    runs = {}
+    for rows in (1, 3):
+        for refill in (True, False):
+            engine = _offloaded(tiny_models, max_batch_size=rows, refill=refill, prefill_chunk=2 if refill else None)
+            runs[("offloaded", rows, refill)] = [r.token_ids for r in engine.generate(PROMPTS, HOT)]
+            engine.close()
+    for rows in (1, 4):
+        engine = Engine(EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], num_draft_tokens=2,
+                                     max_batch_size=rows, max_seq_len=48))
+        runs[("resident", rows, True)] = [r.token_ids for r in engine.generate(PROMPTS, HOT)]
+    first = next(iter(runs.values()))
+    assert all(len(t) == 9 for t in first)
+    assert all(tokens == first for tokens in runs.values()), {k: v[:2] for k, v in runs.items()}
+    # and a row's key is its identity: the same prompt at another key draws another sample
+    engine = Engine(EngineConfig(tiny_models["llama"], max_batch_size=2, max_seq_len=48))
+    a, b = engine.generate([PROMPTS[0], PROMPTS[0]], HOT)
+    assert a.token_ids != b.token_ids
+
+
+def test_config_checks_the_continuous_batching_fields(tiny_models):
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        EngineConfig(tiny_models["llama"], prefill_chunk=0)
+    with pytest.raises(ConfigError, match="refill"):
+        EngineConfig(tiny_models["llama"], refill="yes")
