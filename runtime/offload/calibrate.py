@@ -3,12 +3,11 @@
 The profiler times each cost in isolation (a few layers streamed, one GEMM, one attention op, one draft step).
 A real pass adds what no isolated timing holds: the loader converting fp16 -> fp32 on one thread while the compute
 threads run (on a CPU-only machine they share the cores), the embedding, the head's output and the verification
-per row, and the executor's hand-offs per op. Issue 14 measured what leaving them out costs: no-draft passes, which
-are io-bound, were predicted from a stream rate timed over a 1-second burst of 6 layers on a shared machine
-(0.6-1.7 GB/s from one minute to the next), and the no-draft and draft rows of the validation were off in
-opposite directions.
+per row, and the executor's hand-offs per op; and an isolated stream rate timed over a short burst follows the
+disk's moment-to-moment rate (docs/perf/README.md, "Measurements behind the acceptance model and the stream
+rate").
 
-So here real passes run: a fixed-plan offloaded `Engine` under the profiled config's budget, on synthetic prompts,
+Here real passes run: a fixed-plan offloaded `Engine` under the profiled config's budget, on synthetic prompts,
 at two plans: one batch without a draft, and (with a drafter) two batches at k = CALIBRATION_K, whose k = 0 passes
 are timed too. From the decode passes (the prefill ones skipped):
 

@@ -11,17 +11,16 @@ ratio to the best candidate over the range). The decision is
             placed with), which a batch takes once the other has drained, as a no-draft plan runs. Turning
             speculation back on splits the rows again at the next wave.
 
-The cost model's stream rate is the job's own too: the disk this runs on delivered the same policy's bytes 1.5-3x
-faster in the profile's calibration than minutes later in the job (issue 14, docs/perf/README.md). Each decode pass
-is observed (`observe_pass`): its period and the seconds the io thread spent in load ops since the previous pass
-(reading and converting the weights into slots). On a CPU the rate is the bytes the model streams per pass / the
-mean load seconds per pass over the last PASS_WINDOW passes: what the loader itself delivered, whatever the compute
-beside it did. (The rule before read the rate off the period of a pass that waited on the io; a pass slowed by
-compute the model undercounts, e.g. 8 draft steps, then read as a slow disk: at k = 8 it showed 1.02 GB/s where
-the loader delivered 1.65, and a no-draft plan priced at it came out 37% slow; docs/perf/README.md.) On CUDA a load
-op only queues its copies, so there the period rule stands: when the median period is longer than everything but
-the io the model counts for that pass (its step with an unbounded stream rate), the pass waited on the io and the
-rate is its streamed bytes / that period. `stream_rate` holds the rate used last (None until observed).
+The cost model's stream rate is the job's own too (the disk's rate drifts between the profile and the job).
+Each decode pass is observed (`observe_pass`): its period and the seconds the io thread spent in load ops since
+the previous pass (reading and converting the weights into slots). On a CPU the rate is the bytes the model
+streams per pass / the mean load seconds per pass over the last PASS_WINDOW passes: what the loader itself
+delivered, whatever the compute beside it did (a pass's period also holds compute the model undercounts, e.g. the
+draft steps, and would read as a slow disk). On CUDA a load op only queues its copies, so there the period rule is
+used: when the median period is longer than everything but the io the model counts for that pass (its step with
+an unbounded stream rate), the pass waited on the io and the rate is its streamed bytes / that period.
+`stream_rate` holds the rate used last (None until observed). Measurements: docs/perf/README.md, "Measurements
+behind the acceptance model and the stream rate".
 
 A new k takes effect at each batch's next draft round. Only when the planner chose k ("auto") and a drafter is
 loaded. While speculation is off nothing is drafted, so nothing new is observed: the decision stands for the rest
