@@ -201,29 +201,6 @@ def _alpha_grid(alpha: Acceptance, alpha_range: tuple[float, float] | None, poin
     return [at(a) for a in below] + [alpha] + [at(a) for a in levels if a > point]
 
 
-def replan_k(
-    profile: HardwareProfile,
-    costs: ModelCosts,
-    placement: Placement,
-    batch: int,
-    alpha: float,
-    context: int,
-    ks: Iterable[int] = range(0, 9),
-    expert_loading: str = "auto",
-) -> int:
-    """The k of `ks` with the highest predicted decode tokens/s at a fixed batch and placement (online re-planning).
-
-    For the runtime's `AcceptanceTracker` estimate of alpha: k >= 1 only when `costs.draft` exists (its placement
-    is fixed, so the draft stays resident whatever k is chosen; k = 0 stops drafting). Ties go to the smaller k.
-    """
-    candidates = [k for k in ks if k == 0 or costs.draft is not None]
-    if not candidates:
-        raise ValueError("no candidate k: ks is empty, or holds only k >= 1 and there is no draft model")
-    rates = {k: estimate_step(profile, costs, placement, batch, k, alpha, context, expert_loading).tokens_per_s
-             for k in candidates}
-    return min(rates, key=lambda k: (-_rounded(rates[k]), k))
-
-
 @dataclass(frozen=True)
 class Replan:
     """An online decision (`replan`): k draft tokens per round (0: speculation off) and the rows a batch admits."""

@@ -158,27 +158,6 @@ def make_plan(
     return plan
 
 
-@dataclass(frozen=True)
-class DrafterOption:
-    """One way to draft for a job: its config (draft None / a directory / "self" with resident_experts), the models'
-    shapes under it, and the acceptance rate measured for it (self-drafting's depends on the resident experts)."""
-
-    name: str
-    config: EngineConfig
-    models: ModelPair
-    alpha: float
-
-
-def compare_drafters(options: list[DrafterOption], max_seq_len: int, workload: Workload,
-                     profiles: dict[str, HardwareProfile]) -> list[tuple[DrafterOption, Plan]]:
-    """The planner's best plan for each drafter option (no draft, an external model, self-drafting with n
-    experts, ...), best predicted throughput first: the choice among drafters, and with it k, the batch and the
-    resident experts. profiles: option name -> its measured profile (the draft step differs per drafter)."""
-    plans = [(option, make_plan(option.config, option.models, max_seq_len, workload=workload, alpha=option.alpha,
-                                profile=profiles[option.name])) for option in options]
-    return sorted(plans, key=lambda pair: -pair[1].policy.predicted_tokens_per_s)
-
-
 def placement_policy(config: EngineConfig, plan: Plan, models: ModelPair) -> PlacementPolicy:
     return PlacementPolicy(
         batch_size=plan.batch,

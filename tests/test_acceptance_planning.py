@@ -248,6 +248,8 @@ def test_replan_turns_speculation_off_and_merges_rows() -> None:
     assert (low.k, low.rows) == (0, 4)
     high = replan(PROFILE, costs, placement, 2, alpha=0.95, context=40, k_max=6, merged_rows=4)
     assert high.k >= 1 and high.rows == 2 and high.tokens_per_s > low.tokens_per_s
+    never = replan(PROFILE, costs, placement, 2, alpha=0.0, context=40, k_max=6, merged_rows=4)
+    assert (never.k, never.rows) == (0, 4)  # nothing is ever accepted
     with pytest.raises(ValueError, match="drafter"):
         replan(PROFILE, ModelCosts.from_shapes(TARGET, None), placement, 2, 0.5, 40, k_max=6, merged_rows=4)
 

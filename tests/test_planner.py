@@ -25,12 +25,11 @@ from specoffload.planner import (
     estimate_step,
     estimate_workload,
     expected_tokens,
-    replan_k,
     search,
 )
 from specoffload.planner.cost import ChainLink, chain_period, estimate_prefill, stream_bytes
 from specoffload.planner.errors import SpecOffloadError
-from specoffload.planner.placement import ModelShape, Placement, PlacementPolicy, place
+from specoffload.planner.placement import ModelShape, Placement, PlacementPolicy
 from specoffload.planner.shapes import PartKey
 from tests.conftest import dense_shape
 
@@ -432,18 +431,6 @@ def test_search_without_draft_only_tries_k0() -> None:
     result = search(make_profile(), TARGET, None, WORKLOAD, alpha=0.8, device_memory=GiB, host_memory=GiB,
                     batches=(1, 2), ks=range(0, 4))
     assert {p.k for p in result.alternatives} == {0}
-
-
-def test_replan_k() -> None:
-    profile = make_profile(stream_bytes_per_s=100.0, ffn_flops_per_s=((1, 1e6),), draft_step_s=((1, 0.01),))
-    policy = PlacementPolicy(batch_size=2, num_batches=2, context=32, weights_tier="disk", unified_memory=False)
-    placement = place(TARGET, DRAFT, policy, 4200, GiB)
-    assert replan_k(profile, COSTS, placement, 2, alpha=0.9, context=20) > 0
-    assert replan_k(profile, COSTS, placement, 2, alpha=0.0, context=20) == 0  # nothing is ever accepted
-    no_draft = ModelCosts(TARGET, None)
-    assert replan_k(profile, no_draft, placement, 2, alpha=0.9, context=20) == 0
-    with pytest.raises(ValueError, match="no candidate"):
-        replan_k(profile, no_draft, placement, 2, alpha=0.9, context=20, ks=(1, 2))
 
 
 # --- import boundary ---------------------------------------------------------------------------------------------
