@@ -241,14 +241,14 @@ def test_search_prefers_the_policy_that_stays_good_over_the_range() -> None:
 
 
 def test_replan_turns_speculation_off_and_merges_rows() -> None:
-    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
     placement = place(TARGET, DRAFT, policy, 4200, GiB)
     costs = ModelCosts.from_shapes(TARGET, DRAFT)
-    low = replan(PROFILE, costs, placement, 2, alpha=0.05, context=40, k_max=6, merged_rows=4)
+    low = replan(PROFILE, costs, placement, 2, alpha=0.05, attended_len=40, k_max=6, merged_rows=4)
     assert (low.k, low.rows) == (0, 4)
-    high = replan(PROFILE, costs, placement, 2, alpha=0.95, context=40, k_max=6, merged_rows=4)
+    high = replan(PROFILE, costs, placement, 2, alpha=0.95, attended_len=40, k_max=6, merged_rows=4)
     assert high.k >= 1 and high.rows == 2 and high.tokens_per_s > low.tokens_per_s
-    never = replan(PROFILE, costs, placement, 2, alpha=0.0, context=40, k_max=6, merged_rows=4)
+    never = replan(PROFILE, costs, placement, 2, alpha=0.0, attended_len=40, k_max=6, merged_rows=4)
     assert (never.k, never.rows) == (0, 4)  # nothing is ever accepted
     with pytest.raises(ValueError, match="drafter"):
         replan(PROFILE, ModelCosts.from_shapes(TARGET, None), placement, 2, 0.5, 40, k_max=6, merged_rows=4)
@@ -264,7 +264,7 @@ def test_online_stream_rate_from_the_jobs_own_passes() -> None:
     from specoffload.planner.plan import fixed_plan
     from specoffload.runtime.offload.replan import PASS_WINDOW, KReplanner
 
-    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
     placement = place(TARGET, DRAFT, policy, 4200, GiB)
     costs = ModelCosts.from_shapes(TARGET, DRAFT)
     plan = dc_replace(fixed_plan(2, 2, 48), policy=search(PROFILE, TARGET, DRAFT, WORKLOAD, alpha=0.9,
@@ -313,7 +313,7 @@ def test_online_stream_rate_from_the_loaders_own_time() -> None:
     from specoffload.planner import estimate_step
     from specoffload.runtime.offload.replan import PASS_WINDOW, observed_stream_rate
 
-    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
     placement = place(TARGET, DRAFT, policy, 4200, GiB)
     costs = ModelCosts.from_shapes(TARGET, DRAFT)
     model = estimate_step(PROFILE, costs, placement, 2, 2, 0.0, 24)

@@ -190,8 +190,8 @@ def test_the_planner_weighs_self_drafting_against_no_draft_from_its_measured_acc
     )
     path = tiny_models["mixtral"]  # only its config is read: the shapes above stand for the model
     budget = 24_000_000  # the ring alone (two whole-layer slots) is 16 MB
-    none = ModelPair(target, None, context=64, dtype_bytes=2, top_k=2)
-    selfish = ModelPair(target, self_draft_shape(target, 1), context=64, dtype_bytes=2, top_k=2, draft_top_k=1,
+    none = ModelPair(target, None, model_context=64, dtype_bytes=2, top_k=2)
+    selfish = ModelPair(target, self_draft_shape(target, 1), model_context=64, dtype_bytes=2, top_k=2, draft_top_k=1,
                         self_draft_experts=1)
     base = EngineConfig(path, device_memory=budget, max_seq_len=48)
     self_config = EngineConfig(path, draft="self", resident_experts=1, device_memory=budget, max_seq_len=48)

@@ -62,8 +62,8 @@ def calibrate(config: EngineConfig, profile: HardwareProfile, quick: bool = Fals
     calibrated = replace(calibrated, pass_overhead_s=o, position_overhead_s=r)
     record = []
     for p, x in zip(points, needed):
-        predicted = estimate_step(calibrated, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["context"])
-        isolated = estimate_step(profile, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["context"])
+        predicted = estimate_step(calibrated, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["attended_len"])
+        isolated = estimate_step(profile, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["attended_len"])
         record.append({key: value for key, value in p.items() if key not in ("costs", "placement")}
                       | {"overhead_needed_s": x, "predicted_s": predicted.t_step, "bound": predicted.bound,
                          "predicted_isolated_s": isolated.t_step, "stream_isolated": profile.stream_bytes_per_s,
@@ -108,7 +108,7 @@ def _run(config: EngineConfig, rows: int, k_max: int, ks: tuple[int, ...], quick
                     busy[s.name] += s.end - s.start
             timed = len(steps) or 1
             out.append({
-                "rows": rows, "k": k, "positions": rows * (k + 1), "context": PROMPT_TOKENS + NEW_TOKENS // 2,
+                "rows": rows, "k": k, "positions": rows * (k + 1), "attended_len": PROMPT_TOKENS + NEW_TOKENS // 2,
                 "measured_s": statistics.median(periods), "passes": len(periods),
                 "streamed_bytes": streamed * len(steps), "load_s": busy["load"],
                 **{f"{kind}_s": busy[kind] / timed for kind in ("attention", "ffn", "head", "verify", "embed",
@@ -127,7 +127,7 @@ def _overhead_needed(profile: HardwareProfile, point: dict[str, Any]) -> float:
     def step(x: float) -> float:
         p = replace(profile, pass_overhead_s=x, position_overhead_s=0.0)
         return estimate_step(p, point["costs"], point["placement"], point["rows"], point["k"], 0.0,
-                             point["context"]).t_step
+                             point["attended_len"]).t_step
 
     target = point["measured_s"]
     if step(0.0) >= target:

@@ -2,7 +2,7 @@
 
 Every number is timed here, none is typed in: weight streaming into ring slots (from disk with O_DIRECT, or
 from the host-RAM tier), the device GEMM rate at the target's FFN shape versus rows, CPU attention time versus
-new tokens x context (least-squares fit of c0 + c1 n + c2 n ctx), the head's GEMM rate, and one draft token
+new tokens x attended length (least-squares fit of c0 + c1 n + c2 n ctx), the head's GEMM rate, and one draft token
 step versus rows; then real passes calibrate the stream rate and the per-pass overheads (calibrate.py). A
 profile is saved as JSON with its provenance under `~/.cache/specoffload/profiles/` and
 reused while the fingerprint (machine, CPU, cores, torch, device, models, dtype, weights tier) matches.
@@ -178,7 +178,7 @@ def _stream_rate(config: EngineConfig, target: Transformer, layers_to_load: int)
 
 
 def _attention_fit(target: Transformer, reps: int, quick: bool) -> tuple[float, float, float]:
-    """Least-squares c0 + c1 n + c2 n ctx (seconds per layer) over (rows, tokens, context) points."""
+    """Least-squares c0 + c1 n + c2 n ctx (seconds per layer) over (rows, tokens, attended length ctx) points."""
     target.pack = True  # resident attention weights are packed (as the engine keeps them)
     cfg = target.config
     rows_x, ys = [], []

@@ -115,8 +115,8 @@ class KReplanner:
 
 
 def observed_stream_rate(profile: HardwareProfile, costs: ModelCosts, placement: Placement,
-                         passes: Sequence[tuple[float, int, int, float]], context: int, expert_loading: str = "auto",
-                         min_passes: int = PASS_WINDOW // 2) -> float | None:
+                         passes: Sequence[tuple[float, int, int, float]], attended_len: int,
+                         expert_loading: str = "auto", min_passes: int = PASS_WINDOW // 2) -> float | None:
     """The stream rate decode passes (seconds, k, rows, load seconds) show, by the rule of the module docstring,
     over the passes of their most common (k, rows); None with fewer than `min_passes` of them, when nothing
     streams, or (period rule) when the passes were no slower than everything but their io."""
@@ -127,7 +127,7 @@ def observed_stream_rate(profile: HardwareProfile, costs: ModelCosts, placement:
     chosen = [(s, load) for s, kk, r, load in passes if (kk, r) == (k, rows)]
     if len(chosen) < min_passes:
         return None
-    model = estimate_step(profile, costs, placement, rows, k, 0.0, context, expert_loading)
+    model = estimate_step(profile, costs, placement, rows, k, 0.0, attended_len, expert_loading)
     if model.t_io <= 0:
         return None
     streamed = model.t_io * profile.stream_bytes_per_s  # bytes per pass
@@ -135,7 +135,7 @@ def observed_stream_rate(profile: HardwareProfile, costs: ModelCosts, placement:
     if profile.device == "cpu" and sum(loads) > 0:  # (a pass may see 0 loads, the next two passes' worth)
         return streamed / statistics.fmean(loads)  # what the loader delivered per second of its own work
     period = statistics.median(s for s, _ in chosen)
-    fast = estimate_step(replace(profile, stream_bytes_per_s=UNBOUNDED), costs, placement, rows, k, 0.0, context,
+    fast = estimate_step(replace(profile, stream_bytes_per_s=UNBOUNDED), costs, placement, rows, k, 0.0, attended_len,
                          expert_loading)
     if period <= fast.t_step and model.bound != "io":
         return None  # the pass did not wait on the io: its period says nothing about the rate
