@@ -48,7 +48,7 @@ PASS_WINDOW = 8
 UNBOUNDED = 1e18
 
 
-class KReplanner:
+class Replanner:
     """Holds the current k and rows per batch; `record` each verified batch's acceptance; see the module docstring."""
 
     def __init__(self, plan: Plan, interval: int, profile: HardwareProfile | None = None,
