@@ -118,7 +118,7 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
     workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
     warmup = None
     if config.planned and models.draft is not None and config.num_draft_tokens != 0:
-        profile = profile or load_or_measure(config)
+        profile = profile or load_or_measure(config, open_engine=Engine)
         warmup = measure_acceptance(config, prompts, params, profile=profile)
         if warmup.stream_rate is not None:  # the disk's rate now (it drifts: runtime/offload/replan.py)
             profile = replace(profile, stream_bytes_per_s=warmup.stream_rate)

@@ -177,7 +177,7 @@ def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple
     target = Transformer(config.target, dtype=config.torch_dtype)
     draft = Transformer(config.draft, dtype=config.torch_dtype) if config.draft and not config.self_draft else None
     models = ModelPair.of(target, draft)
-    profile = load_or_measure(config, log=lambda m: print(f"  [profile] {m}", flush=True))
+    profile = load_or_measure(config, log=lambda m: print(f"  [profile] {m}", flush=True), open_engine=Engine)
     predictions: dict[str, float] = {}
     what_if: dict[str, dict[str, float]] = {}  # acceptance -> (batch, k) -> predicted tok/s: what would pay
     for batch, k in grid:

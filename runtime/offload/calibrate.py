@@ -7,7 +7,8 @@ per row, and the executor's hand-offs per op; and an isolated stream rate timed 
 disk's moment-to-moment rate (docs/perf/README.md, "Measurements behind the acceptance model and the stream
 rate").
 
-Here real passes run: a fixed-plan offloaded `Engine` under the profiled config's budget, on synthetic prompts,
+Here real passes run: a fixed-plan offloaded `Engine` (built by the caller's `open_engine`: the engine imports
+the profiler, so this module does not import the engine) under the profiled config's budget, on synthetic prompts,
 at two plans: one batch without a draft, and (with a drafter) two batches at k = CALIBRATION_K, whose k = 0 passes
 are timed too. From the decode passes (the prefill ones skipped):
 
@@ -25,8 +26,9 @@ from __future__ import annotations
 import gc
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specoffload.planner import HardwareProfile
 from specoffload.planner.cost import estimate_step, stream_bytes
@@ -35,6 +37,12 @@ from specoffload.planner.placement import PlacementError
 from ..config import EngineConfig
 from ..sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+#: builds an engine for a config (`Engine` itself): the fixed-plan engines whose passes are timed
+EngineFactory = Callable[[EngineConfig], "Engine"]
+
 #: rows per batch of the calibration plans, the draft length of the drafting one, synthetic prompt length
 CALIBRATION_ROWS = (16, 8)
 CALIBRATION_K = 4
@@ -42,16 +50,18 @@ PROMPT_TOKENS = 32
 NEW_TOKENS = 16
 
 
-def calibrate(config: EngineConfig, profile: HardwareProfile, quick: bool = False) -> HardwareProfile:
-    """`profile` with the in-pass stream rate and the two overheads fitted on measured passes (module docstring).
-    Without a device budget (nothing is offloaded) the profile is returned as it is."""
+def calibrate(config: EngineConfig, profile: HardwareProfile, open_engine: EngineFactory,
+              quick: bool = False) -> HardwareProfile:
+    """`profile` with the in-pass stream rate and the two overheads fitted on measured passes (module docstring),
+    timed on engines built by `open_engine`. Without a device budget (nothing is offloaded) the profile is
+    returned as it is."""
     if config.device_memory is None:
         return profile
     points: list[dict[str, Any]] = []
     plain_rows, draft_rows = CALIBRATION_ROWS
-    points += _run(config, plain_rows, 0, ks=(0,), quick=quick)
+    points += _run(config, open_engine, plain_rows, 0, ks=(0,), quick=quick)
     if config.draft is not None:
-        points += _run(config, draft_rows, CALIBRATION_K, ks=(CALIBRATION_K, 0), quick=quick)
+        points += _run(config, open_engine, draft_rows, CALIBRATION_K, ks=(CALIBRATION_K, 0), quick=quick)
     loaded = sum(p["streamed_bytes"] for p in points)
     busy = sum(p["load_s"] for p in points)
     dense = all(p["costs"].num_experts == 0 for p in points)  # (selected expert loading reads fewer bytes)
@@ -71,15 +81,14 @@ def calibrate(config: EngineConfig, profile: HardwareProfile, quick: bool = Fals
     return replace(calibrated, calibration=tuple(record))
 
 
-def _run(config: EngineConfig, rows: int, k_max: int, ks: tuple[int, ...], quick: bool) -> list[dict[str, Any]]:
+def _run(config: EngineConfig, open_engine: EngineFactory, rows: int, k_max: int, ks: tuple[int, ...],
+         quick: bool) -> list[dict[str, Any]]:
     """Time decode passes of a fixed plan (rows per batch, k_max) at each k of `ks` (online k, same engine)."""
-    from ..engine import Engine  # the engine imports the profiler, which imports this module
-
     seq = PROMPT_TOKENS + NEW_TOKENS + 1
     while True:  # the most rows (halving) that fit the budget
         cfg = replace(config, max_batch_size=rows, num_draft_tokens=k_max, max_seq_len=seq, trace=True)
         try:
-            engine = Engine(cfg)  # a fixed plan (batch and k given): no profile needed
+            engine = open_engine(cfg)  # a fixed plan (batch and k given): no profile needed
             break
         except PlacementError:
             if rows == 1:
