@@ -11,22 +11,16 @@ likelihood over rounds is ``alpha**successes * (1 - alpha)**(trials - successes)
 geometric is ``successes / trials``; its observed information ``trials / (alpha * (1 - alpha))`` gives the
 binomial standard error.
 
-That error assumes every tried position is an independent draw. It is not: a prompt the draft finds easy stays
-easy (measured on 16 HumanEval prompts, k = 8: per-prompt acceptance from 0.75 to 0.98; docs/perf/README.md),
-so the independent units are the prompts. With counts per prompt c (trials t_c, successes s_c;
-C prompts, T = sum t_c) the ratio estimator alpha = S / T has the cluster-robust (between-prompt) variance
+Between-prompt error. Tried positions are not independent draws: a prompt the draft finds easy stays easy, so
+the independent units are the prompts. With counts per prompt c (trials t_c, successes s_c; C prompts,
+T = sum t_c) the ratio estimator alpha = S / T has the cluster-robust (between-prompt) variance
 
     se^2 = C / (C - 1) * sum_c (s_c - alpha t_c)^2 / T^2          (never below the binomial one)
 
-and its interval uses Student's t with C - 1 degrees of freedom: a warm-up on 4 prompts is 4 observations, not
-the 49 draft positions it tried.
+and its interval uses Student's t with C - 1 degrees of freedom (`AcceptanceEstimate`).
 
-Nor is the chance of acceptance the same at every position of a round. Measured (16 HumanEval prompts, 64 tokens,
-k = 8, greedy): the first draft of a round is accepted at 0.79, the later ones, given that the earlier ones were,
-at 0.89-0.97 (a round that got past its first token is in an easy stretch). One pooled alpha (0.905) then
-overstates the tokens per round by 6-10% at every k (k = 8: 6.27 predicted, 5.91 observed). `AcceptanceCurve`
-keeps the rate per position i of a round (the product-limit estimate: a_i = accepted at i / rounds that reached i
-with i drafted), so that
+Acceptance per position of a round. `AcceptanceCurve` keeps the rate per position i of a round (the
+product-limit estimate: a_i = accepted at i / rounds that reached i with i drafted), so that
 
     E[tokens](k) = 1 + sum_{i=1..k} prod_{j<=i} a_j
 
@@ -36,26 +30,19 @@ observed ones take the last position's rate; each a_i is shrunk toward the poole
 rounds, so a position seen a few times does not swing it. The curve at another acceptance level (a scenario of the
 range) keeps its shape: every a_i's odds are scaled by the same factor (`AcceptanceCurve.at`).
 
-The first position also depends on how the row's previous round ended. Measured (issue 14, 16 HumanEval prompts,
-64 tokens, greedy): after a rejection the next round's first draft is accepted at 0.66, after a fully accepted
-round at 0.91-0.93 (a rejection marks a point where draft and target diverge; the text right after it is hard
-for the draft too), the same at k = 8 and k = 2. What changes with k is the mix: at k = 8, 47% of rounds follow a
-full acceptance (pooled first-position rate 0.78), at k = 2, 80% (0.87). So a curve measured at k = 8 priced a
-k = 2 policy with the k = 8 mix, 20% too many passes. With both rates kept (`rates[0]`: after a rejection or at
-the start; `after_full`), the rounds are a two-state Markov chain: from state s a round is fully accepted with
-p_s = a_s * c_k, c_k = prod_{i=2..k} a_i, so the stationary share of rounds after a full one is
+First position after a rejection or a full round. The first draft of a round is accepted at a_R after a rejected
+round (or at the start: `rates[0]`) and at a_F after a fully accepted one (`after_full`). The rounds are then a
+two-state Markov chain: from state s a round is fully accepted with p_s = a_s * c_k, c_k = prod_{i=2..k} a_i, so
+the stationary share of rounds after a full one is
 
     pi_k = p_R / (1 - p_F + p_R)
 
 and the round's first position is accepted at pi_k a_F + (1 - pi_k) a_R (exact for the mean tokens per round,
-which is linear in a_1: `AcceptanceCurve.first_rate`). On the k = 8 run's counts this predicts 0.85 for k = 2
-against the 0.87 measured.
+which is linear in a_1: `AcceptanceCurve.first_rate`).
 
-A batch is as slow as its slowest row: it is refilled only when every row is done (runtime/offload/batches.py),
-so a wave of B rows takes the rounds its slowest row needs, not the rounds at the mean rate. Measured (issue 14,
-16 HumanEval prompts, batch 8, 64 tokens): k = 8 took 37 passes where the mean rate counts 24, k = 2 59 against
-50; both are what a row at acceptance ~0.73 needs (the mean was 0.90). Two things spread the rounds R_r that row r
-needs for N tokens:
+The slowest row of a wave. A batch is refilled only when every row is done (runtime/offload/batches.py), so a
+wave of B rows takes the rounds its slowest row needs, not the rounds at the mean rate. Two things spread the
+rounds R_r that row r needs for N tokens:
   - chance within a row: tokens per round X = 1 + A are i.i.d. with mean mu and variance v (A truncated at k:
     P(A >= i) = prod_{j<=i} a_j, E[A^2] = sum_i (2i - 1) P(A >= i)); by the renewal central limit theorem R_r is
     about normal with mean N / mu and variance N v / mu^3;
@@ -64,6 +51,9 @@ needs for N tokens:
 The slowest of B rows sits near the (B - 3/8) / (B + 1/4) quantile (Blom's plotting position, z_B standard
 deviations up); the two parts add in quadrature, the between-prompt one taken at alpha - z_B * spread so that the
 convexity of N / mu in alpha is kept (`rounds_for_slowest`).
+
+The measurements behind each of these choices: docs/perf/README.md, "Measurements behind the acceptance model and
+the stream rate".
 """
 
 from __future__ import annotations
@@ -302,8 +292,8 @@ def between_prompt_sd(rounds_by_prompt: Sequence[Sequence[tuple[float, float]]])
     rounds (trials, successes) into its first and second half, rate p1 and p2 per half; the covariance of p1 and p2
     over prompts estimates the variance they share (a prompt the draft finds easy stays easy), while the binomial
     noise and the short easy or hard stretches inside a completion, independent between the halves, drop out
-    (the plain variance of whole-prompt rates kept them: on 8 prompts x 32 tokens it put the slowest of 8 rows
-    15-19% too slow, issue 14). sqrt(max(0, cov)); 0 with fewer than two prompts of two rounds with trials."""
+    (the plain variance of whole-prompt rates keeps them). sqrt(max(0, cov)); 0 with fewer than two prompts of
+    two rounds with trials."""
     halves = []
     for rounds in rounds_by_prompt:
         tried = [(float(t), float(s)) for t, s in rounds if t > 0]

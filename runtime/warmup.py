@@ -5,27 +5,17 @@
     plan_job             the warm-up, then the planner's search over the job's workload with the estimate's
                          plausible range (maximin over it, planner/search.py): the Plan, and why
 
-Why the warm-up looks like this (issue 14; measured on 16 full HumanEval prompts, 64 new tokens, k = 8, greedy;
-docs/perf/README.md). The issue compared the old warm-up's alpha (0.926: the job's first 4 prompts, 16 tokens, k = 4)
-with "0.62 observed over the job", but 0.62 was accepted / drafted: at k = 8 that is E[accepted] / 8, which is 0.61
-even at a per-position alpha of 0.905, the job's measured value. The per-position rate hardly moves along a
-completion (0.906, 0.891, 0.906, 0.919 over tokens 0-16, 16-32, 32-48, 48-64) and the first four prompts are not
-special (0.916 against 0.902 for the other twelve). What was wrong: (1) the shape: the first draft of a round is
-accepted at 0.79, later ones at 0.89-0.97, so Leviathan's i.i.d. model at the pooled alpha overstates the tokens
-per round by 6-10% at every k (k = 8: 6.27 against 5.91 observed), and a warm-up at k = 4 extrapolated the rest;
-(2) the error: per prompt the rate runs from 0.75 to 0.98, so 4 prompts are 4 observations, not 49 independent
-positions (on the old warm-up's sample, 95%: binomial 0.84-0.98, between prompts 0.75-1.0); (3) the sampling: the
-warm-up was greedy whatever the job ran. So the warm-up now drafts at k = MAX_AUTO_K for prompts spread over the
-whole job (every n/w-th) with the job's sampling, estimates the acceptance per position of a round
-(`AcceptanceCurve`, exact for every k <= 8) and its between-prompt range (Student's t on w - 1 degrees of freedom),
-and the plan holds over that range (maximin, planner/search.py). On the same data, 8 spread prompts x 32 tokens
-predict 5.93 tokens per round at k = 8 against the 5.91 the whole job observed.
+The warm-up drafts at k = MAX_AUTO_K (so the curve holds every k the plan may pick) for WARMUP_PROMPTS prompts
+spread over the whole job (every n/w-th), with the job's sampling, up to WARMUP_TOKENS tokens each. It estimates
+the acceptance per position of a round (`AcceptanceCurve`, exact for every k <= MAX_AUTO_K) and its between-prompt
+range (Student's t on w - 1 degrees of freedom, planner/acceptance.py); the plan must hold over that range at
+CONFIDENCE (maximin, planner/search.py).
 
-The warm-up streams the job's weights under the job's budget, so its loader also says what the disk delivers now
-(streamed bytes / its seconds in load ops: runtime/offload/replan.py `observed_stream_rate`); the plan is searched
-at that rate (the profile's was measured once, and this VM's disk moved 1.5-3x between the profile, its
-calibration and the job: issue 14). Read off the passes' periods instead, a warm-up at k = 8 showed a disk 30-40%
-slower than its loader delivered: the draft steps' compute the model undercounts was taken for io.
+The warm-up streams the job's weights under the job's budget, so its loader also says what the disk delivers now:
+streamed bytes / its seconds in load ops (runtime/offload/replan.py `observed_stream_rate`), not the periods of
+its passes, which also hold the draft steps' compute. The plan is searched at that rate when there is one, else at
+the profile's. Measurements behind these choices: docs/perf/README.md, "Measurements behind the acceptance model
+and the stream rate".
 """
 
 from __future__ import annotations
@@ -128,7 +118,7 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
     workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
     warmup = None
     if config.planned and models.draft is not None and config.num_draft_tokens != 0:
-        profile = profile or load_or_measure(config)
+        profile = profile or load_or_measure(config, open_engine=Engine)
         warmup = measure_acceptance(config, prompts, params, profile=profile)
         if warmup.stream_rate is not None:  # the disk's rate now (it drifts: runtime/offload/replan.py)
             profile = replace(profile, stream_bytes_per_s=warmup.stream_rate)

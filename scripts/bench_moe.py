@@ -169,7 +169,7 @@ def dense_reference(prompts: list[list[int]], new_tokens: int) -> list[list[int]
     return out
 
 
-def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple[int, int]], context: int) -> dict:
+def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple[int, int]], attended_len: int) -> dict:
     """The planner's choice over the measured grid at this budget: its predicted steady decode rate of every
     (batch, k) that places, from the measured profile and the acceptance measured in this run; the pick is the
     argmax (as `planner.search` ranks, over the same candidates)."""
@@ -177,7 +177,7 @@ def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple
     target = Transformer(config.target, dtype=config.torch_dtype)
     draft = Transformer(config.draft, dtype=config.torch_dtype) if config.draft and not config.self_draft else None
     models = ModelPair.of(target, draft)
-    profile = load_or_measure(config, log=lambda m: print(f"  [profile] {m}", flush=True))
+    profile = load_or_measure(config, log=lambda m: print(f"  [profile] {m}", flush=True), open_engine=Engine)
     predictions: dict[str, float] = {}
     what_if: dict[str, dict[str, float]] = {}  # acceptance -> (batch, k) -> predicted tok/s: what would pay
     for batch, k in grid:
@@ -188,8 +188,8 @@ def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple
         except PlacementError:
             continue
         for a in (alpha, 0.75, 0.9, 0.95):
-            step = estimate_step(profile, pair.costs(k > 0), placement, batch, k, a, context, config.expert_loading,
-                                 config.interleave is not False)
+            step = estimate_step(profile, pair.costs(k > 0), placement, batch, k, a, attended_len,
+                                 config.expert_loading, config.interleave is not False)
             what_if.setdefault(f"{a:.3f}", {})[f"{batch},{k}"] = step.tokens_per_s
         predictions[f"{batch},{k}"] = what_if[f"{alpha:.3f}"][f"{batch},{k}"]
     pick = max(predictions, key=predictions.get) if predictions else None

@@ -1,16 +1,15 @@
 #!/usr/bin/env python
 """Benchmark: a padded prefill's dense FFN on every padded position (baseline) vs on the valid tokens only (ours).
 
-A prefill pads every row of a batch to its longest prompt (right padding). The dense FFN used to run on all
-rows x padded-length positions; it now runs on the valid tokens only (runtime/models/model.py `Transformer.ffn`
+A prefill pads every row of a batch to its longest prompt (right padding). The baseline runs the dense FFN on all
+rows x padded-length positions; ours runs it on the valid tokens only (runtime/models/model.py `Transformer.ffn`
 with the batch's token mask), since a padded position's output is never read. On a batch of 16 prose prompts
-(mean 122, longest 329 tokens) that is 2.7x fewer tokens. Issue 14 found it through the planner validation
-(one 16-row prose prefill pass at 4.5 GiB: 106 s before, 47 s after, two separate runs); this measures it at the
-op in one run: for each corpus (the validation's: HumanEval prompts and prose paragraphs, whole, tokenized by the
-target's tokenizer), one batch of `--rows` prompts, both variants of one layer's FFN of the real target on the
-same hidden states, alternating, `--reps` times each (median, min, max), the FLOPs each does, and the machine's
-roofline: the time those FLOPs take at the GEMM rate measured in the same run at the same shape with enough rows
-to saturate it. Ours must give the baseline's output on every valid position (checked to 1e-5 relative).
+(mean 122, longest 329 tokens) that is 2.7x fewer tokens. This measures it at the op in one run: for each corpus
+(the validation's: HumanEval prompts and prose paragraphs, whole, tokenized by the target's tokenizer), one batch
+of `--rows` prompts, both variants of one layer's FFN of the real target on the same hidden states, alternating,
+`--reps` times each (median, min, max), the FLOPs each does, and the machine's roofline: the time those FLOPs take
+at the GEMM rate measured in the same run at the same shape with enough rows to saturate it. Ours must give the
+baseline's output on every valid position (checked to 1e-5 relative).
 
 Weights are used unpacked, as streamed layers are (the resident ones are packed: the same saving applies).
 

@@ -5,13 +5,11 @@ A section named ``name`` is the text between the lines ``<!-- name:begin -->`` a
 the prose around a section (headings, hand-written notes) survives every rerun, and writing the same body
 twice gives the same file.
 
-Of the two algorithms the scripts used to carry, this keeps the one that looks for the end marker *after*
-the begin marker (``text.split(begin, 1)``, then the rest split at ``end``). The other took the first
-``end`` anywhere in the file (``text.index(end)``) and checked only that ``begin`` was present: with the
-markers in the wrong order it duplicated everything between them, and with ``end`` missing it died on a
-bare ``ValueError``. Here a file with neither marker gets the section appended under a heading; a file
-with only one of them, with them out of order, or with a marker twice, is an error that names the file
-and the markers, since guessing where the section ends could delete hand-written text.
+The end marker is looked for *after* the begin marker (``text.split(begin, 1)``, then the rest split at
+``end``), never as the first ``end`` anywhere in the file, which would duplicate everything between markers
+in the wrong order. A file with neither marker gets the section appended under a heading; a file with only
+one of them, with them out of order, or with a marker twice, is an error that names the file and the
+markers, since guessing where the section ends could delete hand-written text.
 """
 
 from __future__ import annotations

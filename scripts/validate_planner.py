@@ -87,7 +87,7 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
     target, draft = model_dir("target"), model_dir("draft")
     base = EngineConfig(target=target, draft=draft, device_memory=budget, max_seq_len=max_seq_len,
                         num_draft_tokens="auto", max_batch_size="auto")
-    profile = load_or_measure(base, log=lambda m: print(f"[{name}] {m}", flush=True))
+    profile = load_or_measure(base, log=lambda m: print(f"[{name}] {m}", flush=True), open_engine=Engine)
     models = ModelPair.of(Transformer(target), Transformer(draft))  # shapes only: nothing is loaded
     t = time.perf_counter()
     job = plan_job(base, models, prompts, params, max_seq_len, profile=profile)

@@ -241,13 +241,15 @@ def test_search_prefers_the_policy_that_stays_good_over_the_range() -> None:
 
 
 def test_replan_turns_speculation_off_and_merges_rows() -> None:
-    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
     placement = place(TARGET, DRAFT, policy, 4200, GiB)
     costs = ModelCosts.from_shapes(TARGET, DRAFT)
-    low = replan(PROFILE, costs, placement, 2, alpha=0.05, context=40, k_max=6, merged_rows=4)
+    low = replan(PROFILE, costs, placement, 2, alpha=0.05, attended_len=40, k_max=6, merged_rows=4)
     assert (low.k, low.rows) == (0, 4)
-    high = replan(PROFILE, costs, placement, 2, alpha=0.95, context=40, k_max=6, merged_rows=4)
+    high = replan(PROFILE, costs, placement, 2, alpha=0.95, attended_len=40, k_max=6, merged_rows=4)
     assert high.k >= 1 and high.rows == 2 and high.tokens_per_s > low.tokens_per_s
+    never = replan(PROFILE, costs, placement, 2, alpha=0.0, attended_len=40, k_max=6, merged_rows=4)
+    assert (never.k, never.rows) == (0, 4)  # nothing is ever accepted
     with pytest.raises(ValueError, match="drafter"):
         replan(PROFILE, ModelCosts.from_shapes(TARGET, None), placement, 2, 0.5, 40, k_max=6, merged_rows=4)
 
@@ -260,15 +262,15 @@ def test_online_stream_rate_from_the_jobs_own_passes() -> None:
 
     from specoffload.planner import estimate_step
     from specoffload.planner.plan import fixed_plan
-    from specoffload.runtime.offload.replan import PASS_WINDOW, KReplanner
+    from specoffload.runtime.offload.replan import PASS_WINDOW, Replanner
 
-    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
     placement = place(TARGET, DRAFT, policy, 4200, GiB)
     costs = ModelCosts.from_shapes(TARGET, DRAFT)
     plan = dc_replace(fixed_plan(2, 2, 48), policy=search(PROFILE, TARGET, DRAFT, WORKLOAD, alpha=0.9,
                                                           device_memory=4200, host_memory=GiB, batches=(2,),
                                                           ks=(2,), unified_memory=False).best)
-    replanner = KReplanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
+    replanner = Replanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
     model = estimate_step(PROFILE, costs, placement, 2, 2, 0.0, 24)
     assert model.t_io > 0
     assert replanner.calibrated_profile() is PROFILE  # nothing observed yet
@@ -279,22 +281,22 @@ def test_online_stream_rate_from_the_jobs_own_passes() -> None:
     assert replanner.stream_rate == slow.stream_bytes_per_s
     assert model.bound == "io"
     fast = estimate_step(dc_replace(PROFILE, stream_bytes_per_s=1e18), costs, placement, 2, 2, 0.0, 24)
-    quick = KReplanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
+    quick = Replanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
     for _ in range(PASS_WINDOW):
         quick.observe_pass(fast.t_step * 0.5, 2, 2)  # faster than the model's io: the disk delivered more
     assert quick.calibrated_profile().stream_bytes_per_s == pytest.approx(model.t_io * PROFILE.stream_bytes_per_s
                                                                           / (fast.t_step * 0.5))
     quick_disk = dc_replace(PROFILE, stream_bytes_per_s=1e6)  # compute-bound: the pass never waits on the io
     assert estimate_step(quick_disk, costs, placement, 2, 2, 0.0, 24).bound != "io"
-    compute = KReplanner(plan, interval=1, profile=quick_disk, costs=costs, placement=placement)
+    compute = Replanner(plan, interval=1, profile=quick_disk, costs=costs, placement=placement)
     for _ in range(PASS_WINDOW):
         compute.observe_pass(fast.t_step * 0.9, 2, 2)
     assert compute.calibrated_profile() is quick_disk and compute.stream_rate is None
-    few = KReplanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
+    few = Replanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
     for _ in range(PASS_WINDOW // 2 - 1):
         few.observe_pass(3 * model.t_step, 2, 2)
     assert few.calibrated_profile() is PROFILE  # too few passes to say
-    mixed = KReplanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
+    mixed = Replanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
     for n in range(PASS_WINDOW):  # the window's most common shape (k 2, 2 rows) is the one measured
         mixed.observe_pass(3 * model.t_step if n % 4 else 100.0, 2 if n % 4 else 1, 2)
     assert mixed.calibrated_profile().stream_bytes_per_s == pytest.approx(slow.stream_bytes_per_s)
@@ -311,7 +313,7 @@ def test_online_stream_rate_from_the_loaders_own_time() -> None:
     from specoffload.planner import estimate_step
     from specoffload.runtime.offload.replan import PASS_WINDOW, observed_stream_rate
 
-    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
     placement = place(TARGET, DRAFT, policy, 4200, GiB)
     costs = ModelCosts.from_shapes(TARGET, DRAFT)
     model = estimate_step(PROFILE, costs, placement, 2, 2, 0.0, 24)

@@ -128,7 +128,7 @@ policies = st.builds(
     PlacementPolicy,
     batch_size=st.integers(1, 4),
     num_batches=st.sampled_from([1, 2]),
-    context=st.integers(1, 64),
+    kv_capacity=st.integers(1, 64),
     num_buffers=st.integers(1, 3),
     weights_tier=st.sampled_from(["disk", "ram"]),
     unified_memory=st.booleans(),
@@ -139,8 +139,8 @@ drafts = st.none() | shapes(name="draft", max_layers=2)
 
 def kv_bytes(shape: ModelShape, policy: PlacementPolicy) -> int:
     """The oracle of a KV cache's size, written out from its definition: K and V of every token of every row of
-    every batch, at full context (not the production helper)."""
-    return shape.kv_bytes_per_token * policy.context * policy.batch_size * policy.num_batches
+    every batch, at full capacity (not the production helper)."""
+    return shape.kv_bytes_per_token * policy.kv_capacity * policy.batch_size * policy.num_batches
 
 
 def weight_bytes(shape: ModelShape) -> int:
@@ -285,7 +285,7 @@ def test_huge_budget_makes_everything_resident(
 def moe_pair(num_layers: int = 6) -> tuple[ModelShape, ModelShape]:
     """MoE layers of 4 experts: attention 100, router 10, expert 300 (ffn layer 1200), embedding/head 1000.
 
-    With batch_size 2, context 16, two batches: target KV 8 * 16 * 2 * 2 = 512, draft KV 128, draft weights 100.
+    With batch_size 2, kv_capacity 16, two batches: target KV 8 * 16 * 2 * 2 = 512, draft KV 128, draft weights 100.
     """
     target = make_shape("moe", [4] * num_layers, attn=100, ffn=300, embed=1000, head=1000, kv=8)
     draft = make_shape("draft", [0], attn=20, ffn=20, embed=30, head=30, kv=2)
@@ -294,7 +294,7 @@ def moe_pair(num_layers: int = 6) -> tuple[ModelShape, ModelShape]:
 
 def test_literal_budgets_walk_the_priority_order() -> None:
     target, draft = moe_pair()
-    policy = PlacementPolicy(batch_size=2, context=16)
+    policy = PlacementPolicy(batch_size=2, kv_capacity=16)
     fixed = 100 + 128 + 512  # draft weights + draft KV + target KV (unified: counts against the device)
     # all streamed: slot = attention + router + 4 experts = 1310 (> head 1000)
     assert minimum_device_memory(target, draft, policy) == fixed + 2 * 1310
@@ -325,7 +325,7 @@ def test_literal_budgets_walk_the_priority_order() -> None:
 def test_minimum_is_the_cheapest_plan_not_always_all_streamed() -> None:
     # 2 layers, 3 buffers: the ring of 3 x 1310 costs more than keeping every layer resident
     target, draft = moe_pair(num_layers=2)
-    policy = PlacementPolicy(batch_size=2, context=16, num_buffers=3)
+    policy = PlacementPolicy(batch_size=2, kv_capacity=16, num_buffers=3)
     fixed = 100 + 128 + 512
     assert minimum_device_memory(target, draft, policy) == fixed + 220 + 1000 + 2400 < fixed + 3 * 1310
     p = place(target, draft, policy, fixed + 3620, 512)
@@ -348,7 +348,7 @@ def test_priority_order_is_routers_attention_head_ffn_embedding() -> None:
 
 def test_host_memory_bounds_the_target_kv_cache() -> None:
     target, draft = moe_pair()
-    policy = PlacementPolicy(batch_size=2, context=16, unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, kv_capacity=16, unified_memory=False)
     with pytest.raises(PlacementError, match="512 B .512 bytes. of host memory"):
         place(target, draft, policy, 10**9, 511)
     assert place(target, draft, policy, 10**9, 512).host_bytes() == 512
@@ -356,7 +356,7 @@ def test_host_memory_bounds_the_target_kv_cache() -> None:
 
 def test_ram_tier_host_need_shrinks_as_the_device_budget_grows() -> None:
     target, draft = moe_pair()
-    policy = PlacementPolicy(batch_size=2, context=16, weights_tier="ram", unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, kv_capacity=16, weights_tier="ram", unified_memory=False)
     minimum = minimum_device_memory(target, draft, policy)
     # with the device minimum, most weights stay in host RAM
     with pytest.raises(PlacementError, match="host memory") as info:
@@ -371,7 +371,7 @@ def test_ram_tier_host_need_shrinks_as_the_device_budget_grows() -> None:
 
 def test_unified_ram_tier_counts_host_weights_against_the_device() -> None:
     target, draft = moe_pair()
-    policy = PlacementPolicy(batch_size=2, context=16, weights_tier="ram", unified_memory=True)
+    policy = PlacementPolicy(batch_size=2, kv_capacity=16, weights_tier="ram", unified_memory=True)
     # one pool: every weight is in it either way, so the cheapest plan is everything resident, no ring
     assert minimum_device_memory(target, draft, policy) == 100 + 128 + 512 + target.total_bytes
     p = place(target, draft, policy, minimum_device_memory(target, draft, policy), 10**9)
@@ -394,7 +394,7 @@ def test_unknown_part_and_placement_is_frozen() -> None:
         ({"batch_size": 0}, "batch_size must be an integer >= 1"),
         ({"batch_size": 1, "num_batches": 3}, "num_batches must be 1"),
         ({"batch_size": 1, "num_buffers": 0}, "num_buffers must be an integer >= 1"),
-        ({"batch_size": 1, "context": 0}, "context must be an integer >= 1"),
+        ({"batch_size": 1, "kv_capacity": 0}, "kv_capacity must be an integer >= 1"),
         ({"batch_size": 1, "weights_tier": "gpu"}, "weights_tier must be 'disk'"),
         ({"batch_size": 2.0}, "batch_size must be an integer"),
     ],
@@ -427,7 +427,7 @@ def test_from_loader_on_a_tiny_checkpoint(tiny_models: dict, name: str) -> None:
     assert shape.num_layers == config.num_layers
     assert shape.kv_bytes_per_token == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
 
-    policy = PlacementPolicy(batch_size=2, num_batches=1, context=32)
+    policy = PlacementPolicy(batch_size=2, num_batches=1, kv_capacity=32)
     minimum = minimum_device_memory(shape, None, policy)
     tight = place(shape, None, policy, minimum, 10**9)
     assert tight.streamed_layers and tight.device_bytes() <= minimum
@@ -477,8 +477,8 @@ def test_expert_groups_size_the_ring_per_group() -> None:
     unit. All streamed, two buffers: the ring drops from 2 x 1310 to 2 x 1000."""
     target, draft = moe_pair()
     fixed = 100 + 128 + 512
-    whole = PlacementPolicy(batch_size=2, context=16)
-    grouped = PlacementPolicy(batch_size=2, context=16, expert_group=2)
+    whole = PlacementPolicy(batch_size=2, kv_capacity=16)
+    grouped = PlacementPolicy(batch_size=2, kv_capacity=16, expert_group=2)
     assert minimum_device_memory(target, draft, whole) == fixed + 2 * 1310
     assert minimum_device_memory(target, draft, grouped) == fixed + 2 * 1000
     p = place(target, draft, grouped, fixed + 2 * 1000, 512)

@@ -25,12 +25,11 @@ from specoffload.planner import (
     estimate_step,
     estimate_workload,
     expected_tokens,
-    replan_k,
     search,
 )
 from specoffload.planner.cost import ChainLink, chain_period, estimate_prefill, stream_bytes
 from specoffload.planner.errors import SpecOffloadError
-from specoffload.planner.placement import ModelShape, Placement, PlacementPolicy, place
+from specoffload.planner.placement import ModelShape, Placement, PlacementPolicy
 from specoffload.planner.shapes import PartKey
 from tests.conftest import dense_shape
 
@@ -286,14 +285,14 @@ def test_chain_period_depends_on_ring_depth() -> None:
 def test_step_io_bound_shared() -> None:
     profile = make_profile()
     placement = manual_placement((0, 1, 2, 3))
-    step = estimate_step(profile, COSTS, placement, batch=1, k=0, alpha=0.5, context=8)
+    step = estimate_step(profile, COSTS, placement, batch=1, k=0, alpha=0.5, attended_len=8)
     # io 4 x 1 s; compute 4 x (0.1 attention + 0.1 ffn) + head 0.05
     assert (step.t_io, step.t_attention, step.t_head) == pytest.approx((4.0, 0.4, 0.05))
     assert step.t_ffn == pytest.approx(0.4)
     assert step.t_chain == pytest.approx(4.0)
     assert step.t_step == pytest.approx(4.0) and step.bound == "io"
     assert step.tokens_per_s == pytest.approx(0.25)
-    spec = estimate_step(profile, COSTS, placement, batch=1, k=3, alpha=0.5, context=8)
+    spec = estimate_step(profile, COSTS, placement, batch=1, k=3, alpha=0.5, attended_len=8)
     # 4 tokens fed: ffn 0.4 s per layer, head 0.2, draft 3 x 0.2: compute 2.8 s, still hidden under the io
     assert (spec.t_ffn, spec.t_head, spec.t_draft) == pytest.approx((1.6, 0.2, 0.6))
     assert spec.t_step == pytest.approx(4.0) and spec.bound == "io"
@@ -304,19 +303,19 @@ def test_step_io_bound_shared() -> None:
 def test_step_compute_bound_shared_and_separate() -> None:
     shared = make_profile(stream_bytes_per_s=8000.0, ffn_flops_per_s=((1, 800.0),))
     placement = manual_placement((0, 1, 2, 3))
-    step = estimate_step(shared, COSTS, placement, batch=1, k=0, alpha=0.5, context=8)
+    step = estimate_step(shared, COSTS, placement, batch=1, k=0, alpha=0.5, attended_len=8)
     # loads 0.1 s each; 4 x (0.1 + 1.0) + head 0.5 = 4.9 s of serial compute; no stalls
     assert step.t_io == pytest.approx(0.4)
     assert step.t_chain == pytest.approx(4.9)
     assert step.t_step == pytest.approx(4.9)
-    spec = estimate_step(shared, COSTS, placement, batch=1, k=3, alpha=0.5, context=8)
+    spec = estimate_step(shared, COSTS, placement, batch=1, k=3, alpha=0.5, attended_len=8)
     # 4 tokens: ffn 16, head 2, attention 0.4, draft 0.6, all on the same cores
     assert spec.t_step == pytest.approx(19.0) and spec.bound == "compute"
     assert spec.tokens_per_s < step.tokens_per_s  # speculation does not pay when compute-bound
 
     separate = make_profile(device="cuda", shared_compute=False, stream_bytes_per_s=8000.0,
                             ffn_flops_per_s=((1, 800.0),))
-    gpu = estimate_step(separate, COSTS, placement, batch=1, k=3, alpha=0.5, context=8)
+    gpu = estimate_step(separate, COSTS, placement, batch=1, k=3, alpha=0.5, attended_len=8)
     # device: ffn 16 + head 2 + draft 0.6 = 18.6 > chain 18.4 > cpu 0.4: the attention overlaps the draft
     assert gpu.t_chain == pytest.approx(18.4)
     assert gpu.t_step == pytest.approx(18.6) and gpu.bound == "device"
@@ -325,17 +324,17 @@ def test_step_compute_bound_shared_and_separate() -> None:
 def test_step_draft_hidden_on_separate_compute_only() -> None:
     placement = manual_placement((0, 1, 2, 3))
     slow_draft = {"draft_step_s": ((1, 1.0),)}
-    shared = estimate_step(make_profile(**slow_draft), COSTS, placement, batch=1, k=3, alpha=0.5, context=8)
+    shared = estimate_step(make_profile(**slow_draft), COSTS, placement, batch=1, k=3, alpha=0.5, attended_len=8)
     # 0.4 attention + 1.6 ffn + 0.2 head + 3.0 draft = 5.2 s > 4 s of io
     assert shared.t_step == pytest.approx(5.2) and shared.bound == "compute"
     gpu = make_profile(device="cuda", shared_compute=False, **slow_draft)
-    separate = estimate_step(gpu, COSTS, placement, batch=1, k=3, alpha=0.5, context=8)
+    separate = estimate_step(gpu, COSTS, placement, batch=1, k=3, alpha=0.5, attended_len=8)
     assert separate.t_step == pytest.approx(4.8) and separate.bound == "device"  # 1.6 + 0.2 + 3.0
 
 
 def test_step_attention_and_overhead_terms() -> None:
     profile = make_profile(attention_fit=(0.0, 0.01, 0.001), pass_overhead_s=0.5, stream_bytes_per_s=1e9)
-    step = estimate_step(profile, COSTS, manual_placement(()), batch=2, k=1, alpha=0.5, context=100)
+    step = estimate_step(profile, COSTS, manual_placement(()), batch=2, k=1, alpha=0.5, attended_len=100)
     # 4 tokens fed attend to 100 keys: 0.04 + 0.4 = 0.44 s per layer
     assert step.t_attention == pytest.approx(4 * 0.44)
     assert step.t_io == 0.0
@@ -434,18 +433,6 @@ def test_search_without_draft_only_tries_k0() -> None:
     assert {p.k for p in result.alternatives} == {0}
 
 
-def test_replan_k() -> None:
-    profile = make_profile(stream_bytes_per_s=100.0, ffn_flops_per_s=((1, 1e6),), draft_step_s=((1, 0.01),))
-    policy = PlacementPolicy(batch_size=2, num_batches=2, context=32, weights_tier="disk", unified_memory=False)
-    placement = place(TARGET, DRAFT, policy, 4200, GiB)
-    assert replan_k(profile, COSTS, placement, 2, alpha=0.9, context=20) > 0
-    assert replan_k(profile, COSTS, placement, 2, alpha=0.0, context=20) == 0  # nothing is ever accepted
-    no_draft = ModelCosts(TARGET, None)
-    assert replan_k(profile, no_draft, placement, 2, alpha=0.9, context=20) == 0
-    with pytest.raises(ValueError, match="no candidate"):
-        replan_k(profile, no_draft, placement, 2, alpha=0.9, context=20, ks=(1, 2))
-
-
 # --- import boundary ---------------------------------------------------------------------------------------------
 
 
@@ -522,8 +509,8 @@ def test_resident_layers_use_the_resident_gemm_rate() -> None:
     plain = make_profile(stream_bytes_per_s=8000.0, ffn_flops_per_s=((1, 800.0),))
     packed = make_profile(stream_bytes_per_s=8000.0, ffn_flops_per_s=((1, 800.0),),
                           resident_ffn_flops_per_s=((1, 1600.0),))
-    a = estimate_step(plain, COSTS, streamed, batch=1, k=0, alpha=0.5, context=8)
-    b = estimate_step(packed, COSTS, streamed, batch=1, k=0, alpha=0.5, context=8)
+    a = estimate_step(plain, COSTS, streamed, batch=1, k=0, alpha=0.5, attended_len=8)
+    b = estimate_step(packed, COSTS, streamed, batch=1, k=0, alpha=0.5, attended_len=8)
     assert a.t_ffn == pytest.approx(4 * 1.0)  # 800 FLOPs per layer at 800 FLOP/s
     assert b.t_ffn == pytest.approx(2 * 1.0 + 2 * 0.5)  # the two resident layers at twice the rate
     assert packed.ffn_rate(1) == 800.0 and packed.ffn_rate(1, resident=True) == 1600.0
@@ -558,7 +545,7 @@ def test_selected_expert_loading_cuts_the_predicted_bytes_of_a_small_pass() -> N
 
     shape = ModelShape("moe", ((PartKey("embedding"), 10), (PartKey("attention", 0), 10), (PartKey("router", 0), 1),
                                *((PartKey("expert", 0, e), 100) for e in range(8)), (PartKey("head"), 10)), 1, 4)
-    policy = PlacementPolicy(batch_size=2, num_batches=1, context=8, num_buffers=1, unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, num_batches=1, kv_capacity=8, num_buffers=1, unified_memory=False)
     resident = {PartKey("attention", 0), PartKey("router", 0), PartKey("head")}
     placement = manual_placement_for(shape, policy, resident)
     costs = ModelCosts.from_shapes(shape, None, dtype_bytes=2, top_k=1)

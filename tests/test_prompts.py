@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from scripts import get_models as gm
-from specoffload.runtime.prompts import PromptFileError, humaneval_prompts, read_prompts_file
+from specoffload.runtime.offline.prompt_file import read_prompts_file
+from specoffload.runtime.prompts import PromptFileError, humaneval_prompts
 
 # --------------------------------------------------------------------------- read_prompts_file
 

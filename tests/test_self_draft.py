@@ -169,13 +169,14 @@ def test_migration_is_traced_on_its_own_track_and_the_breakdown_adds_up(tiny_mod
     assert sum(t for _, t in table.overlap) == pytest.approx(table.wall, abs=1e-9)
 
 
-def test_the_planner_chooses_among_drafters_from_their_measured_acceptance(tiny_models):
+def test_the_planner_weighs_self_drafting_against_no_draft_from_its_measured_acceptance(tiny_models):
     """A synthetic MoE far larger than its budget, on an io-bound profile (slow stream, fast compute): a
     resident-expert drafter whose drafts are all accepted beats no draft (9 tokens per row per pass for a little
-    more io); the same drafter at acceptance 0.05 loses. The winning plan carries its resident experts."""
+    more io); the same drafter at acceptance 0.05 is not used (k = 0). The drafting plan carries its resident
+    experts."""
     from specoffload.planner import HardwareProfile, Workload
     from specoffload.planner.shapes import ModelShape, PartKey
-    from specoffload.runtime.planning import DrafterOption, ModelPair, compare_drafters
+    from specoffload.runtime.planning import ModelPair, make_plan
 
     parts = [(PartKey("embedding"), 10_000)]
     for j in range(4):
@@ -189,20 +190,16 @@ def test_the_planner_chooses_among_drafters_from_their_measured_acceptance(tiny_
     )
     path = tiny_models["mixtral"]  # only its config is read: the shapes above stand for the model
     budget = 24_000_000  # the ring alone (two whole-layer slots) is 16 MB
-    none = ModelPair(target, None, context=64, dtype_bytes=2, top_k=2)
-    selfish = ModelPair(target, self_draft_shape(target, 1), context=64, dtype_bytes=2, top_k=2, draft_top_k=1,
+    none = ModelPair(target, None, model_context=64, dtype_bytes=2, top_k=2)
+    selfish = ModelPair(target, self_draft_shape(target, 1), model_context=64, dtype_bytes=2, top_k=2, draft_top_k=1,
                         self_draft_experts=1)
     base = EngineConfig(path, device_memory=budget, max_seq_len=48)
+    self_config = EngineConfig(path, draft="self", resident_experts=1, device_memory=budget, max_seq_len=48)
     workload = Workload(num_prompts=64, prompt_len=8, new_tokens=32)
 
-    def options(alpha: float) -> list[DrafterOption]:
-        self_config = EngineConfig(path, draft="self", resident_experts=1, device_memory=budget, max_seq_len=48)
-        return [DrafterOption("none", base, none, 0.0), DrafterOption("self:1", self_config, selfish, alpha)]
-
-    profiles = {"none": io_bound, "self:1": io_bound}
-    ranked = compare_drafters(options(1.0), 48, workload, profiles)
-    assert [p.policy.predicted_tokens_per_s for _, p in ranked] == sorted(
-        (p.policy.predicted_tokens_per_s for _, p in ranked), reverse=True)
-    assert ranked[0][0].name == "self:1" and ranked[0][1].k >= 1 and ranked[0][1].draft_experts == 1
-    ranked = compare_drafters(options(0.05), 48, workload, profiles)
-    assert ranked[0][1].k == 0 and ranked[0][1].draft_experts == 0
+    no_draft = make_plan(base, none, 48, workload=workload, alpha=0.0, profile=io_bound)
+    drafting = make_plan(self_config, selfish, 48, workload=workload, alpha=1.0, profile=io_bound)
+    assert drafting.policy.predicted_tokens_per_s > no_draft.policy.predicted_tokens_per_s
+    assert drafting.k >= 1 and drafting.draft_experts == 1
+    unused = make_plan(self_config, selfish, 48, workload=workload, alpha=0.05, profile=io_bound)
+    assert unused.k == 0 and unused.draft_experts == 0

@@ -158,7 +158,7 @@ def test_online_replan_prices_the_slowest_row() -> None:
     from specoffload.planner.placement import PlacementPolicy, place
     from tests.test_acceptance_planning import DRAFT, PROFILE, TARGET, GiB
 
-    policy = PlacementPolicy(batch_size=2, num_batches=2, context=48, weights_tier="disk", unified_memory=False)
+    policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
     placement = place(TARGET, DRAFT, policy, 4200, GiB)
     costs = ModelCosts.from_shapes(TARGET, DRAFT)
     curve = AcceptanceCurve((0.95,), 0.95, 0.1)

@@ -6,7 +6,7 @@ Run `python -m specoffload.planner.paper_scale.derive` to rewrite the JSON; READ
     GEMM      bf16, weights read from device memory: FLOP/s(rows) = min(0.6 * 165.2e12, rows * 0.8 * 1008e9)
               (a weight of 2 bytes serves 2 FLOPs per row: memory-bound rate = rows * bandwidth, until the
               tensor-core roof; 165.2 TFLOP/s is the dense fp16/bf16 rate with fp32 accumulation)
-    attention per layer = c0 + c1 * new_tokens + c2 * new_tokens * context:
+    attention per layer = c0 + c1 * new_tokens + c2 * new_tokens * attended_len:
               c0  kernel launches + the q/k/v/o projections' weight read on the GPU (84 MB / 806 GB/s)
               c1  q, k, v to the host and the output back over PCIe (10240 bf16 values per token)
               c2  CPU attention core of a 16-core desktop: max(16384 FLOP / 3e11 FLOP/s, 4096 KV bytes / 60e9 B/s)

@@ -95,8 +95,8 @@ class Transformer:
         """FFN block of `layer`: [B, T, H] -> [B, T, H]. For MoE, loads only the experts valid tokens select.
 
         token_mask [B, T] bool marks valid tokens; padded tokens then select no expert, and a dense MLP runs on
-        the valid tokens only (a prefill pads every row to the batch's longest prompt: 2.7x the tokens on prose
-        prompts, issue 14); a padded position keeps its input (junk no valid token reads: right padding, causal).
+        the valid tokens only (a prefill pads every row to the batch's longest prompt; docs/perf/README.md
+        prefill_padding); a padded position keeps its input (junk no valid token reads: right padding, causal).
         allowed [E] bool: route among these experts only (see layers.route).
         """
         if not self.config.is_moe_layer(layer):

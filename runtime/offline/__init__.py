@@ -5,6 +5,7 @@
     simple.py     the simple JSONL / text format: {"prompt": ...} or {"token_ids": [...]} in, {"index", ...} out
     openai.py     the OpenAI Batch API format: custom_id, url, body in; custom_id, response or error out
     formats.py    which format a source is in
+    prompt_file.py  every prompt of a small file at once (`specoffload plan`), parsed as a job's rows are
     prepare.py    a row's token ids (chat template), limits and per-row SamplingParams; stop strings after the run
     manifest.py   what an output was written by (input, checkpoints, engine and sampling parameters)
     output.py     the output file: locked, appended a chunk at a time and fsynced, checked and cut on resume

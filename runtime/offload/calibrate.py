@@ -3,12 +3,12 @@
 The profiler times each cost in isolation (a few layers streamed, one GEMM, one attention op, one draft step).
 A real pass adds what no isolated timing holds: the loader converting fp16 -> fp32 on one thread while the compute
 threads run (on a CPU-only machine they share the cores), the embedding, the head's output and the verification
-per row, and the executor's hand-offs per op. Issue 14 measured what leaving them out costs: no-draft passes, which
-are io-bound, were predicted from a stream rate timed over a 1-second burst of 6 layers on a shared machine
-(0.6-1.7 GB/s from one minute to the next), and the no-draft and draft rows of the validation were off in
-opposite directions.
+per row, and the executor's hand-offs per op; and an isolated stream rate timed over a short burst follows the
+disk's moment-to-moment rate (docs/perf/README.md, "Measurements behind the acceptance model and the stream
+rate").
 
-So here real passes run: a fixed-plan offloaded `Engine` under the profiled config's budget, on synthetic prompts,
+Here real passes run: a fixed-plan offloaded `Engine` (built by the caller's `open_engine`: the engine imports
+the profiler, so this module does not import the engine) under the profiled config's budget, on synthetic prompts,
 at two plans: one batch without a draft, and (with a drafter) two batches at k = CALIBRATION_K, whose k = 0 passes
 are timed too. From the decode passes (the prefill ones skipped):
 
@@ -26,8 +26,9 @@ from __future__ import annotations
 import gc
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specoffload.planner import HardwareProfile
 from specoffload.planner.cost import estimate_step, stream_bytes
@@ -36,6 +37,12 @@ from specoffload.planner.placement import PlacementError
 from ..config import EngineConfig
 from ..sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+#: builds an engine for a config (`Engine` itself): the fixed-plan engines whose passes are timed
+EngineFactory = Callable[[EngineConfig], "Engine"]
+
 #: rows per batch of the calibration plans, the draft length of the drafting one, synthetic prompt length
 CALIBRATION_ROWS = (16, 8)
 CALIBRATION_K = 4
@@ -43,16 +50,18 @@ PROMPT_TOKENS = 32
 NEW_TOKENS = 16
 
 
-def calibrate(config: EngineConfig, profile: HardwareProfile, quick: bool = False) -> HardwareProfile:
-    """`profile` with the in-pass stream rate and the two overheads fitted on measured passes (module docstring).
-    Without a device budget (nothing is offloaded) the profile is returned as it is."""
+def calibrate(config: EngineConfig, profile: HardwareProfile, open_engine: EngineFactory,
+              quick: bool = False) -> HardwareProfile:
+    """`profile` with the in-pass stream rate and the two overheads fitted on measured passes (module docstring),
+    timed on engines built by `open_engine`. Without a device budget (nothing is offloaded) the profile is
+    returned as it is."""
     if config.device_memory is None:
         return profile
     points: list[dict[str, Any]] = []
     plain_rows, draft_rows = CALIBRATION_ROWS
-    points += _run(config, plain_rows, 0, ks=(0,), quick=quick)
+    points += _run(config, open_engine, plain_rows, 0, ks=(0,), quick=quick)
     if config.draft is not None:
-        points += _run(config, draft_rows, CALIBRATION_K, ks=(CALIBRATION_K, 0), quick=quick)
+        points += _run(config, open_engine, draft_rows, CALIBRATION_K, ks=(CALIBRATION_K, 0), quick=quick)
     loaded = sum(p["streamed_bytes"] for p in points)
     busy = sum(p["load_s"] for p in points)
     dense = all(p["costs"].num_experts == 0 for p in points)  # (selected expert loading reads fewer bytes)
@@ -63,8 +72,8 @@ def calibrate(config: EngineConfig, profile: HardwareProfile, quick: bool = Fals
     calibrated = replace(calibrated, pass_overhead_s=o, position_overhead_s=r)
     record = []
     for p, x in zip(points, needed):
-        predicted = estimate_step(calibrated, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["context"])
-        isolated = estimate_step(profile, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["context"])
+        predicted = estimate_step(calibrated, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["attended_len"])
+        isolated = estimate_step(profile, p["costs"], p["placement"], p["rows"], p["k"], 0.0, p["attended_len"])
         record.append({key: value for key, value in p.items() if key not in ("costs", "placement")}
                       | {"overhead_needed_s": x, "predicted_s": predicted.t_step, "bound": predicted.bound,
                          "predicted_isolated_s": isolated.t_step, "stream_isolated": profile.stream_bytes_per_s,
@@ -72,15 +81,14 @@ def calibrate(config: EngineConfig, profile: HardwareProfile, quick: bool = Fals
     return replace(calibrated, calibration=tuple(record))
 
 
-def _run(config: EngineConfig, rows: int, k_max: int, ks: tuple[int, ...], quick: bool) -> list[dict[str, Any]]:
+def _run(config: EngineConfig, open_engine: EngineFactory, rows: int, k_max: int, ks: tuple[int, ...],
+         quick: bool) -> list[dict[str, Any]]:
     """Time decode passes of a fixed plan (rows per batch, k_max) at each k of `ks` (online k, same engine)."""
-    from ..engine import Engine  # the engine imports the profiler, which imports this module
-
     seq = PROMPT_TOKENS + NEW_TOKENS + 1
     while True:  # the most rows (halving) that fit the budget
         cfg = replace(config, max_batch_size=rows, num_draft_tokens=k_max, max_seq_len=seq, trace=True)
         try:
-            engine = Engine(cfg)  # a fixed plan (batch and k given): no profile needed
+            engine = open_engine(cfg)  # a fixed plan (batch and k given): no profile needed
             break
         except PlacementError:
             if rows == 1:
@@ -109,7 +117,7 @@ def _run(config: EngineConfig, rows: int, k_max: int, ks: tuple[int, ...], quick
                     busy[s.name] += s.end - s.start
             timed = len(steps) or 1
             out.append({
-                "rows": rows, "k": k, "positions": rows * (k + 1), "context": PROMPT_TOKENS + NEW_TOKENS // 2,
+                "rows": rows, "k": k, "positions": rows * (k + 1), "attended_len": PROMPT_TOKENS + NEW_TOKENS // 2,
                 "measured_s": statistics.median(periods), "passes": len(periods),
                 "streamed_bytes": streamed * len(steps), "load_s": busy["load"],
                 **{f"{kind}_s": busy[kind] / timed for kind in ("attention", "ffn", "head", "verify", "embed",
@@ -128,7 +136,7 @@ def _overhead_needed(profile: HardwareProfile, point: dict[str, Any]) -> float:
     def step(x: float) -> float:
         p = replace(profile, pass_overhead_s=x, position_overhead_s=0.0)
         return estimate_step(p, point["costs"], point["placement"], point["rows"], point["k"], 0.0,
-                             point["context"]).t_step
+                             point["attended_len"]).t_step
 
     target = point["measured_s"]
     if step(0.0) >= target:

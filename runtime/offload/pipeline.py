@@ -37,7 +37,7 @@ from ..stats import OffloadStats, request_totals
 from ..trace import Tracer
 from .batches import Batch, Batches
 from .executor import OpExecutor
-from .replan import KReplanner
+from .replan import Replanner
 from .schedule import Op, PipelineSchedule
 from .workers import WeightPlan, Workers
 
@@ -60,7 +60,7 @@ class NoRecovery:
 class Pipeline:
     """Runs requests through the interleaved schedule; see the module docstring."""
 
-    def __init__(self, plan: Plan, weights: WeightPlan, num_layers: int, workers: Workers, replanner: KReplanner,
+    def __init__(self, plan: Plan, weights: WeightPlan, num_layers: int, workers: Workers, replanner: Replanner,
                  tracer: Tracer, recovery: Recovery | None = None, compute_threads: int | None = None,
                  adapt_interval: int = 0, refill: bool = True, prefill_chunk: int | None = None) -> None:
         """adapt_interval: every this many verify rounds (and after the first), the drafter gets the target's

@@ -2,7 +2,7 @@
 
 Every number is timed here, none is typed in: weight streaming into ring slots (from disk with O_DIRECT, or
 from the host-RAM tier), the device GEMM rate at the target's FFN shape versus rows, CPU attention time versus
-new tokens x context (least-squares fit of c0 + c1 n + c2 n ctx), the head's GEMM rate, and one draft token
+new tokens x attended length (least-squares fit of c0 + c1 n + c2 n ctx), the head's GEMM rate, and one draft token
 step versus rows; then real passes calibrate the stream rate and the per-pass overheads (calibrate.py). A
 profile is saved as JSON with its provenance under `~/.cache/specoffload/profiles/` and
 reused while the fingerprint (machine, CPU, cores, torch, device, models, dtype, weights tier) matches.
@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,10 +31,13 @@ from ..config import EngineConfig
 from ..models import layers
 from ..models.linear import can_pack, pack_weights
 from ..models.model import Transformer
-from .calibrate import calibrate
+from .calibrate import EngineFactory, calibrate
 from .direct_io import drop_page_cache
 from .drafters import ResidentExpertDrafter
 from .streamer import WeightStreamer
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 PROFILE_DIR = Path(os.environ.get("SPECOFFLOAD_CACHE", Path.home() / ".cache" / "specoffload")) / "profiles"
 FFN_ROWS = (1, 4, 16, 64, 256)
@@ -71,9 +75,10 @@ def profile_path(config: EngineConfig) -> Path:
     return PROFILE_DIR / f"{Path(config.target).name}-{key}.json"
 
 
-def load_or_measure(config: EngineConfig, quick: bool = False, log: Callable[[str], None] | None = None
-                    ) -> HardwareProfile:
-    """The cached profile for this fingerprint, or a fresh measurement (saved for next time)."""
+def load_or_measure(config: EngineConfig, quick: bool = False, log: Callable[[str], None] | None = None,
+                    open_engine: EngineFactory | None = None) -> HardwareProfile:
+    """The cached profile for this fingerprint, or a fresh measurement (saved for next time); `open_engine`: as
+    for `measure`."""
     path = profile_path(config)
     if path.exists():
         try:
@@ -84,7 +89,7 @@ def load_or_measure(config: EngineConfig, quick: bool = False, log: Callable[[st
             pass
     if log:
         log(f"measuring the hardware profile (cached afterwards in {path})")
-    profile = measure(config, quick=quick)
+    profile = measure(config, quick=quick, open_engine=open_engine)
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.save(path)
     return profile
@@ -100,8 +105,9 @@ def _time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(samples)
 
 
-def measure(config: EngineConfig, quick: bool = False) -> HardwareProfile:
-    """Time every cost the planner models (module docstring). quick: fewer points and repetitions."""
+def measure(config: EngineConfig, quick: bool = False, open_engine: EngineFactory | None = None) -> HardwareProfile:
+    """Time every cost the planner models (module docstring). quick: fewer points and repetitions. open_engine:
+    builds the engines whose passes calibrate the profile (calibrate.py; pass `Engine`); None: `_default_engine`."""
     reps = 1 if quick else 3
     dtype, device = config.torch_dtype, torch.device(config.device)
     target = Transformer(config.target, dtype=dtype, device=device)
@@ -148,7 +154,17 @@ def measure(config: EngineConfig, quick: bool = False) -> HardwareProfile:
         head_flops_per_s=head_rate,
         resident_ffn_flops_per_s=tuple(resident_rates) or None,
         pass_overhead_s=0.0,
-    ), quick=quick)
+    ), open_engine or _default_engine, quick=quick)
+
+
+def _default_engine(config: EngineConfig) -> Engine:
+    """`Engine(config)`, for the callers that cannot pass `Engine` because the engine module imports them:
+    runtime/engine.py and runtime/planning.py call `load_or_measure` without `open_engine`. This import closes a
+    cycle (engine -> profiler -> engine; tests/test_import_graph.py `KNOWN_EDGES`): it goes once engine.py passes
+    `open_engine=Engine` and `make_plan` takes it from its caller."""
+    from ..engine import Engine
+
+    return Engine(config)
 
 
 def _stream_rate(config: EngineConfig, target: Transformer, layers_to_load: int) -> float:
@@ -178,7 +194,7 @@ def _stream_rate(config: EngineConfig, target: Transformer, layers_to_load: int)
 
 
 def _attention_fit(target: Transformer, reps: int, quick: bool) -> tuple[float, float, float]:
-    """Least-squares c0 + c1 n + c2 n ctx (seconds per layer) over (rows, tokens, context) points."""
+    """Least-squares c0 + c1 n + c2 n ctx (seconds per layer) over (rows, tokens, attended length ctx) points."""
     target.pack = True  # resident attention weights are packed (as the engine keeps them)
     cfg = target.config
     rows_x, ys = [], []

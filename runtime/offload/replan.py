@@ -11,17 +11,16 @@ ratio to the best candidate over the range). The decision is
             placed with), which a batch takes once the other has drained, as a no-draft plan runs. Turning
             speculation back on splits the rows again at the next wave.
 
-The cost model's stream rate is the job's own too: the disk this runs on delivered the same policy's bytes 1.5-3x
-faster in the profile's calibration than minutes later in the job (issue 14, docs/perf/README.md). Each decode pass
-is observed (`observe_pass`): its period and the seconds the io thread spent in load ops since the previous pass
-(reading and converting the weights into slots). On a CPU the rate is the bytes the model streams per pass / the
-mean load seconds per pass over the last PASS_WINDOW passes: what the loader itself delivered, whatever the compute
-beside it did. (The rule before read the rate off the period of a pass that waited on the io; a pass slowed by
-compute the model undercounts, e.g. 8 draft steps, then read as a slow disk: at k = 8 it showed 1.02 GB/s where
-the loader delivered 1.65, and a no-draft plan priced at it came out 37% slow; docs/perf/README.md.) On CUDA a load
-op only queues its copies, so there the period rule stands: when the median period is longer than everything but
-the io the model counts for that pass (its step with an unbounded stream rate), the pass waited on the io and the
-rate is its streamed bytes / that period. `stream_rate` holds the rate used last (None until observed).
+The cost model's stream rate is the job's own too (the disk's rate drifts between the profile and the job).
+Each decode pass is observed (`observe_pass`): its period and the seconds the io thread spent in load ops since
+the previous pass (reading and converting the weights into slots). On a CPU the rate is the bytes the model
+streams per pass / the mean load seconds per pass over the last PASS_WINDOW passes: what the loader itself
+delivered, whatever the compute beside it did (a pass's period also holds compute the model undercounts, e.g. the
+draft steps, and would read as a slow disk). On CUDA a load op only queues its copies, so there the period rule is
+used: when the median period is longer than everything but the io the model counts for that pass (its step with
+an unbounded stream rate), the pass waited on the io and the rate is its streamed bytes / that period.
+`stream_rate` holds the rate used last (None until observed). Measurements: docs/perf/README.md, "Measurements
+behind the acceptance model and the stream rate".
 
 A new k takes effect at each batch's next draft round. Only when the planner chose k ("auto") and a drafter is
 loaded. While speculation is off nothing is drafted, so nothing new is observed: the decision stands for the rest
@@ -49,7 +48,7 @@ PASS_WINDOW = 8
 UNBOUNDED = 1e18
 
 
-class KReplanner:
+class Replanner:
     """Holds the current k and rows per batch; `record` each verified batch's acceptance; see the module docstring."""
 
     def __init__(self, plan: Plan, interval: int, profile: HardwareProfile | None = None,
@@ -118,8 +117,8 @@ class KReplanner:
 
 
 def observed_stream_rate(profile: HardwareProfile, costs: ModelCosts, placement: Placement,
-                         passes: Sequence[tuple[float, int, int, float]], context: int, expert_loading: str = "auto",
-                         min_passes: int = PASS_WINDOW // 2) -> float | None:
+                         passes: Sequence[tuple[float, int, int, float]], attended_len: int,
+                         expert_loading: str = "auto", min_passes: int = PASS_WINDOW // 2) -> float | None:
     """The stream rate decode passes (seconds, k, rows, load seconds) show, by the rule of the module docstring,
     over the passes of their most common (k, rows); None with fewer than `min_passes` of them, when nothing
     streams, or (period rule) when the passes were no slower than everything but their io."""
@@ -130,7 +129,7 @@ def observed_stream_rate(profile: HardwareProfile, costs: ModelCosts, placement:
     chosen = [(s, load) for s, kk, r, load in passes if (kk, r) == (k, rows)]
     if len(chosen) < min_passes:
         return None
-    model = estimate_step(profile, costs, placement, rows, k, 0.0, context, expert_loading)
+    model = estimate_step(profile, costs, placement, rows, k, 0.0, attended_len, expert_loading)
     if model.t_io <= 0:
         return None
     streamed = model.t_io * profile.stream_bytes_per_s  # bytes per pass
@@ -138,7 +137,7 @@ def observed_stream_rate(profile: HardwareProfile, costs: ModelCosts, placement:
     if profile.device == "cpu" and sum(loads) > 0:  # (a pass may see 0 loads, the next two passes' worth)
         return streamed / statistics.fmean(loads)  # what the loader delivered per second of its own work
     period = statistics.median(s for s, _ in chosen)
-    fast = estimate_step(replace(profile, stream_bytes_per_s=UNBOUNDED), costs, placement, rows, k, 0.0, context,
+    fast = estimate_step(replace(profile, stream_bytes_per_s=UNBOUNDED), costs, placement, rows, k, 0.0, attended_len,
                          expert_loading)
     if period <= fast.t_step and model.bound != "io":
         return None  # the pass did not wait on the io: its period says nothing about the rate

@@ -8,7 +8,7 @@ against the type hints on both sides, so a message the peer cannot decode fails 
 Decoding is strict: anything but one registered message (unknown tags or extension types, wrong field counts or
 types, trailing bytes, a pickle) raises `WireError`. Decoding is also bounded, since the bytes come from a socket:
 a message over `MAX_MESSAGE_BYTES` is refused before it is unpacked, messages nest at most `MAX_NESTING` deep (each
-level is another msgpack unpack on the C stack: a few hundred levels in under 1 KB used to crash the process) and
+level is another msgpack unpack on the C stack: a few hundred levels fit in under 1 KB and would overflow it) and
 plain lists in `MetaValue`s at most `MAX_LIST_DEPTH` deep. Allowed field types: int, float, str, bool, bytes, None,
 tuple[X, ...], list[X], dict[str, X], unions of them, other messages, and `MetaValue` (scalars and lists).
 
