@@ -95,7 +95,7 @@ class Engine:
         resident_context = None if config.offloaded else cfg.max_position_embeddings  # the resident KV grows
         max_seq_len = resolve_max_seq_len(config.max_seq_len or resident_context, cfg.max_position_embeddings)
         # the planner's profile: for the plan, and for re-planning online a plan the planner made (also one given)
-        self.profile: HardwareProfile | None = load_or_measure(config) if config.planned else None
+        self.profile: HardwareProfile | None = load_or_measure(config, open_engine=Engine) if config.planned else None
         if plan is None:
             plan = make_plan(config, self.models, max_seq_len, profile=self.profile)
         self.plan = plan
@@ -111,7 +111,7 @@ class Engine:
         self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
                                                      self._select_experts(), plan.draft_experts)
         self.replanner = Replanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
-                                    self.placement, config.expert_loading)
+                                   self.placement, config.expert_loading)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,
                                                self.tracer, recovery, config.num_threads,
