@@ -109,7 +109,9 @@ class Batches:
             return
         self.on_finished(len(finished))
         take = 0
-        if self.refill and self.waiting:
+        # (merging the rows of both batches into one, speculation off, goes through a new wave of the larger size:
+        # slots are refilled only while a batch keeps its size)
+        if self.refill and self.waiting and self.rows() <= self.plan.batch:
             live = len(b.rows) - len(finished)
             take = min(len(finished), max(0, self._limit(b) - live), len(self.waiting))
         if take:

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Continuous batching (issue 21): row refill on against off, in one run, alternating, on an EOS-honoured job.
+
+The same engine config (target streamed from disk under one budget, one batch cap, no draft or the 0.5B draft),
+with `refill=True` (a finished row's slot takes a waiting prompt at once) and `refill=False` (a batch waits for its
+slowest row, then takes a new wave). HumanEval prompts, EOS honoured, so rows end anywhere up to --new-tokens.
+Reports tokens/s (median and spread over the repetitions), target passes, tokens committed per row per pass,
+greedy tokens equal across the two, and the ideal gain (per wave of `batch` consecutive rows: the longest row over
+the mean row). Writes docs/perf/<out>.json with a top-level "summary".
+
+    python -m scripts.bench_refill [--target dense|moefied|DIR] [--budget 4.5GiB] [--batch 8] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from scripts.common import PERF, median_spread, utc_now, write_json
+from scripts.get_models import model_dir
+from specoffload.planner.units import format_bytes, parse_bytes
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.prompts import humaneval_prompts
+from specoffload.runtime.sampling import SamplingParams
+
+TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
+
+
+def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
+    engine = Engine(config)
+    try:
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+        stats = engine.last_stats
+        log = engine.pipeline.verify_log if engine.pipeline is not None else []
+        row_passes = sum(rows for *_, rows in log)
+        return {"wall_s": wall, "tokens": stats.generated_tokens, "tok_s": stats.generated_tokens / wall,
+                "passes": stats.passes, "row_passes": row_passes,
+                "committed_per_row_pass": stats.generated_tokens / row_passes if row_passes else None,
+                "acceptance": stats.acceptance_rate if stats.num_drafted else None,
+                "refilled": engine.pipeline.batches.refilled if engine.pipeline is not None else 0,
+                "token_ids": [r.token_ids for r in results]}
+    finally:
+        engine.close()
+
+
+def ideal_gain(lengths: list[int], batch: int) -> float:
+    """Per wave of `batch` consecutive rows, its longest row over its mean row (weighted by the wave's tokens)."""
+    waves = [lengths[i: i + batch] for i in range(0, len(lengths), batch)]
+    return sum(max(w) * len(w) for w in waves) / sum(sum(w) for w in waves)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="dense", help="dense | moefied | a checkpoint directory")
+    ap.add_argument("--budget", default="4.5GiB")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="cut prompts to this many tokens (0: whole)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16, help="rows per batch (the same cap for both)")
+    ap.add_argument("-k", type=int, default=2, help="draft tokens per round with the draft")
+    ap.add_argument("--systems", default="nodraft,draft")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="8 prompts of <= 96 tokens, 24 new tokens, batch 4, 1 rep")
+    ap.add_argument("--out", default="refill")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.prompt_tokens, args.new_tokens, args.batch, args.reps = 8, 96, 24, 4, 1
+    target = model_dir(TARGETS.get(args.target, "")) if args.target in TARGETS else args.target
+    draft = model_dir("draft")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok.encode(p) for p in humaneval_prompts(args.prompts)]
+    if args.prompt_tokens:
+        prompts = [p[: args.prompt_tokens] for p in prompts]
+    params = SamplingParams(max_new_tokens=args.new_tokens)  # EOS honoured
+    budget = parse_bytes(args.budget)
+    print(f"{args.target}, budget {format_bytes(budget)}, {len(prompts)} prompts (mean "
+          f"{statistics.fmean(map(len, prompts)):.0f} tokens), up to {args.new_tokens} new, batch {args.batch}, "
+          f"{args.reps} reps", flush=True)
+    base = dict(target=target, device_memory=budget, max_batch_size=args.batch, replan_interval=0,
+                max_seq_len=max(map(len, prompts)) + args.new_tokens)
+    systems = {"nodraft": dict(num_draft_tokens=0), "draft": dict(draft=draft, num_draft_tokens=args.k)}
+    rows = []
+    for name in args.systems.split(","):
+        runs: dict[bool, list[dict]] = {True: [], False: []}
+        for rep in range(args.reps):
+            for refill in ((False, True) if rep % 2 == 0 else (True, False)):  # ABBA
+                r = run(EngineConfig(**base, **systems[name], refill=refill), prompts, params)
+                runs[refill].append(r)
+                print(f"  {name:8s} refill={refill!s:5s} rep {rep}: {r['tok_s']:.2f} tok/s, {r['passes']} passes, "
+                      f"{r['committed_per_row_pass']:.2f} tokens per row per pass", flush=True)
+        same = all(r["token_ids"] == runs[False][0]["token_ids"] for r in runs[True] + runs[False])
+        lengths = [len(t) for t in runs[False][0]["token_ids"]]
+        for refill, rs in runs.items():
+            med, lo, hi = median_spread(r["tok_s"] for r in rs)
+            rows.append({"system": name, "refill": refill, "tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi,
+                         "passes": rs[0]["passes"], "committed_per_row_pass": rs[0]["committed_per_row_pass"],
+                         "acceptance": rs[0]["acceptance"], "refilled": rs[0]["refilled"],
+                         "tokens": rs[0]["tokens"], "equal_tokens": same,
+                         "ideal_gain": ideal_gain(lengths, args.batch)})
+    summary = {}
+    print(f"\n{'system':8s} {'refill':6s} {'tok/s (min-max)':22s} {'passes':>6s} {'tok/row/pass':>12s} "
+          f"{'equal':>5s}")
+    for r in rows:
+        print(f"{r['system']:8s} {r['refill']!s:6s} {r['tok_s_median']:6.2f} ({r['tok_s_min']:.2f}-"
+              f"{r['tok_s_max']:.2f}){'':6s} {r['passes']:6d} {r['committed_per_row_pass']:12.2f} "
+              f"{r['equal_tokens']!s:>5s}")
+    for name in args.systems.split(","):
+        on = next(r for r in rows if r["system"] == name and r["refill"])
+        off = next(r for r in rows if r["system"] == name and not r["refill"])
+        summary[f"refill_over_waves_{name}"] = on["tok_s_median"] / off["tok_s_median"]
+        summary[f"passes_waves_over_refill_{name}"] = off["passes"] / on["passes"]
+        summary[f"ideal_gain_{name}"] = on["ideal_gain"]
+    print("summary:", {k: round(v, 3) for k, v in summary.items()})
+    path = write_json(PERF / f"{args.out}.json", {"date": utc_now(), "argv": sys.argv[1:], "target": str(target),
+                                                   "budget": budget, "summary": summary, "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
