@@ -20,7 +20,7 @@ from specoffload.planner.errors import SpecOffloadError
 
 from .config import EngineConfig
 from .offline.chunks import Chunk, ChunkDone
-from .offline.rows import RowResult
+from .offline.rows import RowJob, RowResult
 
 GROUP = "specoffload.backends"
 
@@ -55,19 +55,33 @@ class LocalBackend:
             print(self.engine.describe_placement(), file=sys.stderr)
 
     def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]:
-        """One chunk after another, in this process (`window` is for backends with several workers)."""
-        for chunk in chunks:
-            jobs = chunk.jobs
-            if not jobs:
-                yield ChunkDone(chunk, ())
-                continue
-            results = self.engine.generate([list(j.token_ids) for j in jobs], [j.params for j in jobs],
-                                           keys=[j.index for j in jobs])
-            stats = self.engine.last_stats
-            self.bytes_read += getattr(stats, "bytes_read", 0)
-            self.passes += getattr(stats, "passes", 0)
-            yield ChunkDone(chunk, tuple(RowResult(tuple(r.token_ids), r.text, r.finish_reason, r.num_drafted,
-                                                   r.num_accepted) for r in results))
+        """Every chunk's rows through one long-lived engine stream (`Engine.generate_iter`): rows are pulled as
+        slots free up, so a chunk is never a drain point; a chunk is done (and handed back, in any order) when its
+        last row finishes. `window` is for backends with several workers."""
+        rows: list[tuple[list, int]] = []  # stream position -> (its chunk's state, its place in the chunk)
+        ready: list[ChunkDone] = []  # chunks of error rows only, done as soon as they are read
+
+        def jobs() -> Iterator[RowJob]:
+            for chunk in chunks:
+                if not chunk.jobs:
+                    ready.append(ChunkDone(chunk, ()))
+                    continue
+                state = [chunk, [None] * len(chunk.jobs), len(chunk.jobs)]
+                for n, job in enumerate(chunk.jobs):
+                    rows.append((state, n))
+                    yield job
+
+        for r in self.engine.stream((list(j.token_ids), j.params, j.index) for j in jobs()):
+            state, n = rows[r.index]
+            state[1][n] = RowResult(tuple(r.token_ids), r.text, r.finish_reason, r.num_drafted, r.num_accepted)
+            state[2] -= 1
+            if state[2] == 0:
+                ready.append(ChunkDone(state[0], tuple(state[1])))
+            yield from _take(ready)
+        yield from _take(ready)
+        stats = self.engine.last_stats
+        self.bytes_read += getattr(stats, "bytes_read", 0)
+        self.passes += getattr(stats, "passes", 0)
 
     def report(self) -> None:
         engine = self.engine
@@ -100,3 +114,9 @@ def load_backend(name: str) -> type:
     if not found:
         raise BackendError(f"unknown backend {name!r}; installed: {', '.join(backend_names())}")
     return found[0].load()
+
+
+def _take(ready: list[ChunkDone]) -> Iterator[ChunkDone]:
+    """Hand out (and forget) the chunks that are done."""
+    while ready:
+        yield ready.pop(0)

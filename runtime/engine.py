@@ -20,9 +20,8 @@ family is runtime/models/ (config.py, checkpoint names in weights.py, layers.py)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import fields
-from functools import reduce
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -162,9 +161,8 @@ class Engine:
     ) -> list[GenerationResult]:
         """Complete every prompt; results come back in input order.
 
-        params: one SamplingParams for every prompt, or one per prompt. max_new_tokens and the stop ids are per
-        request anyway; rows that share their warping (temperature, top-p, top-k: `_warping`) run together, each
-        such group in one runner call, so every row is drawn from its own parameters' distribution.
+        params: one SamplingParams for every prompt, or one per prompt; every row runs at its own parameters in
+        one batch (its warping, length, stop ids and random stream are its own).
         keys: each prompt's identity for its random stream (default: its index in `prompts`): a sampled row draws
         from (its params' seed, its key) alone (runtime/rng.py), so it comes out the same whatever else runs.
         """
@@ -172,53 +170,85 @@ class Engine:
         per_row = _per_row(params, len(encoded))
         if keys is not None and len(keys) != len(encoded):
             raise ValueError(f"keys: one per prompt ({len(encoded)}); got {len(keys)}")
-        eos = frozenset(self.target.config.eos_token_ids)
-        requests = [Request(i, ids, min(p.max_new_tokens, self.max_seq_len - len(ids)),
-                            frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos),
-                            seed=None if p.greedy else row_seed(p.seed, i if keys is None else keys[i]))
+        requests = [self._request(i, ids, p, i if keys is None else keys[i])
                     for i, (ids, p) in enumerate(zip(encoded, per_row))]
-        groups: dict[tuple, list[Request]] = {}
-        for r, p in zip(requests, per_row):
-            groups.setdefault(_warping(p), []).append(r)
         with torch.inference_mode():
-            stats = [self.runner.run(group, per_row[group[0].index], progress) for group in groups.values()]
-        self.last_stats = stats[0] if len(stats) == 1 else _sum_stats(stats)
+            self.last_stats = self.runner.run(requests, progress=progress)
         return [self._result(r) for r in requests]
+
+    def generate_iter(
+        self, prompts: Iterable[Prompt], params: SamplingParams | Iterable[SamplingParams] | None = None,
+        progress: bool = False, keys: Iterable[int | str] | None = None,
+    ) -> Iterator[GenerationResult]:
+        """Yield each prompt's result as its row finishes (finish order; `index` is the prompt's position). Prompts
+        (and per-row params and keys, when given as iterables) are read lazily, as slots free up: an iterator of
+        prompts streams through one pipeline that is never drained between them. A bad prompt raises PromptError
+        when it is read. `last_stats` is set once the iterator is exhausted."""
+        keys_it = iter(keys) if keys is not None else itertools.count()
+        if params is None or isinstance(params, SamplingParams):
+            params_it: Iterator[SamplingParams] = itertools.repeat(params or SamplingParams())
+        else:
+            params_it = iter(params)
+        return self.stream(zip(prompts, params_it, keys_it), progress)
+
+    def stream(self, rows: Iterable[tuple[Prompt, SamplingParams, int | str]],
+               progress: bool = False) -> Iterator[GenerationResult]:
+        """`generate_iter` over (prompt, its params, its key) rows: the one pipeline a job streams through."""
+
+        def requests() -> Iterator[Request]:
+            for i, (prompt, p, key) in enumerate(rows):
+                yield self._request(i, self._encode_one(i, prompt), p, key)
+
+        finished = self.runner.stream(requests(), progress=progress)
+        while True:
+            with torch.inference_mode():  # around the runner's work only, not the caller's between two results
+                r = next(finished, None)
+            if r is None:
+                break
+            yield self._result(r)
+        self.last_stats = self.runner.last_stats
+
+    def _request(self, index: int, ids: list[int], p: SamplingParams, key: int | str) -> Request:
+        eos = frozenset(self.target.config.eos_token_ids)
+        return Request(index, ids, min(p.max_new_tokens, self.max_seq_len - len(ids)),
+                       frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos),
+                       seed=None if p.greedy else row_seed(p.seed, key), warp=p.warp)
 
     def _encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise PromptError("prompts must be a list of strings or of token-id lists")
         if len(prompts) == 0:
             raise PromptError("the prompt list is empty: nothing to generate")
+        return [self._encode_one(i, prompt) for i, prompt in enumerate(prompts)]
+
+    def _encode_one(self, i: int, prompt: Prompt) -> list[int]:
+        """Prompt i's token ids, checked against the vocabulary, the context and the KV length per row."""
         vocab = self.target.config.vocab_size
         context = self.target.config.max_position_embeddings
-        encoded: list[list[int]] = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise PromptError(
-                        f"prompt {i} is text but {self.config.target} has no tokenizer; pass token ids"
-                    )
-                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            else:
-                ids = [int(t) for t in prompt]
-                bad = [t for t in ids if not 0 <= t < vocab]
-                if bad:
-                    raise PromptError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-            if not ids:
-                raise PromptError(f"prompt {i} is empty")
-            if len(ids) >= context:
-                raise PromptError(
-                    f"prompt {i} has {len(ids)} tokens; the target's context is {context} tokens "
-                    "(the prompt must leave room for at least one new token)"
-                )
-            if len(ids) >= self.max_seq_len:
-                raise PromptError(
-                    f"prompt {i} has {len(ids)} tokens; this engine's KV caches hold {self.max_seq_len} tokens per "
-                    "row (max_seq_len): raise max_seq_len or shorten the prompt"
-                )
-            encoded.append(ids)
-        return encoded
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise PromptError(f"prompt {i} is text but {self.config.target} has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+            raise PromptError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise PromptError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if not ids:
+            raise PromptError(f"prompt {i} is empty")
+        if len(ids) >= context:
+            raise PromptError(
+                f"prompt {i} has {len(ids)} tokens; the target's context is {context} tokens "
+                "(the prompt must leave room for at least one new token)"
+            )
+        if len(ids) >= self.max_seq_len:
+            raise PromptError(
+                f"prompt {i} has {len(ids)} tokens; this engine's KV caches hold {self.max_seq_len} tokens per "
+                "row (max_seq_len): raise max_seq_len or shorten the prompt"
+            )
+        return ids
 
     def _result(self, r: Request) -> GenerationResult:
         text = None
@@ -248,23 +278,6 @@ def _per_row(params: SamplingParams | Sequence[SamplingParams] | None, rows: int
     if len(per_row) != rows or not all(isinstance(p, SamplingParams) for p in per_row):
         raise ValueError(f"params: one SamplingParams, or a sequence of one per prompt ({rows}); got {len(per_row)}")
     return per_row
-
-
-def _warping(p: SamplingParams) -> tuple:
-    """What rows must share to be drafted and verified together: the logit warping (each row has its own stream)."""
-    return ("greedy",) if p.greedy else (p.temperature, p.top_p, p.top_k)
-
-
-def _sum_stats(stats: list[GenerateStats]) -> GenerateStats:
-    """Totals of the runner calls of one generate (the groups run one after another, so wall times add up)."""
-    return type(stats[0])(**{f.name: reduce(_add, (getattr(s, f.name) for s in stats)) for f in fields(stats[0])})
-
-
-def _add(a: object, b: object) -> object:
-    """Counts add up; tuples of counts (per layer, per expert) add up element by element."""
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return tuple(_add(x, y) for x, y in zip(a, b)) if a and b and len(a) == len(b) else (a or b)
-    return a + b  # type: ignore[operator]
 
 
 __all__ = ["Engine", "GenerateStats", "OffloadStats", "PromptError", "Prompt", "VocabularyMismatchError"]

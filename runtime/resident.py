@@ -11,7 +11,7 @@ decoding).
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections.abc import Iterable, Iterator, Sized
 
 import torch
 from tqdm import tqdm
@@ -21,7 +21,7 @@ from specoffload.planner.plan import Plan
 from .kv_cache import KVCache
 from .models.model import Transformer
 from .offload.drafters import Drafter, ModelDrafter, NoDrafter
-from .request import Request
+from .request import Request, Waiting
 from .sampling import SamplingParams
 from .speculative import (
     DRAFT,
@@ -32,11 +32,13 @@ from .speculative import (
     draw_seeds,
     kept_lengths,
     pad_right,
+    row_warps,
     verify_rows,
 )
 from .stats import GenerateStats, request_totals
 
 BATCH = 0  # the resident runner's one batch, in the drafter's per-batch state
+GREEDY = SamplingParams()  # the params beside per-row warps (a batch of greedy rows passes no warps)
 
 
 class ResidentRunner:
@@ -47,43 +49,60 @@ class ResidentRunner:
         # Everything is resident: load now, not inside the first timed step.
         self.target.preload()
         self.drafter: Drafter = ModelDrafter(None, model=draft) if draft is not None and plan.drafting else NoDrafter()
+        self.last_stats: GenerateStats | None = None
 
-    def run(self, requests: list[Request], params: SamplingParams, progress: bool = False) -> GenerateStats:
+    def run(self, requests: list[Request], params: SamplingParams | None = None,
+            progress: bool = False) -> GenerateStats:
+        """Run every request to the end (each row at its own warping: `Request.warp`); returns the totals."""
+        for _ in self.stream(requests, progress):
+            pass
+        assert self.last_stats is not None
+        return self.last_stats
+
+    def stream(self, requests: Iterable[Request], progress: bool = False) -> Iterator[Request]:
+        """Yield each request as its row finishes, pulling new ones from `requests` (a list or a lazy iterator) as
+        slots free up; `last_stats` holds the totals once the stream is exhausted."""
         start = time.perf_counter()
+        self.last_stats = None
         k = self.plan.k if self.plan.drafting else 0
-        # Room for the longest prompt, its output, and the k + 1 speculative positions of a step.
-        capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + k + 1
-        rows = min(self.plan.batch, len(requests))
+        rows = self.plan.batch
+        capacity = 16  # grows with the rows admitted (their prompt + output + the k + 1 positions of a step)
         t_cache = self.target.new_cache(rows, capacity)
         self.drafter.reset(BATCH, rows, capacity)
         times = StepTimes()
-        waiting = deque(requests)
+        waiting = Waiting(requests)
         slots: list[Request | None] = [None] * rows
-        bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
+        bar = tqdm(total=len(requests) if isinstance(requests, Sized) else None, desc="generate", unit="prompt",
+                   disable=not progress)
         prefill_s = 0.0
         steps = 0
-        while True:
-            t0 = time.perf_counter()
-            self._admit(waiting, slots, t_cache, capacity)
-            prefill_s += time.perf_counter() - t0
-            if not waiting and any(s is None for s in slots):
-                keep = [i for i, s in enumerate(slots) if s is not None]
-                if not keep:
-                    break
-                t_cache.select_rows(keep)
-                self.drafter.select_rows(BATCH, keep)
-                slots = [slots[i] for i in keep]
-            active: list[Request] = [s for s in slots if s is not None]
-            self._step(active, t_cache, k, params, times)
-            steps += 1
-            for i, r in enumerate(slots):
-                if r is not None and r.finished:
-                    slots[i] = None
-                    bar.update(1)
-        self.drafter.drop(BATCH)
-        bar.close()
-        return GenerateStats(
-            **request_totals(requests),
+        done: list[Request] = []
+        try:
+            while True:
+                t0 = time.perf_counter()
+                self._admit(waiting, slots, t_cache, k)
+                prefill_s += time.perf_counter() - t0
+                if not waiting and any(s is None for s in slots):
+                    keep = [i for i, s in enumerate(slots) if s is not None]
+                    if not keep:
+                        break
+                    t_cache.select_rows(keep)
+                    self.drafter.select_rows(BATCH, keep)
+                    slots = [slots[i] for i in keep]
+                active: list[Request] = [s for s in slots if s is not None]
+                self._step(active, t_cache, k, times)
+                steps += 1
+                for i, r in enumerate(slots):
+                    if r is not None and r.finished:
+                        slots[i] = None
+                        bar.update(1)
+                        done.append(r)
+                        yield r
+        finally:
+            self.drafter.drop(BATCH)
+            bar.close()
+        self.last_stats = GenerateStats(
+            **request_totals(done),
             steps=steps,
             wall_s=time.perf_counter() - start,
             prefill_s=prefill_s,
@@ -92,17 +111,19 @@ class ResidentRunner:
             verify_s=times.verify,
         )
 
-    def _admit(self, waiting: deque[Request], slots: list[Request | None], t_cache: KVCache, capacity: int) -> None:
+    def _admit(self, waiting: Waiting, slots: list[Request | None], t_cache: KVCache, k: int) -> None:
         """Fill free slots from the queue and prefill the new rows in the target (all but their last prompt token;
         the drafter takes their prompts at its next round)."""
         free = [i for i, s in enumerate(slots) if s is None]
-        new = [(i, waiting.popleft()) for i in free[: len(waiting)]]
+        new = [(i, waiting.popleft()) for i in free[: waiting.available(len(free))]]
         if not new:
             return
         for i, r in new:
             slots[i] = r
         rows = [i for i, _ in new]
+        capacity = max(len(r.prompt) + r.max_new_tokens for _, r in new) + k + 1
         self.drafter.reset_rows(BATCH, rows, capacity)
+        t_cache.ensure_capacity(capacity)
         t_cache.reset_rows(rows)
         prefixes = [r.prompt[:-1] for _, r in new]
         if max(len(p) for p in prefixes) == 0:
@@ -112,10 +133,10 @@ class ResidentRunner:
         self.target.forward(ids, tmp, num_new=num_new, output_positions=None, compute_logits=False)
         t_cache.assign_rows(rows, tmp)
 
-    def _step(self, active: list[Request], t_cache: KVCache, k: int, params: SamplingParams,
-              times: StepTimes) -> None:
+    def _step(self, active: list[Request], t_cache: KVCache, k: int, times: StepTimes) -> None:
         t0 = time.perf_counter()
         num_drafts = draft_lengths(active, k, [len(r.output) > 0 for r in active])  # a row's first verify: no drafts
+        warps = row_warps(active)  # None: every row greedy
         calls = max(num_drafts)
         drafts = torch.zeros((len(active), 0), dtype=torch.long)  # [rows, L]
         p = None
@@ -124,8 +145,8 @@ class ResidentRunner:
             ids, num_new = pad_right([r.tokens[d_len[n]:] for n, r in enumerate(active)])  # [rows, T]
             tokens, probs = [], []
             for t in range(calls):
-                seeds = None if params.greedy else draw_seeds(active, DRAFT, t)
-                token, prob = self.drafter.propose(BATCH, ids, num_new, params, seeds)  # [rows], [rows, vocab]
+                seeds = None if warps is None else draw_seeds(active, DRAFT, t)
+                token, prob = self.drafter.propose(BATCH, ids, num_new, GREEDY, seeds, warps)  # [rows], [rows, V]
                 tokens.append(token)
                 if prob is not None:
                     probs.append(prob)
@@ -137,8 +158,8 @@ class ResidentRunner:
         ids = torch.cat([pending[:, None], drafts], dim=1)  # [rows, L + 1]
         logits = self.target.forward(ids, t_cache)  # [rows, L + 1, vocab]
         t2 = time.perf_counter()
-        seeds = None if params.greedy else draw_seeds(active, VERIFY)
-        accepted, emitted = verify_rows(logits, drafts, num_drafts, p, params, seeds)
+        seeds = None if warps is None else draw_seeds(active, VERIFY)
+        accepted, emitted = verify_rows(logits, drafts, num_drafts, p, GREEDY, seeds, warps)
         committed = commit(active, accepted, emitted, num_drafts)
         target, drafter = kept_lengths(committed, accepted, calls)
         t_cache.truncate(torch.tensor(target, dtype=torch.long))

@@ -7,6 +7,7 @@ goes through :func:`warp_logits` with one :class:`SamplingParams`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def warp(self) -> tuple[float, float, int]:
+        """(temperature, top_p, top_k): what a row's logits go through (`warp_rows`)."""
+        return (float(self.temperature), float(self.top_p), int(self.top_k))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -73,6 +79,22 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, to
         probs = probs * keep
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def warp_rows(logits: torch.Tensor, warps: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Per-row `warp_logits`: logits [rows, ..., vocab], row r warped by warps[r] = (temperature, top_p, top_k)
+    -> float32 probabilities of the same shape (rows sharing a warping are warped together). A greedy row
+    (temperature 0) gets a one-hot distribution, so rejection sampling of its drafts is greedy matching."""
+    groups: dict[tuple[float, float, int], list[int]] = {}
+    for r, (t, p, k) in enumerate(warps):
+        groups.setdefault((float(t), float(p), int(k)), []).append(r)
+    if len(groups) == 1:
+        return warp_logits(logits, *next(iter(groups)))
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for (t, p, k), rows in groups.items():
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        out[index] = warp_logits(logits[index], t, p, k)
+    return out
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

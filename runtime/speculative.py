@@ -26,11 +26,11 @@ import torch
 
 from .request import Request
 from .rng import DRAFT, VERIFY, draw_seed, generators
-from .sampling import SamplingParams, warp_logits
+from .sampling import SamplingParams, warp_logits, warp_rows
 from .verify import verify_greedy, verify_sampling
 
 __all__ = ["DRAFT", "VERIFY", "StepTimes", "commit", "draft_lengths", "draw_seeds", "kept_lengths", "pad_right",
-           "verify_rows"]
+           "row_warps", "verify_rows"]
 
 
 def pad_right(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,23 +58,35 @@ def draft_lengths(rows: Sequence[Request], k: int, ready: Sequence[bool] | None 
     return [0 if ready is not None and not ready[n] else max(0, min(k, r.remaining - 1)) for n, r in enumerate(rows)]
 
 
-def draw_seeds(rows: Sequence[Request], stream: int, token: int = 0) -> list[int] | None:
-    """Per-row seeds of one draw (rng.py); None when no row has a seed (greedy runs draw nothing)."""
-    if any(r.seed is None for r in rows):
+def row_warps(rows: Sequence[Request]) -> list[list[float]] | None:
+    """Each row's (temperature, top_p, top_k), or None when every row is greedy (the greedy fast path)."""
+    if all(r.greedy for r in rows):
         return None
-    return [draw_seed(r.seed, r.num_tokens, stream, token) for r in rows]  # type: ignore[arg-type]
+    return [[float(x) for x in r.warp] for r in rows]
+
+
+def draw_seeds(rows: Sequence[Request], stream: int, token: int = 0) -> list[int] | None:
+    """Per-row seeds of one draw (rng.py); None when no row has a seed (greedy runs draw nothing). A greedy row in
+    a sampled batch draws from a fixed stream: its one-hot distributions make every draw's outcome the argmax."""
+    if all(r.seed is None for r in rows):
+        return None
+    return [draw_seed(r.seed if r.seed is not None else 0, r.num_tokens, stream, token) for r in rows]
 
 
 def verify_rows(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: Sequence[int], p: torch.Tensor | None,
-                params: SamplingParams, seeds: Sequence[int] | None) -> tuple[list[int], list[list[int]]]:
+                params: SamplingParams, seeds: Sequence[int] | None,
+                warps: Sequence[Sequence[float]] | None = None) -> tuple[list[int], list[list[int]]]:
     """Greedy match or rejection sampling of drafts [rows, L] (row r: its first num_drafts[r] real) against the
     target's logits [rows, L + 1, vocab], p [rows, L, vocab] the draft's warped distributions (None: greedy or
-    L = 0). Returns (accepted per row, emitted tokens per row: the first accepted + 1 are real)."""
+    L = 0). warps: each row's own (temperature, top_p, top_k) instead of params' (a greedy row's one-hot
+    distributions make rejection sampling exact greedy matching). Returns (accepted per row, emitted tokens per
+    row: the first accepted + 1 are real)."""
     with torch.inference_mode():
-        if params.greedy:
+        if warps is None and params.greedy:
             result = verify_greedy(drafts, logits, num_drafts)
         else:
-            q = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, L + 1, vocab]
+            q = (warp_rows(logits, warps) if warps is not None  # [rows, L + 1, vocab]
+                 else warp_logits(logits, params.temperature, params.top_p, params.top_k))
             dp = p if p is not None else q.new_zeros((q.shape[0], drafts.shape[1], q.shape[2]))  # [rows, L, vocab]
             result = verify_sampling(drafts, dp, q, generators(seeds) if seeds is not None else None, num_drafts)
         return result.num_accepted.tolist(), result.tokens.tolist()

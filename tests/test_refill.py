@@ -100,3 +100,54 @@ def test_config_checks_the_continuous_batching_fields(tiny_models):
         EngineConfig(tiny_models["llama"], prefill_chunk=0)
     with pytest.raises(ConfigError, match="refill"):
         EngineConfig(tiny_models["llama"], refill="yes")
+
+
+@pytest.mark.parametrize("offloaded", [True, False], ids=["offloaded", "resident"])
+def test_generate_iter_streams_rows_as_they_finish(tiny_models, single_thread, offloaded):
+    """Results come as rows finish, from prompts read lazily as slots free up; the same rows as `generate`."""
+    engine = (_offloaded(tiny_models) if offloaded else
+              Engine(EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], num_draft_tokens=2,
+                                  max_batch_size=2, max_seq_len=48)))
+    reference = engine.generate(PROMPTS, UNEVEN)
+    pulled: list[int] = []
+
+    def prompts():
+        for i, prompt in enumerate(PROMPTS):
+            pulled.append(i)
+            yield prompt
+
+    seen_at_first: list[int] = []
+    out = []
+    for result in engine.generate_iter(prompts(), iter(UNEVEN)):
+        if not out:
+            seen_at_first.append(len(pulled))
+        out.append(result)
+    assert sorted(r.index for r in out) == list(range(len(PROMPTS)))
+    assert {r.index: r.token_ids for r in out} == {r.index: r.token_ids for r in reference}
+    assert [r.index for r in out] != list(range(len(PROMPTS)))  # finish order: short rows first
+    assert seen_at_first[0] < len(PROMPTS)  # the first result came before every prompt was read
+    assert engine.last_stats is not None and engine.last_stats.num_prompts == len(PROMPTS)
+    engine.close()
+
+
+def test_a_job_streams_every_chunk_through_one_pipeline(tiny_models, single_thread):
+    """The local backend feeds a job's chunks to one engine stream: rows of the next chunk take slots while the
+    last chunk's rows still run (a chunk is the unit of writing, never a drain point), and each row equals its
+    own `generate` (same key: its index in the input)."""
+    from specoffload.runtime.backends import BackendOptions, LocalBackend
+    from specoffload.runtime.offline.chunks import chunked
+    from specoffload.runtime.offline.rows import RowJob, RowRequest
+
+    config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], num_draft_tokens=2,
+                          device_memory="1GiB", max_batch_size=2, max_seq_len=48, replan_interval=0)
+    backend = LocalBackend(config, BackendOptions(progress=False))
+    streams = []
+    real_stream = backend.engine.runner.stream
+    backend.engine.runner.stream = lambda *a, **kw: (streams.append(1), real_stream(*a, **kw))[1]
+    jobs = [RowJob(RowRequest(i, i + 1), tuple(p), HOT if i % 2 else UNEVEN[i]) for i, p in enumerate(PROMPTS)]
+    done = list(backend.run(chunked(iter(jobs), 2), window=1))
+    assert len(streams) == 1 and sorted(d.chunk.number for d in done) == [0, 1, 2, 3]
+    got = {j.index: r.token_ids for d in done for j, r in zip(d.chunk.jobs, d.results)}
+    ref = backend.engine.generate(PROMPTS, [j.params for j in jobs], keys=[j.index for j in jobs])
+    assert got == {r.index: tuple(r.token_ids) for r in ref}
+    backend.close()

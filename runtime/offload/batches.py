@@ -18,15 +18,14 @@ committed token again (pipeline.py).
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from specoffload.planner.plan import Plan
 
-from ..request import Request
+from ..request import Request, Waiting
 from .workers import Workers
 
 
@@ -64,12 +63,15 @@ class Batches:
     """The batches of one generate call over `workers`; see the module docstring. `on_finished(n)` reports rows
     that finished (progress)."""
 
-    def __init__(self, workers: Workers, plan: Plan, waiting: deque[Request], on_finished=lambda n: None,  # noqa: ANN001
-                 rows: Callable[[], int] | None = None, refill: bool = True) -> None:
+    def __init__(self, workers: Workers, plan: Plan, waiting: Waiting | Iterable[Request],
+                 on_finished: Callable[[int], object] = lambda n: None, rows: Callable[[], int] | None = None,
+                 refill: bool = True, on_retired: Callable[[Request], object] = lambda r: None) -> None:
         """rows: the rows a wave may admit now (online re-planning; default plan.batch); refill: a finished row's
-        slot takes a waiting request at once (False: only when the whole batch has finished)."""
-        self.workers, self.plan, self.waiting = workers, plan, waiting
-        self.on_finished = on_finished
+        slot takes a waiting request at once (False: only when the whole batch has finished). on_finished(n): n
+        rows finished (progress); on_retired(r): request r finished and left its batch."""
+        self.workers, self.plan = workers, plan
+        self.waiting = waiting if isinstance(waiting, Waiting) else Waiting(waiting)
+        self.on_finished, self.on_retired = on_finished, on_retired
         self.rows = rows or (lambda: plan.batch)
         self.refill = refill
         self.items = [Batch(n) for n in range(plan.num_batches)]
@@ -92,7 +94,8 @@ class Batches:
     def admit(self, b: Batch, share: int = 1) -> None:
         """Fill an empty batch with up to `rows()` waiting requests (a `share` of what is waiting). More rows than
         plan.batch (speculation off, merging) only once every other batch has drained: until then it stays empty."""
-        n = min(self._limit(b), math.ceil(len(self.waiting) / share))
+        limit = self._limit(b)
+        n = min(limit, math.ceil(self.waiting.available(limit * share) / share))
         b.rows = [self.waiting.popleft() for _ in range(n)]
         b.clear_pass()
         if b.rows:
@@ -108,12 +111,14 @@ class Batches:
         if not finished:
             return
         self.on_finished(len(finished))
+        for n in finished:
+            self.on_retired(b.rows[n])
         take = 0
         # (merging the rows of both batches into one, speculation off, goes through a new wave of the larger size:
         # slots are refilled only while a batch keeps its size)
         if self.refill and self.waiting and self.rows() <= self.plan.batch:
             live = len(b.rows) - len(finished)
-            take = min(len(finished), max(0, self._limit(b) - live), len(self.waiting))
+            take = min(len(finished), max(0, self._limit(b) - live), self.waiting.available(len(finished)))
         if take:
             slots = finished[:take]
             new = [self.waiting.popleft() for _ in range(take)]
@@ -143,6 +148,9 @@ class Batches:
         b.clear_pass()
         keep = [r for r in b.rows if not r.finished]
         self.on_finished(len(b.rows) - len(keep))
+        for r in b.rows:
+            if r.finished:
+                self.on_retired(r)
         b.rows = keep
         if keep:
             self._new_wave(b)

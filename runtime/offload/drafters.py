@@ -30,7 +30,7 @@ from ..kv_cache import KVCache
 from ..models.config import ModelConfig
 from ..models.model import Transformer
 from ..rng import generators
-from ..sampling import SamplingParams, sample_rows, warp_logits
+from ..sampling import SamplingParams, sample_rows, warp_logits, warp_rows
 from .batch_kv import BatchKV
 from .wire import wire
 
@@ -56,10 +56,12 @@ class Drafter(Protocol):
         ...
 
     def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
-                seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
+                seeds: Sequence[int] | None = None,
+                warps: Sequence[Sequence[float]] | None = None) -> tuple[Tensor, Tensor | None]:
         """Feed ids [rows, T] (row r: its first num_new[r] valid) and draw the next token per row: (token [rows],
         probs [rows, vocab] of the warped draft distribution, or None when greedy). seeds: one per row, the
-        row's own draw (runtime/rng.py); None: torch's global generator."""
+        row's own draw (runtime/rng.py); None: torch's global generator. warps: each row's own (temperature,
+        top_p, top_k) instead of params' (runtime/sampling.py `warp_rows`)."""
         ...
 
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:
@@ -90,7 +92,8 @@ class NoDrafter:
         pass
 
     def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
-                seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
+                seeds: Sequence[int] | None = None,
+                warps: Sequence[Sequence[float]] | None = None) -> tuple[Tensor, Tensor | None]:
         raise RuntimeError("NoDrafter was asked to propose: the plan has k = 0 (schedule bug)")
 
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:
@@ -115,12 +118,13 @@ class ModelDrafter(BatchKV):
 
     @wire
     def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
-                seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
+                seeds: Sequence[int] | None = None,
+                warps: Sequence[Sequence[float]] | None = None) -> tuple[Tensor, Tensor | None]:
         """Feed ids [rows, T] (row r: its first num_new[r] valid) and draw the next token per row.
 
         Returns (token [rows], probs [rows, vocab] or None when greedy).
         """
-        return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds)
+        return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds, warps=warps)
 
     @wire
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:
@@ -129,8 +133,8 @@ class ModelDrafter(BatchKV):
 
 
 def draft_next(model: Transformer, cache: KVCache, ids: Tensor, num_new: Tensor, params: SamplingParams,
-               seeds: Sequence[int] | None = None,
-               allowed_experts: dict[int, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+               seeds: Sequence[int] | None = None, allowed_experts: dict[int, Tensor] | None = None,
+               warps: Sequence[Sequence[float]] | None = None) -> tuple[Tensor, Tensor | None]:
     """One draft token per row: feed ids [rows, T] (row r: its first num_new[r] valid) through `model` and draw
     from its (warped) distribution at each row's last fed position: (token [rows], probs [rows, vocab] or None
     when greedy). seeds: each row's own draw (runtime/rng.py). allowed_experts: MoE routing restricted to these
@@ -144,9 +148,10 @@ def draft_next(model: Transformer, cache: KVCache, ids: Tensor, num_new: Tensor,
         last = (num_new - 1)[:, None]  # [rows, 1]
         logits = model.forward(ids, cache, num_new=num_new, output_positions=last,
                                allowed_experts=allowed_experts)[:, 0]  # [rows, vocab]
-        if params.greedy:
+        if warps is None and params.greedy:
             return logits.argmax(dim=-1), None  # [rows]
-        probs = warp_logits(logits, params.temperature, params.top_p, params.top_k)  # [rows, vocab]
+        probs = (warp_rows(logits, warps) if warps is not None  # [rows, vocab]
+                 else warp_logits(logits, params.temperature, params.top_p, params.top_k))
         return sample_rows(probs, generators(seeds) if seeds is not None else None), probs
 
 
@@ -270,9 +275,10 @@ class ResidentExpertDrafter(BatchKV):
 
     @wire
     def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
-                seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor | None]:
+                seeds: Sequence[int] | None = None,
+                warps: Sequence[Sequence[float]] | None = None) -> tuple[Tensor, Tensor | None]:
         """Feed ids [rows, T] and draw the next token per row, routing among the resident experts only."""
-        return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds, self.allowed)
+        return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds, self.allowed, warps)
 
     @wire
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:

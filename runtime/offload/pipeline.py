@@ -19,9 +19,9 @@ The life of a `run` (the engine has encoded the prompts into requests):
 
 from __future__ import annotations
 
+import queue
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Protocol
 
 import torch
@@ -30,9 +30,9 @@ from tqdm import tqdm
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.plan import Plan
 
-from ..request import Request
+from ..request import Request, Waiting
 from ..sampling import SamplingParams
-from ..speculative import DRAFT, VERIFY, commit, draft_lengths, draw_seeds, kept_lengths, pad_right
+from ..speculative import DRAFT, VERIFY, commit, draft_lengths, draw_seeds, kept_lengths, pad_right, row_warps
 from ..stats import OffloadStats, request_totals
 from ..trace import Tracer
 from .batches import Batch, Batches
@@ -40,6 +40,9 @@ from .executor import OpExecutor
 from .replan import Replanner
 from .schedule import Op, PipelineSchedule
 from .workers import WeightPlan, Workers
+
+#: the params the workers get beside per-row warps (a batch of greedy rows passes no warps and verifies greedily)
+GREEDY = SamplingParams()
 
 
 class Recovery(Protocol):
@@ -83,24 +86,53 @@ class Pipeline:
         #: the last verify: the loads between two verifies are attributed to the later pass (replan.py)
         self.load_seconds = self.load_mark = 0.0
         self.running = False
+        self.last_stats: OffloadStats | None = None
 
-    def run(self, requests: list[Request], params: SamplingParams, progress: bool = False) -> OffloadStats:
+    def run(self, requests: list[Request], params: SamplingParams | None = None,
+            progress: bool = False) -> OffloadStats:
+        """Run every request to the end (each row at its own warping: `Request.warp`); returns the totals."""
+        for _ in self.stream(requests, progress):
+            pass
+        assert self.last_stats is not None
+        return self.last_stats
+
+    def stream(self, requests: Iterable[Request], progress: bool = False) -> Iterator[Request]:
+        """Yield each request as its row finishes, pulling new ones from `requests` (a list, or a lazy iterator: a
+        job's rows) as slots free up: one long-lived pipeline, never drained between them. `last_stats` holds the
+        totals once the stream is exhausted."""
         start = time.perf_counter()
         self.tracer.clear()
         self.verified = 0
         self.verify_log = []
         self.running = True
-        bar = tqdm(total=len(requests), desc="generate", unit="prompt", disable=not progress)
-        self.params = params
-        self.replanner.tokens_per_row = params.max_new_tokens
-        self.batches = Batches(self.workers, self.plan, deque(requests), on_finished=bar.update,
-                               rows=lambda: self.replanner.rows, refill=self.refill)
+        self.last_stats = None
+        total = len(requests) if isinstance(requests, Sized) else None
+        bar = tqdm(total=total, desc="generate", unit="prompt", disable=not progress)
+        finished: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        done: list[Request] = []
+
+        def admitted(source: Iterable[Request]) -> Iterator[Request]:
+            for r in source:
+                if self.replanner.tokens_per_row is None:  # the first row's budget prices the slowest row
+                    self.replanner.tokens_per_row = r.max_new_tokens
+                yield r
+
+        self.replanner.tokens_per_row = None
+        self.batches = Batches(self.workers, self.plan, Waiting(admitted(requests)), on_finished=bar.update,
+                               rows=lambda: self.replanner.rows, refill=self.refill, on_retired=finished.put)
         self.rounds_since_adapt, self.adapted, self.adapt_due = 0, 0, 0
         self.routing: list[list[int]] = []  # the target's routing since the last adapt, from verified passes
         self.adaptation = [0, 0, 0, 0]  # hits, picks, bytes moved, experts moved (Drafter.adapt)
         self.hotness: list[list[int]] = []
         bytes_before = self.workers.bytes_read
         totals = {"steps": 0, "passes": 0}
+
+        def drain() -> Iterator[Request]:
+            while not finished.empty():
+                r = finished.get()
+                done.append(r)
+                yield r
+
         try:
             try:
                 self.batches.admit_all()
@@ -108,18 +140,20 @@ class Pipeline:
                 self._recover(exc)
             while True:
                 try:
-                    self._run_schedule(totals)
+                    for _ in self._run_schedule(totals):
+                        yield from drain()
                     break
                 except SpecOffloadError as exc:  # PipelineError: an op failed
                     self._recover(exc)
+            yield from drain()
         finally:
             self.running = False
             bar.close()
         spans = self.tracer.spans
         busy = {kind: sum(s.end - s.start for s in spans if s.name == kind) for kind in ("draft", "verify")}
         target_s = sum(s.end - s.start for s in spans if s.name in ("embed", "attention", "ffn", "head"))
-        return OffloadStats(
-            **request_totals(requests),
+        self.last_stats = OffloadStats(
+            **request_totals(done),
             steps=totals["steps"],
             wall_s=time.perf_counter() - start,
             prefill_s=0.0,
@@ -144,8 +178,9 @@ class Pipeline:
         for b in self.batches.items:
             self.batches.restart(b)
 
-    def _run_schedule(self, totals: dict[str, int]) -> None:
-        """Run the schedule until no request is left; adds the steps and target passes to `totals`."""
+    def _run_schedule(self, totals: dict[str, int]) -> Iterator[None]:
+        """Run the schedule until no request is left, yielding after each step's wait (the caller hands out the rows
+        that finished meanwhile); adds the steps and target passes to `totals`."""
         schedule = PipelineSchedule(self.num_layers, self.weights.units(), self.weights.num_buffers,
                                     draft_ops=self.plan.k_max, attention_streamed=self.weights.attention_streamed,
                                     interleave=self.plan.interleave)
@@ -181,6 +216,7 @@ class Pipeline:
             while True:
                 # Step s's target batch was last verified at step s - 2: wait for that, then decide step s.
                 executor.wait(step_ops[len(step_ops) - 2])
+                yield
                 if self.batches.done:
                     executor.cancel_from(len(step_ops) - 1)
                     executor.wait_all()
@@ -260,8 +296,9 @@ class Pipeline:
             return
         k = b.pass_k
         drafts = b.drafts if b.drafts is not None else torch.zeros((len(b.rows), 0), dtype=torch.long)  # [rows, k]
-        seeds = None if self.params.greedy else draw_seeds(b.rows, VERIFY)
-        accepted, emitted = self.workers.verifier.verify(b.logits, drafts, b.num_drafts, b.p, self.params, seeds)
+        warps = row_warps(b.rows)
+        seeds = None if warps is None else draw_seeds(b.rows, VERIFY)
+        accepted, emitted = self.workers.verifier.verify(b.logits, drafts, b.num_drafts, b.p, GREEDY, seeds, warps)
         ready = [n for n, ok in enumerate(b.ready) if ok]
         accepted = [a if ok else 0 for a, ok in zip(accepted, b.ready)]
         before = sum(len(r.output) for r in b.rows)
@@ -334,8 +371,9 @@ class Pipeline:
         else:
             ids = b.draft_tokens[-1][:, None]  # [rows, 1]
             num_new = torch.ones(len(b.rows), dtype=torch.long)
-        seeds = None if self.params.greedy else draw_seeds(b.rows, DRAFT, op.token)
-        token, probs = self.workers.drafter.propose(b.index, ids, num_new, self.params, seeds)  # [rows], [rows, V]
+        warps = row_warps(b.rows)
+        seeds = None if warps is None else draw_seeds(b.rows, DRAFT, op.token)
+        token, probs = self.workers.drafter.propose(b.index, ids, num_new, GREEDY, seeds, warps)  # [rows], [rows, V]
         b.draft_tokens.append(token)
         if probs is not None:
             b.draft_probs.append(probs)

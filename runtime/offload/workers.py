@@ -288,10 +288,11 @@ class VerifierWorker:
 
     @wire
     def verify(self, logits: Tensor, drafts: Tensor, num_drafts: list[int], p: Tensor | None,
-               params: SamplingParams, seeds: list[int] | None) -> tuple[list[int], list[list[int]]]:
-        """Greedy match or rejection sampling of ragged drafts (runtime/speculative.py `verify_rows`): (accepted
-        per row, emitted tokens per row)."""
-        return verify_rows(logits, drafts, num_drafts, p, params, seeds)
+               params: SamplingParams, seeds: list[int] | None,
+               warps: list[list[float]] | None = None) -> tuple[list[int], list[list[int]]]:
+        """Greedy match or rejection sampling of ragged drafts, each row at its own warping when `warps` is given
+        (runtime/speculative.py `verify_rows`): (accepted per row, emitted tokens per row)."""
+        return verify_rows(logits, drafts, num_drafts, p, params, seeds, warps)
 
 
 @dataclass
