@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+from scripts.bench_offload import roofline
 from scripts.common import PERF, median_spread, utc_now, write_json
 from scripts.get_models import model_dir
 from specoffload.planner.units import format_bytes, parse_bytes
@@ -83,6 +84,8 @@ def main() -> int:
     print(f"{args.target}, budget {format_bytes(budget)}, {len(prompts)} prompts (mean "
           f"{statistics.fmean(map(len, prompts)):.0f} tokens), up to {args.new_tokens} new, batch {args.batch}, "
           f"{args.reps} reps", flush=True)
+    roof = roofline(target)
+    print(f"roofline: {roof}", flush=True)
     base = dict(target=target, device_memory=budget, max_batch_size=args.batch, replan_interval=0,
                 max_seq_len=max(map(len, prompts)) + args.new_tokens)
     systems = {"nodraft": dict(num_draft_tokens=0), "draft": dict(draft=draft, num_draft_tokens=args.k)}
@@ -117,9 +120,18 @@ def main() -> int:
         summary[f"refill_over_waves_{name}"] = on["tok_s_median"] / off["tok_s_median"]
         summary[f"passes_waves_over_refill_{name}"] = off["passes"] / on["passes"]
         summary[f"ideal_gain_{name}"] = on["ideal_gain"]
+        if on["acceptance"] is not None:  # E[n] = (1 - a^(k+1)) / (1 - a) tokens per row per pass at acceptance a
+            a = on["acceptance"]
+            expected = (1 - a ** (args.k + 1)) / (1 - a) if a < 1 else args.k + 1.0
+            summary[f"committed_per_row_pass_over_expected_{name}"] = on["committed_per_row_pass"] / expected
+            summary[f"expected_per_row_pass_{name}"] = expected
+    if "refill_over_waves_nodraft" in summary and "refill_over_waves_draft" in summary:
+        on = {r["system"]: r["tok_s_median"] for r in rows if r["refill"]}
+        summary["draft_over_nodraft"] = on["draft"] / on["nodraft"]
     print("summary:", {k: round(v, 3) for k, v in summary.items()})
     path = write_json(PERF / f"{args.out}.json", {"date": utc_now(), "argv": sys.argv[1:], "target": str(target),
-                                                   "budget": budget, "summary": summary, "rows": rows})
+                                                   "budget": budget, "roofline": roof, "summary": summary,
+                                                   "rows": rows})
     print(f"wrote {path}")
     return 0
 
