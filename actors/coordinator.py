@@ -223,7 +223,7 @@ class Coordinator:
 
     def _start(self) -> None:
         # The actors start (import torch, ...) while this process reads the checkpoints and places the model.
-        roles = ["prefetch", "attention", "verifier"] + (["draft"] if self.config.draft is not None else [])
+        roles = ["prefetch", "attention", "verifier"] + (["draft"] if self.config.drafter_class.proposes else [])
         group = RoleGroup(self.config, roles, self.resources, self.max_restarts, self.bundle)
         self.roles = RoleWorkers(group, self.max_restarts, self.call_timeout_s)
         try:

@@ -110,7 +110,8 @@ class ReplicaPool:
         self.config, self.owns_ray = config, owns_ray
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         resources = plan_resources(config)
-        roles = ["coordinator", "prefetch", "attention", "verifier"] + (["draft"] if config.draft else [])
+        roles = ["coordinator", "prefetch", "attention", "verifier"]
+        roles += ["draft"] if config.drafter_class.proposes else []
         marked = ray.cluster_resources().get(REPLICA_RESOURCE, 0) > 0
         self.bundle = bundle_resources(resources, roles, {REPLICA_RESOURCE: 1.0} if marked else None)
         count = _replica_count(replicas, self.bundle)

@@ -10,8 +10,12 @@ from pathlib import Path
 from specoffload.planner.errors import SpecOffloadError
 
 from .config import EngineConfig
+from .offload.drafters import DRAFTERS
 from .prompts import PromptFileError
 from .sampling import SamplingParams
+
+DRAFTER_HELP = (f"who drafts, by registry name ({', '.join(sorted(DRAFTERS))}; runtime/offload/drafters.py); "
+                "default: from --draft (none without it, model with a checkpoint, self for 'self')")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -20,6 +24,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None,
                    help="draft checkpoint directory (same vocabulary); 'self': an MoE target drafts with its resident "
                         "experts (needs --device-memory); omit for none")
+    p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", type=Path,
                      help=".jsonl ({'prompt': ...} or {'token_ids': [...]}, or OpenAI batch requests) or .txt file")
@@ -96,7 +101,8 @@ def _int_or_auto(value: str) -> int | str:
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="measure the hardware profile and print the planner's choice of batch and k")
     p.add_argument("--target", required=True)
-    p.add_argument("--draft", default=None)
+    p.add_argument("--draft", default=None, help="draft checkpoint directory; 'self': the target's resident experts")
+    p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     p.add_argument("--device-memory", required=True, help="memory budget, e.g. 4.5GiB")
     p.add_argument("--host-memory", default=None)
     p.add_argument("--weights-tier", default="disk", choices=["disk", "ram"])
@@ -129,7 +135,8 @@ def _plan(args: argparse.Namespace) -> int:
     from .warmup import plan_job
 
     prompts = read_prompts_file(args.prompts) if args.prompts else []
-    base = EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype, device_memory=args.device_memory,
+    base = EngineConfig(target=args.target, draft=args.draft, drafter=args.drafter, dtype=args.dtype,
+                        device_memory=args.device_memory,
                         host_memory=args.host_memory, weights_tier=args.weights_tier, max_seq_len=args.max_seq_len,
                         num_draft_tokens=args.num_draft_tokens, max_batch_size=args.batch_size)
     max_seq_len = job_max_seq_len(base, prompts, args.max_new_tokens)
@@ -140,8 +147,7 @@ def _plan(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args.target) if any(isinstance(p, str) for p in prompts) else None
     encoded = [tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]
     target = Transformer(args.target, dtype=base.torch_dtype)  # shapes only: no weights are loaded
-    draft = Transformer(args.draft, dtype=base.torch_dtype) if args.draft else None
-    models = ModelPair.of(target, draft)
+    models = ModelPair.for_config(config, target, shares_kv=True)  # as the local backend's engine counts it
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, ignore_eos=True)
     if encoded and args.alpha is None:  # the warm-up on the job's prompts, then the maximin search over its range
@@ -194,6 +200,7 @@ def _generate(args: argparse.Namespace) -> int:
     config = EngineConfig(
         target=args.target,
         draft=args.draft,
+        drafter=args.drafter,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,
         num_draft_tokens=args.num_draft_tokens,

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.units import MemorySizeError, machine_memory_bytes, parse_bytes
 
+from .errors import ConfigError
+from .offload.drafters import drafter_named
+
+__all__ = ["ConfigError", "EngineConfig"]
+
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class ConfigError(SpecOffloadError, ValueError):
-    """An invalid EngineConfig field."""
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,12 @@ class EngineConfig:
     """What to run and how.
 
     target: HF checkpoint directory of the model whose output we reproduce.
-    draft: checkpoint directory of a small model on the same vocabulary; "self" (an MoE target, offloaded): the
-        target drafts for itself with only its resident experts (runtime/offload/drafters.py); None: plain decoding.
+    draft: checkpoint directory of a small model on the same vocabulary (the "model" drafter's); "self": the same as
+        drafter="self"; None: no checkpoint.
+    drafter: who proposes the draft tokens, a name in the drafter registry (runtime/offload/drafters.py
+        `DRAFTERS`): "none" (plain decoding), "model" (the draft checkpoint), "self" (an MoE target, offloaded,
+        drafts for itself with only its resident experts), or any registered one. None: from `draft` (None ->
+        "none", "self" -> "self", a checkpoint directory -> "model"); `drafter_name` is the resolved name.
     num_draft_tokens: k, tokens the draft proposes per verification step (0 = no speculation: the draft is not
         loaded; unused without a draft), or "auto" (offloaded only, and its default): the planner picks k
         (0 included) from the measured hardware profile and re-plans it online from the observed acceptance rate.
@@ -51,7 +55,7 @@ class EngineConfig:
         ffn then runs one group after another, so the ring holds a group, not a layer (smaller by up to E / g).
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
 
-    Self-drafting (draft="self"):
+    Self-drafting (drafter "self"):
     resident_experts: routed experts per MoE layer the drafter keeps resident (>= 1, at most the layer's experts;
         default: a quarter of them, at least 1).
     migrate_interval: every this many verify rounds the drafter re-chooses its resident experts from the
@@ -91,6 +95,7 @@ class EngineConfig:
     interleave: bool | str = True
     refill: bool = True
     prefill_chunk: int | None = None
+    drafter: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -130,9 +135,7 @@ class EngineConfig:
             raise ConfigError(f"num_buffers must be an integer >= 1, got {self.num_buffers!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
-        if self.draft == "self" and self.device_memory is None:
-            raise ConfigError("draft='self' drafts with the target's resident experts: it needs device_memory "
-                              "(offloaded); without a budget every expert is resident and there is nothing to skip")
+        self._check_drafter()
         if self.resident_experts is not None and (
                 isinstance(self.resident_experts, bool) or not isinstance(self.resident_experts, int)
                 or self.resident_experts < 1):
@@ -153,6 +156,40 @@ class EngineConfig:
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
 
+    def _check_drafter(self) -> None:
+        """The drafter is registered and has what its class needs (a checkpoint, a budget)."""
+        if self.drafter is not None and not isinstance(self.drafter, str):
+            raise ConfigError(f"drafter must be a registered drafter's name or None, got {self.drafter!r}")
+        name = self.drafter_name
+        cls = drafter_named(name)  # ConfigError naming the registered drafters
+        checkpoint = self.draft if self.draft != "self" else None
+        if self.draft == "self" and name != "self":
+            raise ConfigError(f"draft='self' is the 'self' drafter, but drafter={name!r}: give one of them")
+        if cls.needs_checkpoint and checkpoint is None:
+            raise ConfigError(f"drafter {name!r} drafts with a model of its own: draft must be its checkpoint "
+                              "directory")
+        if not cls.needs_checkpoint and checkpoint is not None:
+            raise ConfigError(f"drafter {name!r} loads no checkpoint, but draft={str(checkpoint)!r}: drop draft, or "
+                              "use the 'model' drafter")
+        if cls.offloaded_only and self.device_memory is None:
+            raise ConfigError(f"drafter {name!r} ({cls.__name__}) runs in the offloaded pipeline only: it needs "
+                              "device_memory (without a budget every weight is resident)")
+
+    @property
+    def drafter_name(self) -> str:
+        """The drafter's registry name: `drafter`, else from `draft` (None -> "none", "self" -> "self", a
+        checkpoint directory -> "model")."""
+        if self.drafter is not None:
+            return self.drafter
+        if self.draft is None:
+            return "none"
+        return "self" if self.draft == "self" else "model"
+
+    @property
+    def drafter_class(self) -> type:
+        """The registered class of `drafter_name` (runtime/offload/drafters.py); ask it, not the name."""
+        return drafter_named(self.drafter_name)
+
     @property
     def planned(self) -> bool:
         """True when the planner chooses the batch size or k."""
@@ -171,11 +208,6 @@ class EngineConfig:
     def draft_torch_dtype(self) -> torch.dtype:
         """The draft model's compute dtype: draft_dtype, else the target's."""
         return _DTYPES[self.draft_dtype or self.dtype]
-
-    @property
-    def self_draft(self) -> bool:
-        """The target drafts for itself with its resident experts (draft="self")."""
-        return self.draft == "self"
 
     @property
     def unified_memory(self) -> bool:

@@ -12,7 +12,7 @@ The life of a request, top-down:
      (runtime/verify.py): greedy output equals the target's own, token for token.
   3. Results come back in input order, with per-request acceptance counts; `last_stats` holds the totals.
 
-Which file to touch: a new drafter is a class in offload/drafters.py (and a line in `make_drafter`); a new model
+Which file to touch: a new drafter is a class in offload/drafters.py and one `register_drafter` line; a new model
 family is runtime/models/ (config.py, checkpoint names in weights.py, layers.py); a new backend is a
 `WorkerFactory` and a `Recovery` (offload/workers.py, offload/pipeline.py) registered as a CLI backend
 (runtime/backends.py).
@@ -33,7 +33,6 @@ from specoffload.planner.plan import Plan
 
 from .config import ConfigError, EngineConfig
 from .models.model import Transformer
-from .offload.drafters import resident_expert_count
 from .offload.pipeline import Pipeline, Recovery
 from .offload.profiler import load_or_measure
 from .offload.replan import Replanner
@@ -80,17 +79,17 @@ class Engine:
         self.target = Transformer(config.target, dtype=dtype, device=config.device)  # headers only: nothing loaded
         self.tokenizer = load_tokenizer(config.target)
         cfg = self.target.config
+        drafter = config.drafter_class  # the registry's class (offload/drafters.py): ask it, not the name
+        if drafter.needs_moe_target and not cfg.num_experts:
+            raise ConfigError(f"drafter {config.drafter_name!r} needs an MoE target; {config.target} is dense "
+                              "(no routed experts)")
         draft_model = None
-        if config.self_draft:  # the target drafts for itself: no second vocabulary to check
-            # in this process it drafts into the target's own KV cache (no second cache); a backend's drafter
-            # lives in another process and keeps its own
-            self.models = ModelPair.of(self.target, None, resident_expert_count(config, cfg), shares_kv=workers is None)
-        else:
-            draft_model = (Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
-                           if config.draft else None)
-            if draft_model is not None:
-                self._check_vocabularies(draft_model)
-            self.models = ModelPair.of(self.target, draft_model)
+        if drafter.needs_checkpoint:  # a model of its own: it must share the target's vocabulary
+            draft_model = Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
+            self._check_vocabularies(draft_model)
+        # in this process a drafter that shares the target drafts with its parts and KV cache (no second cache); a
+        # backend's drafter lives in another process and keeps its own
+        self.models = ModelPair.for_config(config, self.target, shares_kv=workers is None)
         resident_context = None if config.offloaded else cfg.max_position_embeddings  # the resident KV grows
         max_seq_len = resolve_max_seq_len(config.max_seq_len or resident_context, cfg.max_position_embeddings)
         # the planner's profile: for the plan, and for re-planning online a plan the planner made (also one given)
@@ -114,7 +113,7 @@ class Engine:
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,
                                                self.tracer, recovery, config.num_threads,
-                                               adapt_interval=config.migrate_interval if config.self_draft else 0,
+                                               adapt_interval=config.migrate_interval if drafter.adapts else 0,
                                                refill=config.refill, prefill_chunk=config.prefill_chunk)
 
     # ---- construction -----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ the engine and by `specoffload plan` alike, so the plan shown is the plan run.
 
     resolve_max_seq_len   tokens per row the KV caches hold: --max-seq-len, else the job's, else the model's
     job_max_seq_len       the same for a job's prompts (text or token ids), as both CLI commands size it
-    ModelPair             the models' shapes, read from checkpoint headers
+    ModelPair             the models' shapes, read from checkpoint headers (the drafter's from its class)
     make_plan             fixed (the user chose batch and k) or planned (search over the measured profile)
     place_plan            the placement of a plan's parts and caches under the budgets
 
@@ -22,11 +22,12 @@ from specoffload.planner.acceptance import Acceptance
 from specoffload.planner.placement import Placement, PlacementPolicy, minimum_device_memory, place
 from specoffload.planner.plan import MAX_AUTO_K, Plan, fixed_plan, planned
 from specoffload.planner.search import DEFAULT_BATCHES
-from specoffload.planner.shapes import ModelShape, PartKey, self_draft_shape
+from specoffload.planner.shapes import ModelShape, PartKey
 
 from .config import ConfigError, EngineConfig
 from .models.config import ModelConfig
 from .models.model import Transformer
+from .offload.drafters import DraftFootprint, model_footprint, resident_expert_footprint
 from .offload.profiler import load_or_measure
 from .tokenizer import load_tokenizer
 
@@ -56,23 +57,26 @@ class ModelPair:
         """From executors constructed on the checkpoints (their headers are read, no weight is loaded).
         self_draft_experts > 0: the draft is the target's own resident-expert drafter with that many experts per
         layer (planner/shapes.py `self_draft_shape`), drafting into the target's KV cache when shares_kv."""
-        cfg = target.config
-        shape = target.loader.shape("target")
-        top_k = cfg.num_experts_per_tok if cfg.num_experts else 0
         if self_draft_experts:
-            draft_shape = self_draft_shape(shape, self_draft_experts, shares_kv=shares_kv)
-            draft_top_k = min(top_k, self_draft_experts)
-        elif draft is not None:
-            draft_shape = draft.loader.shape("draft")
-            draft_top_k = draft.config.num_experts_per_tok if draft.config.num_experts else 0
+            footprint = resident_expert_footprint(target, self_draft_experts, shares_kv)
         else:
-            draft_shape, draft_top_k = None, 0
-        pins = frozenset(key for key, _ in shape.parts if key.kind in ("attention", "router", "dense_mlp", "head"))
-        return cls(target=shape, draft=draft_shape, model_context=cfg.max_position_embeddings,
-                   dtype_bytes=target.dtype.itemsize, top_k=top_k, draft_top_k=draft_top_k,
-                   draft_dtype_bytes=draft.dtype.itemsize if draft is not None else 0,
-                   self_draft_experts=self_draft_experts,
-                   draft_pins=pins if self_draft_experts and shares_kv else frozenset())
+            footprint = model_footprint(draft) if draft is not None else DraftFootprint(None)
+        return cls.drafted_by(target, footprint)
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, target: Transformer, shares_kv: bool) -> ModelPair:
+        """The target and the drafter `config` names, as that drafter's class counts itself (`footprint`).
+        shares_kv: the drafter is built in the target's process (the local backend)."""
+        return cls.drafted_by(target, config.drafter_class.footprint(config, target, shares_kv))
+
+    @classmethod
+    def drafted_by(cls, target: Transformer, draft: DraftFootprint) -> ModelPair:
+        """The target's shape (headers only) with a drafter's footprint."""
+        cfg = target.config
+        return cls(target=target.loader.shape("target"), draft=draft.shape, model_context=cfg.max_position_embeddings,
+                   dtype_bytes=target.dtype.itemsize, top_k=cfg.num_experts_per_tok if cfg.num_experts else 0,
+                   draft_top_k=draft.top_k, self_draft_experts=draft.experts, draft_pins=draft.pins,
+                   draft_dtype_bytes=draft.dtype_bytes)
 
     def costs(self, drafting: bool) -> ModelCosts:
         """FLOPs and bytes per layer for the cost model (the draft only when it is loaded)."""

@@ -175,7 +175,7 @@ def planner_pick(base: EngineConfig, budget: int, alpha: float, grid: list[tuple
     argmax (as `planner.search` ranks, over the same candidates)."""
     config = replace(base, device_memory=budget)
     target = Transformer(config.target, dtype=config.torch_dtype)
-    draft = Transformer(config.draft, dtype=config.torch_dtype) if config.draft and not config.self_draft else None
+    draft = Transformer(config.draft, dtype=config.torch_dtype) if config.drafter_class.needs_checkpoint else None
     models = ModelPair.of(target, draft)
     profile = load_or_measure(config, log=lambda m: print(f"  [profile] {m}", flush=True), open_engine=Engine)
     predictions: dict[str, float] = {}

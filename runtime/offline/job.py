@@ -126,7 +126,7 @@ def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[Engin
                 progress.update(*writer.write(ready))
         wall = time.perf_counter() - start
         progress.close()
-        _summary(progress, wall, config.draft is not None)
+        _summary(progress, wall, config.drafter_class.proposes)
         backend.report()
         return wall, backend.summary()
     finally:

@@ -60,7 +60,7 @@ def calibrate(config: EngineConfig, profile: HardwareProfile, open_engine: Engin
     points: list[dict[str, Any]] = []
     plain_rows, draft_rows = CALIBRATION_ROWS
     points += _run(config, open_engine, plain_rows, 0, ks=(0,), quick=quick)
-    if config.draft is not None:
+    if config.drafter_class.proposes:
         points += _run(config, open_engine, draft_rows, CALIBRATION_K, ks=(CALIBRATION_K, 0), quick=quick)
     loaded = sum(p["streamed_bytes"] for p in points)
     busy = sum(p["load_s"] for p in points)

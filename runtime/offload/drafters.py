@@ -6,6 +6,11 @@
     ModelDrafter          an external draft model on the target's vocabulary, resident where compute happens
     ResidentExpertDrafter the MoE target drafts for itself with only its resident ("hot") routed experts
 
+The registry: `DRAFTERS` maps a name (EngineConfig.drafter: "none", "model", "self", ...) to a class, and
+`register_drafter(name, cls)` adds one: a new drafter is one class and one registry line. Each class declares on
+itself what the rest of the engine must know of it (`DrafterTraits`: a checkpoint? an MoE target? its footprint
+for placement, its step for the profiler); config, planning, profiler and engine ask the class, never the name.
+
 `drafter_class(config)` is the class the config names (every drafter is built as cls(config, weights, slots),
 like the workers, so a draft role can build it in its own process); `make_drafter(config, plan, weights)` builds
 it, or NoDrafter when the plan does not speculate. A drafter proposes one token per call, for every row of
@@ -17,15 +22,16 @@ truncates it to what the target accepted after verification.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from specoffload.planner.plan import Plan
-from specoffload.planner.shapes import PartKey
+from specoffload.planner.shapes import ModelShape, PartKey, self_draft_shape
 
-from ..config import ConfigError, EngineConfig
+from ..errors import ConfigError
 from ..kv_cache import KVCache
 from ..models.config import ModelConfig
 from ..models.model import Transformer
@@ -35,6 +41,7 @@ from .batch_kv import BatchKV
 from .wire import wire
 
 if TYPE_CHECKING:
+    from ..config import EngineConfig
     from .workers import WeightPlan
 
 Tensor = torch.Tensor
@@ -70,8 +77,73 @@ class Drafter(Protocol):
         ...
 
 
-class NoDrafter:
+@dataclass(frozen=True)
+class DraftFootprint:
+    """What planning and placement count of a drafter (runtime/planning.py `ModelPair`)."""
+
+    shape: ModelShape | None  # its parts and KV bytes per token, as placement counts them; None: it never drafts
+    top_k: int = 0  # routed experts per token of an MoE drafter (0: dense)
+    dtype_bytes: int = 0  # bytes per element of its compute dtype (0: the target's)
+    experts: int = 0  # a resident-expert drafter's routed experts per layer (the plan's draft_experts; 0: another)
+    pins: frozenset[PartKey] = field(default=frozenset())  # target parts it shares: resident whenever it drafts
+
+
+class DrafterTraits:
+    """What the engine must know of a drafter class before it builds one, declared on the class (the defaults: a
+    drafter that proposes, runs offloaded, and holds nothing placement must count). A drafter subclasses it (or
+    declares every attribute and class method itself); config, planning, profiler and engine ask these, never the
+    drafter's name.
+
+    proposes          False only for NoDrafter: nothing to speculate with (the plan's k is 0)
+    needs_checkpoint  config.draft is the checkpoint directory of its model (on the target's vocabulary)
+    needs_moe_target  it drafts with the target's routed experts: a dense target is a ConfigError
+    offloaded_only    it runs in the offloaded pipeline only (device_memory set); False: the resident runner runs
+                      it too, as a `ModelDrafter` on config.draft (runtime/resident.py)
+    shares_target     in the target's process it drafts with the target's own parts and KV cache (`TargetShare`)
+    adapts            its `adapt` re-chooses what it keeps: the pipeline calls it every config.migrate_interval rounds
+    footprint         (class method) its weights and KV cache as placement counts them
+    profile_key       (class method) what the profiled draft step depends on (profiler.py `fingerprint`)
+    step_model        (class method) the model one draft step runs, for the profiler to time
+    """
+
+    proposes: ClassVar[bool] = True
+    needs_checkpoint: ClassVar[bool] = False
+    needs_moe_target: ClassVar[bool] = False
+    offloaded_only: ClassVar[bool] = True
+    shares_target: ClassVar[bool] = False
+    adapts: ClassVar[bool] = False
+
+    @classmethod
+    def footprint(cls, config: EngineConfig, target: Transformer, shares_kv: bool) -> DraftFootprint:
+        """Its parts and KV cache as placement counts them. target: the target's executor (headers only, nothing
+        loaded); shares_kv: it is built in the target's process (`TargetShare`). Default: no weights, no cache."""
+        return DraftFootprint(ModelShape(cls.__name__, (), 0, 0))
+
+    @classmethod
+    def profile_key(cls, config: EngineConfig) -> str:
+        """What the profiled draft step depends on (a new value re-measures the profile); default: its name."""
+        return config.drafter_name
+
+    @classmethod
+    def step_model(cls, config: EngineConfig) -> tuple[Transformer, dict[int, Tensor] | None] | None:
+        """(model, allowed experts per layer or None) one draft step runs, loaded, for the profiler to time; None:
+        nothing to time (the profile assumes a nominal step)."""
+        return None
+
+
+class NoDrafter(DrafterTraits):
     """k = 0: no draft model, one batch, nothing to propose."""
+
+    proposes = False
+    offloaded_only = False
+
+    @classmethod
+    def footprint(cls, config: EngineConfig, target: Transformer, shares_kv: bool) -> DraftFootprint:
+        return DraftFootprint(None)
+
+    @classmethod
+    def profile_key(cls, config: EngineConfig) -> str:
+        return ""
 
     def reset(self, batch: int, rows: int, capacity: int) -> None:
         pass
@@ -100,8 +172,25 @@ class NoDrafter:
         return [0, 0, 0, 0]
 
 
-class ModelDrafter(BatchKV):
+class ModelDrafter(BatchKV, DrafterTraits):
     """An external draft model (same vocabulary as the target), resident, one KV cache per batch."""
+
+    needs_checkpoint = True
+    offloaded_only = False
+
+    @classmethod
+    def footprint(cls, config: EngineConfig, target: Transformer, shares_kv: bool) -> DraftFootprint:
+        return model_footprint(Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device))
+
+    @classmethod
+    def profile_key(cls, config: EngineConfig) -> str:
+        return Path(config.draft).name
+
+    @classmethod
+    def step_model(cls, config: EngineConfig) -> tuple[Transformer, dict[int, Tensor] | None] | None:
+        draft = Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
+        draft.preload()
+        return draft, None
 
     def __init__(self, config: EngineConfig | None, weights: WeightPlan | None = None,
                  slots: Sequence[Tensor] | None = None, *, model: Transformer | None = None) -> None:
@@ -179,7 +268,7 @@ def feed_prefixes(model: Transformer, cache: KVCache, ids: Tensor, num_new: Tens
     return ids_out, torch.tensor([len(r) for r in rest], dtype=torch.long)
 
 
-class ResidentExpertDrafter(BatchKV):
+class ResidentExpertDrafter(BatchKV, DrafterTraits):
     """The MoE target drafts for itself: its embedding, attention, routers (and shared expert), head, and only
     `n` resident routed experts per layer, chosen by hotness (self-assisted speculative decoding, SpecMoE).
 
@@ -204,7 +293,22 @@ class ResidentExpertDrafter(BatchKV):
     rate by at least `min_gain` (moving an expert costs its bytes; a small gain is not worth them).
     """
 
+    needs_moe_target = True
     shares_target = True
+    adapts = True
+
+    @classmethod
+    def footprint(cls, config: EngineConfig, target: Transformer, shares_kv: bool) -> DraftFootprint:
+        return resident_expert_footprint(target, resident_expert_count(config, target.config), shares_kv)
+
+    @classmethod
+    def profile_key(cls, config: EngineConfig) -> str:
+        return f"{config.drafter_name}:{config.resident_experts or 'default'}"
+
+    @classmethod
+    def step_model(cls, config: EngineConfig) -> tuple[Transformer, dict[int, Tensor] | None] | None:
+        drafter = cls(config)
+        return drafter.model, drafter.allowed
 
     def __init__(self, config: EngineConfig, weights: WeightPlan | None = None, slots: Sequence[Tensor] | None = None,
                  *, share: TargetShare | None = None, decay: float = 0.5, min_gain: float = 0.02) -> None:
@@ -322,19 +426,71 @@ class ResidentExpertDrafter(BatchKV):
 def resident_expert_count(config: EngineConfig, model: ModelConfig) -> int:
     """Routed experts per layer a resident-expert drafter keeps: config.resident_experts, default a quarter."""
     if not model.num_experts:
-        raise ConfigError(f"draft='self' needs an MoE target; {config.target} is dense (no routed experts)")
+        raise ConfigError(f"drafter {config.drafter_name!r} needs an MoE target; {config.target} is dense (no routed "
+                          "experts)")
     n = config.resident_experts if config.resident_experts is not None else max(1, model.num_experts // 4)
     if n > model.num_experts:
         raise ConfigError(f"resident_experts = {n} but {config.target} has {model.num_experts} experts per layer")
     return n
 
 
+def model_footprint(draft: Transformer) -> DraftFootprint:
+    """An external draft model's footprint, from its executor (headers only): its own parts and KV cache."""
+    return DraftFootprint(draft.loader.shape("draft"),
+                          top_k=draft.config.num_experts_per_tok if draft.config.num_experts else 0,
+                          dtype_bytes=draft.dtype.itemsize)
+
+
+def resident_expert_footprint(target: Transformer, experts: int, shares_kv: bool) -> DraftFootprint:
+    """The target's own resident-expert drafter keeping `experts` routed experts per layer (planner/shapes.py
+    `self_draft_shape`); shares_kv (in the target's process): it drafts into the target's KV cache and with the
+    target's resident parts, which are then pinned resident."""
+    shape = target.loader.shape("target")
+    cfg = target.config
+    top_k = cfg.num_experts_per_tok if cfg.num_experts else 0
+    pins = frozenset(key for key, _ in shape.parts if key.kind in ("attention", "router", "dense_mlp", "head"))
+    return DraftFootprint(self_draft_shape(shape, experts, shares_kv=shares_kv), top_k=min(top_k, experts),
+                          experts=experts, pins=pins if shares_kv else frozenset())
+
+
+#: the Drafter methods every registered class implements (the coordinator calls them, locally or over the wire)
+DRAFTER_METHODS = ("reset", "drop", "lengths", "truncate", "select_rows", "reset_rows", "propose", "adapt")
+#: the class attributes every registered class declares (`DrafterTraits`)
+DRAFTER_TRAITS = ("proposes", "needs_checkpoint", "needs_moe_target", "offloaded_only", "shares_target", "adapts",
+                  "footprint", "profile_key", "step_model")
+
+#: drafter name (EngineConfig.drafter) -> class; add one with `register_drafter`
+DRAFTERS: dict[str, type] = {}
+
+
+def register_drafter(name: str, cls: type) -> type:
+    """Make `cls` the drafter EngineConfig(drafter=name) runs; returns cls. It implements `Drafter` and declares
+    `DrafterTraits` (subclass it for the defaults). A name already taken by another class is an error."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a drafter's name is a non-empty string, got {name!r}")
+    missing = [m for m in DRAFTER_METHODS if not callable(getattr(cls, m, None))]
+    missing += [t for t in DRAFTER_TRAITS if not hasattr(cls, t)]
+    if missing:
+        raise TypeError(f"drafter class {cls.__name__} lacks {', '.join(missing)}: it implements Drafter and "
+                        f"subclasses DrafterTraits (runtime/offload/drafters.py)")
+    if DRAFTERS.get(name, cls) is not cls:
+        raise ValueError(f"drafter name {name!r} is taken by {DRAFTERS[name].__name__}")
+    DRAFTERS[name] = cls
+    return cls
+
+
+def drafter_named(name: str) -> type:
+    """The registered drafter class `name`; ConfigError naming the registered drafters when there is none."""
+    cls = DRAFTERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ConfigError(f"unknown drafter {name!r}: registered drafters are {', '.join(sorted(DRAFTERS))} "
+                          f"(add one with register_drafter, runtime/offload/drafters.py)")
+    return cls
+
+
 def drafter_class(config: EngineConfig) -> type:
-    """The drafter `config.draft` names: "self", the target's resident experts; a checkpoint directory, an
-    external draft model; None, NoDrafter."""
-    if config.draft is None:
-        return NoDrafter
-    return ResidentExpertDrafter if config.self_draft else ModelDrafter
+    """The drafter class the config names (`EngineConfig.drafter_name`)."""
+    return drafter_named(config.drafter_name)
 
 
 @dataclass(frozen=True)
@@ -353,6 +509,11 @@ def make_drafter(config: EngineConfig, plan: Plan, weights: WeightPlan, share: T
     if not plan.drafting:
         return NoDrafter()
     cls = drafter_class(config)
-    if getattr(cls, "shares_target", False) and share is not None:
+    if cls.shares_target and share is not None:
         return cls(config, weights, share=share)
     return cls(config, weights)
+
+
+register_drafter("none", NoDrafter)
+register_drafter("model", ModelDrafter)
+register_drafter("self", ResidentExpertDrafter)

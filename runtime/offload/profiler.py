@@ -33,7 +33,6 @@ from ..models.linear import can_pack, pack_weights
 from ..models.model import Transformer
 from .calibrate import EngineFactory, calibrate
 from .direct_io import drop_page_cache
-from .drafters import ResidentExpertDrafter
 from .streamer import WeightStreamer
 
 if TYPE_CHECKING:
@@ -65,9 +64,7 @@ def fingerprint(config: EngineConfig) -> dict[str, str | int]:
 
 
 def _draft_name(config: EngineConfig) -> str:
-    if config.self_draft:
-        return f"self:{config.resident_experts or 'default'}"
-    return Path(config.draft).name if config.draft else ""
+    return config.drafter_class.profile_key(config)
 
 
 def profile_path(config: EngineConfig) -> Path:
@@ -137,7 +134,7 @@ def measure(config: EngineConfig, quick: bool = False, open_engine: EngineFactor
         x = torch.randn(16, 1, cfg.hidden_size, dtype=dtype, device=device)
         head_rate = 2 * head.lm_head.numel() * 16 / _time(lambda h=head: layers.head_logits(cfg, h, x), reps)
         del head
-        draft_steps = _draft_steps(config, reps, quick) if config.draft else ((1, 1e-3),)
+        draft_steps = _draft_steps(config, reps, quick)
     provenance = fingerprint(config) | {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
         "tool": "specoffload.runtime.offload.profiler",
@@ -215,15 +212,12 @@ def _attention_fit(target: Transformer, reps: int, quick: bool) -> tuple[float, 
 
 
 def _draft_steps(config: EngineConfig, reps: int, quick: bool) -> tuple[tuple[int, float], ...]:
-    """One draft token step versus rows: the draft model's, or the target's with only its resident experts."""
-    assert config.draft is not None
-    allowed = None
-    if config.self_draft:
-        drafter = ResidentExpertDrafter(config)
-        draft, allowed = drafter.model, drafter.allowed
-    else:
-        draft = Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
-        draft.preload()
+    """One draft token step versus rows, on the model the drafter's class names (`step_model`: the draft model,
+    or the target with only its resident experts); a drafter with no model to time: a nominal 1 ms."""
+    stepped = config.drafter_class.step_model(config)
+    if stepped is None:
+        return ((1, 1e-3),)
+    draft, allowed = stepped
     out = []
     for rows in DRAFT_ROWS[:3] if quick else DRAFT_ROWS:
         cache = draft.new_cache(rows, 80, growable=False)
