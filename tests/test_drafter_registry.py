@@ -60,7 +60,8 @@ class FixedTokenDrafter(DrafterTraits):
         pass
 
     def propose(self, batch: int, ids: torch.Tensor, num_new: torch.Tensor, params: SamplingParams,
-                seeds: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                seeds: Sequence[int] | None = None,
+                warps: Sequence[Sequence[float]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls += 1
         token = torch.full((ids.shape[0],), FIXED_TOKEN, dtype=torch.long)  # [rows]
         if params.greedy:
