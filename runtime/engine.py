@@ -111,12 +111,13 @@ class Engine:
         self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
                                                      self._select_experts(), plan.draft_experts)
         self.replanner = Replanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
-                                   self.placement, config.expert_loading)
+                                   self.placement, config.expert_loading, refill=config.refill)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,
                                                self.tracer, recovery, config.num_threads,
                                                adapt_interval=config.migrate_interval if config.self_draft else 0,
-                                               refill=config.refill, prefill_chunk=config.prefill_chunk)
+                                               refill=config.refill, prefill_chunk=config.prefill_chunk
+                                               if config.prefill_chunk is not None else plan.prefill_chunk)
 
     # ---- construction -----------------------------------------------------------------------------------------------
     def _check_vocabularies(self, draft: Transformer) -> None:
@@ -180,6 +181,8 @@ class Engine:
         groups: dict[tuple, list[Request]] = {}
         for r, p in zip(requests, per_row):
             groups.setdefault(_warping(p), []).append(r)
+        if self.pipeline is not None:  # the replanner prices the prefill share of refilled rows
+            self.replanner.prompt_len = sum(len(r.prompt) for r in requests) / len(requests)
         with torch.inference_mode():
             stats = [self.runner.run(group, per_row[group[0].index], progress) for group in groups.values()]
         self.last_stats = stats[0] if len(stats) == 1 else _sum_stats(stats)
