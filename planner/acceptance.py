@@ -40,8 +40,9 @@ the stationary share of rounds after a full one is
 and the round's first position is accepted at pi_k a_F + (1 - pi_k) a_R (exact for the mean tokens per round,
 which is linear in a_1: `AcceptanceCurve.first_rate`).
 
-The slowest row of a wave. A batch is refilled only when every row is done (runtime/offload/batches.py), so a
-wave of B rows takes the rounds its slowest row needs, not the rounds at the mean rate. Two things spread the
+The slowest row of a wave. Without row refill (`refill=False`, runtime/offload/batches.py) a batch is refilled only
+when every row is done, so a wave of B rows takes the rounds its slowest row needs, not the rounds at the mean rate
+(with refill the planner prices the steady state instead: planner/cost.py). Two things spread the
 rounds R_r that row r needs for N tokens:
   - chance within a row: tokens per round X = 1 + A are i.i.d. with mean mu and variance v (A truncated at k:
     P(A >= i) = prod_{j<=i} a_j, E[A^2] = sum_i (2i - 1) P(A >= i)); by the renewal central limit theorem R_r is

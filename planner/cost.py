@@ -30,6 +30,29 @@ time, as on the real device. The embedding costs nothing.
     tokens_per_step = B * E(k) with E the tokens per round of the acceptance (acceptance.py: Leviathan's eq. 1
                       for a scalar alpha, the per-position curve for an `AcceptanceCurve`; k = 0: B).
 
+Refilled batches (the engine's continuous batching, runtime/offload/batches.py): a finished row's slot takes a
+waiting prompt at once and the batch's next pass prefills it beside the other rows' decode tokens, so once every
+slot is taken a batch runs passes that all look alike; `steady_pass` prices one of them (B rows, N = the mean new
+tokens a row generates, P = the mean prompt length):
+
+    R        = E[decode rounds of a row] for its N - 1 tokens after the prefill pass (acceptance.py `mean_rounds`;
+               drafts are ragged, row r verifying min(k, remaining - 1): the rounds are those of untruncated ones)
+    E_row    = N / (1 + R)        tokens a row commits per pass: E(k) per decode round, 1 at its first verify (its
+                                  prefill pass carries no drafts); N / (1 + N - 1) = 1 at k = 0
+    f        = B E_row / N = B / (1 + R)     rows finishing per pass, each replaced by a waiting prompt
+    p        = f P                prompt tokens per pass (the prefill share)
+    T_pass   = the step of B (k + 1) decode tokens (an upper bound: a row in its prefill pass or its last, ragged,
+               rounds feeds fewer) plus p prompt tokens: the FFN sees B (k + 1) + p tokens; the share min(1, f) of
+               passes that carry a prompt compute attention for every row padded to it (B x max(W, k + 1) queries,
+               W = the expected longest of round(f) prompts, `Workload.padded_len`; the runtime pads a pass's rows
+               to its longest feed), at the decode rows' mean KV length P + N / 2; the draft prefills the prompt
+               too (draft_seconds(p / min(1, f)) on that share of passes). The io is a decode pass's.
+    tokens/s = B E_row / T_pass
+
+and the per-pass prompt token budget (`Plan.prefill_chunk`) is what the compute headroom under the io holds
+(`prefill_budget`). Not modelled: the first fill and the last drain of the slots, a prompt cut into chunks holding
+its slot for more passes.
+
 Selected-expert loading (planner/experts.py): when the engine loads only routed experts, a streamed MoE layer's
 load_j counts its experts' bytes times E[distinct experts hit by n tokens] / num_experts (uniform routing: a
 skewed router hits fewer, so this errs high).
@@ -44,7 +67,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from .acceptance import Acceptance, rounds_for_slowest, tokens_per_round
+from .acceptance import Acceptance, mean_rounds, rounds_for_slowest, tokens_per_round
 from .experts import expected_distinct_experts, selects_experts
 from .placement import Placement, slot_unit
 from .profile import HardwareProfile, ProfileError
@@ -142,31 +165,40 @@ PROMPT_LEN_SAMPLE = 1024
 
 @dataclass(frozen=True)
 class Workload:
-    """What is generated: `num_prompts` prompts of mean `prompt_len` tokens, `new_tokens` tokens each.
+    """What is generated: `num_prompts` prompts of mean `prompt_len` tokens, at most `new_tokens` tokens each.
     prompt_lens: the prompts' lengths (or a sample: `of_prompts` keeps evenly spaced quantiles), for the prefill's
-    padding; empty: every prompt is taken to be prompt_len long."""
+    padding; empty: every prompt is taken to be prompt_len long.
+    mean_new_tokens: the tokens a row actually generates on average (below new_tokens when rows stop at EOS; a
+    warm-up measures it, runtime/warmup.py); 0 (the default) means new_tokens."""
 
     num_prompts: int
     prompt_len: float
     new_tokens: int
     prompt_lens: tuple[int, ...] = ()
+    mean_new_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.new_tokens < 1 or not self.prompt_len >= 1:
             raise ValueError(f"a workload needs num_prompts, prompt_len and new_tokens >= 1, got {self}")
         if any(n < 1 for n in self.prompt_lens):
             raise ValueError("prompt_lens must all be >= 1")
+        if self.mean_new_tokens == 0:
+            object.__setattr__(self, "mean_new_tokens", float(self.new_tokens))
+        if not 1 <= self.mean_new_tokens <= self.new_tokens:
+            raise ValueError(f"mean_new_tokens must lie in [1, new_tokens = {self.new_tokens}], "
+                             f"got {self.mean_new_tokens}")
+        object.__setattr__(self, "mean_new_tokens", float(self.mean_new_tokens))
         object.__setattr__(self, "prompt_lens", tuple(sorted(int(n) for n in self.prompt_lens)))
 
     @classmethod
-    def of_prompts(cls, lengths: Sequence[int], new_tokens: int) -> Workload:
+    def of_prompts(cls, lengths: Sequence[int], new_tokens: int, mean_new_tokens: float = 0.0) -> Workload:
         """The workload of prompts of these lengths (at most PROMPT_LEN_SAMPLE of them kept, as quantiles)."""
         ordered = sorted(lengths)
         n = len(ordered)
         sample = ordered if n <= PROMPT_LEN_SAMPLE else [ordered[(i * (n - 1)) // (PROMPT_LEN_SAMPLE - 1)]
                                                          for i in range(PROMPT_LEN_SAMPLE)]
         return cls(num_prompts=n, prompt_len=sum(ordered) / n if n else 0, new_tokens=new_tokens,
-                   prompt_lens=tuple(sample))
+                   prompt_lens=tuple(sample), mean_new_tokens=mean_new_tokens)
 
     def padded_len(self, rows: int) -> float:
         """Expected longest prompt of a batch of `rows` prompts (the length a prefill pads every row to):
@@ -201,6 +233,21 @@ class StepEstimate:
     tokens_per_step: float
     tokens_per_s: float
     bound: str  # "io" | "chain" | "compute" (shared) | "cpu" | "device"
+    t_compute: float = 0.0  # the pass's seconds were the stream infinitely fast (the chain without load waits)
+
+
+@dataclass(frozen=True)
+class SteadyPass:
+    """One pass of a refilled batch in the steady state (`steady_pass`): `step` carries the pass's prefill share,
+    `decode` is the same pass without it; the rest are the terms of the module docstring's steady-state section."""
+
+    step: StepEstimate  # tokens_per_step = rows x tokens_per_row
+    decode: StepEstimate
+    rounds: float  # R: decode rounds per row
+    tokens_per_row: float  # E_row = N / (1 + R): tokens a row commits per pass, its prefill pass included
+    starts: float  # f = rows / (1 + R): rows finishing, and prompts starting, per pass
+    prefill_tokens: float  # p = f x P: prompt tokens per pass
+    prefill_chunk: int | None  # the per-pass prompt token budget (`prefill_budget`); None when nothing streams
 
 
 @dataclass(frozen=True)
@@ -209,14 +256,15 @@ class WorkloadEstimate:
 
     tokens_per_s: float  # generated tokens / total_s
     total_s: float
-    prefill_s: float
+    prefill_s: float  # with refill: the passes' time beyond their decode-only time (the prefill share)
     decode_s: float
-    waves: int
+    waves: int  # with refill: times every slot is filled, ceil(num_prompts / (rows x num_batches))
     num_batches: int
     rows: int  # rows per batch actually used: min(batch, ceil(num_prompts / num_batches))
-    decode_steps: int  # per wave
+    decode_steps: int  # per wave; with refill: the passes of the whole run, round(num_prompts (1 + R) / rows)
     prefill: StepEstimate
-    step: StepEstimate
+    step: StepEstimate  # with refill: the steady pass, its prefill share included (`steady.step`)
+    steady: SteadyPass | None = None  # priced in the steady state of refilled batches (None: in waves)
 
 
 def stream_bytes(placement: Placement, target: ModelShape, expert_share: float = 1.0,
@@ -293,31 +341,50 @@ def estimate_workload(
     workload: Workload,
     expert_loading: str = "auto",
     interleave: bool = True,
+    refill: bool = False,
 ) -> WorkloadEstimate:
-    """Whole-workload time, in waves of num_batches batches (2 with a draft interleaving, k >= 1; else 1):
+    """Whole-workload time. num_batches = 2 with a draft interleaving (k >= 1), else 1;
+    rows = min(batch, ceil(num_prompts / num_batches)) (a batch never holds more rows than prompts).
 
-        rows  = min(batch, ceil(num_prompts / num_batches))          (a batch never holds more rows than prompts)
+    refill (the engine's continuous batching) with prompts left waiting once every slot is taken
+    (num_prompts > rows x num_batches): the steady state (`steady_pass`, module docstring),
+
+        passes = num_prompts (1 + R) / rows,   total = passes x T_pass,   tokens/s = rows x E_row / T_pass.
+
+    Otherwise (refill False, or every prompt fits in the first fill: nothing to refill with) in waves of
+    num_batches batches:
+
         waves = ceil(num_prompts / (rows * num_batches))
         decode_steps per wave = num_batches * round(R_slowest(new_tokens - 1))     (the prefill pass emits one)
         total = waves * (num_batches * T_prefill + decode_steps * T_step)
     with T_step at the mean KV length prompt_len + new_tokens / 2, the prefill padded to the expected longest prompt
     of a batch (`Workload.padded_len`); R_slowest the rounds the slowest of the batch's rows needs (a batch is
     refilled only when all its rows are done; acceptance.py `rounds_for_slowest`: the expected rounds of one row
-    for a batch of one, new_tokens - 1 at k = 0). Every wave is costed as full.
+    for a batch of one, new_tokens - 1 at k = 0). Every wave is costed as full; the slowest row is taken to run to
+    new_tokens. Either way tokens/s counts num_prompts x mean_new_tokens generated tokens.
     """
     num_batches = 2 if k >= 1 and interleave else 1
     rows = min(batch, math.ceil(workload.num_prompts / num_batches))
     waves = math.ceil(workload.num_prompts / (rows * num_batches))
-    attended_len = round(workload.prompt_len + workload.new_tokens / 2)
-    step = estimate_step(profile, costs, placement, rows, k, alpha, attended_len, expert_loading, interleave)
     prefill = estimate_prefill(profile, costs, placement, rows, k, workload.prompt_len, expert_loading, interleave,
                                padded_len=workload.padded_len(rows))
+    generated = workload.num_prompts * workload.mean_new_tokens
+    if refill and workload.num_prompts > rows * num_batches:
+        steady = steady_pass(profile, costs, placement, rows, k, alpha, workload, expert_loading, interleave)
+        passes = workload.num_prompts * (1 + steady.rounds) / rows
+        total = passes * steady.step.t_step
+        decode_s = passes * steady.decode.t_step
+        return WorkloadEstimate(tokens_per_s=generated / total, total_s=total, prefill_s=total - decode_s,
+                                decode_s=decode_s, waves=waves, num_batches=num_batches, rows=rows,
+                                decode_steps=round(passes), prefill=prefill, step=steady.step, steady=steady)
+    attended_len = round(workload.prompt_len + workload.new_tokens / 2)
+    step = estimate_step(profile, costs, placement, rows, k, alpha, attended_len, expert_loading, interleave)
     decode_steps = num_batches * round(rounds_for_slowest(alpha, k, workload.new_tokens - 1, rows))
     prefill_s = waves * num_batches * prefill.t_step
     decode_s = waves * decode_steps * step.t_step
     total = prefill_s + decode_s
     return WorkloadEstimate(
-        tokens_per_s=workload.num_prompts * workload.new_tokens / total,
+        tokens_per_s=generated / total,
         total_s=total,
         prefill_s=prefill_s,
         decode_s=decode_s,
@@ -328,6 +395,55 @@ def estimate_workload(
         prefill=prefill,
         step=step,
     )
+
+
+def steady_pass(
+    profile: HardwareProfile, costs: ModelCosts, placement: Placement, rows: int, k: int, alpha: Acceptance,
+    workload: Workload, expert_loading: str = "auto", interleave: bool = True, attended_len: int | None = None,
+) -> SteadyPass:
+    """A pass of a batch of `rows` refilled rows in the steady state (module docstring, "Refilled batches"):
+    N = workload.mean_new_tokens, P = workload.prompt_len; attended_len (keys per decode token) defaults to the
+    mean KV length round(P + N / 2)."""
+    _check_plan(profile, costs, placement, rows, k)
+    n_out, prompt = workload.mean_new_tokens, workload.prompt_len
+    attended = attended_len if attended_len is not None else round(prompt + n_out / 2)
+    rounds = mean_rounds(alpha, k, max(0, round(n_out - 1)))
+    per_row = n_out / (1 + rounds)
+    starts = rows / (1 + rounds)
+    prefill_tokens = starts * prompt
+    burst = min(1.0, starts)  # the share of passes that carry a prompt
+    width = max(workload.padded_len(max(1, round(starts))), k + 1)  # every row padded to the pass's longest feed
+    decode_fed = rows * (k + 1)
+    share = _expert_share(costs, placement, expert_loading, decode_fed, decode_fed)  # the io of a decode pass
+    t_draft = k * profile.draft_seconds(rows) if k else 0.0
+    attn = profile.attention_seconds(decode_fed, attended)
+    decode = _pass(profile, costs, placement, decode_fed, decode_fed, attended, t_draft, rows * per_row, share,
+                   serial_draft=not interleave, attention_s=attn)
+    padded_attn = profile.attention_seconds(round(rows * width), attended)
+    t_draft_prefill = t_draft + (burst * profile.draft_seconds(prefill_tokens / burst) if k else 0.0)
+    step = _pass(profile, costs, placement, decode_fed + prefill_tokens, decode_fed, attended, t_draft_prefill,
+                 rows * per_row, share, serial_draft=not interleave,
+                 attention_s=(1 - burst) * attn + burst * padded_attn)
+    return SteadyPass(step=step, decode=decode, rounds=rounds, tokens_per_row=per_row, starts=starts,
+                      prefill_tokens=prefill_tokens, prefill_chunk=prefill_budget(step, decode, prefill_tokens))
+
+
+def prefill_budget(step: StepEstimate, decode: StepEstimate, prefill_tokens: float) -> int | None:
+    """Prompt tokens one pass may feed (`Plan.prefill_chunk`): as many as the compute headroom under the io holds,
+
+        chunk = max(floor((T_io - C_decode) / s),  ceil(p),  1),   s = (C_pass - C_decode) / p
+
+    with C the pass's compute (`StepEstimate.t_compute`: every term but the io) with (C_pass) and without (C_decode)
+    its prefill share of p prompt tokens, so s is the seconds of compute one prompt token adds; never below p, or
+    the prompts would fall behind the rows that finish. None when nothing streams (no io to hide prefill under) or
+    a prompt token costs nothing."""
+    if decode.t_io <= 0 or prefill_tokens <= 0:
+        return None
+    per_token = (step.t_compute - decode.t_compute) / prefill_tokens
+    if per_token <= 0:
+        return None
+    headroom = math.floor(max(0.0, decode.t_io - decode.t_compute) / per_token)
+    return max(headroom, math.ceil(prefill_tokens - 1e-9), 1)
 
 
 # --- internals -----------------------------------------------------------------------------------------------
@@ -374,7 +490,7 @@ def _pass(
     profile: HardwareProfile,
     costs: ModelCosts,
     placement: Placement,
-    fed: int,
+    fed: float,
     head_rows: int,
     attended_len: int,
     t_draft: float,
@@ -382,12 +498,15 @@ def _pass(
     expert_share: float = 1.0,
     serial_draft: bool = False,
     attention_tokens: int | None = None,
+    attention_s: float | None = None,
 ) -> StepEstimate:
+    """attention_s: one layer's attention seconds, when the caller prices it (a steady pass: `steady_pass`)."""
     target = costs.target
     streamed = stream_bytes(placement, target, expert_share, units=True)
     loads = {unit: nbytes / profile.stream_bytes_per_s for unit, nbytes in streamed.items()}
     expert_rows = max(1.0, fed * costs.expert_fraction)
-    attn = profile.attention_seconds(attention_tokens or fed, attended_len)  # padded queries (prefill)
+    attn = (attention_s if attention_s is not None
+            else profile.attention_seconds(attention_tokens or fed, attended_len))  # padded queries (prefill)
     layers = []
     for j in range(target.num_layers):
         units = sorted(g for layer, g in loads if layer == j)
@@ -407,6 +526,7 @@ def _pass(
     t_ffn = sum(layer.post for layer in layers[:-1])
     t_chain = chain_period(layers, overhead, placement.num_buffers)
     terms = {"io": t_io, "chain": t_chain + (t_draft if serial_draft else 0.0)}
+    free_chain = overhead + sum(link.pre + link.post for link in layers) + (t_draft if serial_draft else 0.0)
     if profile.shared_compute:
         terms["compute"] = t_attention + t_ffn + head + overhead + t_draft
     else:
@@ -426,6 +546,7 @@ def _pass(
         tokens_per_step=tokens,
         tokens_per_s=tokens / t_step if t_step > 0 else math.inf,
         bound=bound,
+        t_compute=max(free_chain, *(t for name, t in terms.items() if name not in ("io", "chain"))),
     )
 
 

@@ -10,6 +10,8 @@ for the paper's vocabulary and the search runs over (batch, k):
 
 For each pair: `place` (a `PlacementError` makes the pair infeasible, with its reason), then
 `estimate_workload` (cost.py); the best policy is the argmax, ties going to the smaller batch, then smaller k.
+With `refill` (the engine's continuous batching, its default) a workload is priced in the steady state of refilled
+batches (cost.py, "Refilled batches"); without, in waves that last until their slowest row.
 
 Uncertain acceptance (`alpha_range`, e.g. a warm-up's confidence interval from a few prompts): each policy is
 predicted at every alpha of a grid over the range, and the pick is the maximin of its ratio to the best policy at
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from .acceptance import Acceptance, AcceptanceCurve, pooled_alpha, rounds_for_slowest, tokens_per_round
-from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimate_workload
+from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimate_workload, steady_pass
 from .errors import SpecOffloadError
 from .placement import Placement, PlacementError, PlacementPolicy, place
 from .profile import HardwareProfile
@@ -59,6 +61,8 @@ class Policy:
     worst_ratio: float = field(default=1.0, compare=False)
     predicted_low: float | None = field(default=None, compare=False)  # tokens/s at the low end of the alpha range
     interleave: bool = True  # with a draft: two batches alternate; False: one batch drafts between its passes
+    refill: bool = True  # priced with finished rows refilled at once (the steady state); False: in waves
+    prefill_chunk: int | None = None  # prompt tokens per pass the steady price allows (cost.py `prefill_budget`)
 
     def __post_init__(self) -> None:
         if self.prefill_batch != self.decode_batch or self.draft_batch != (self.decode_batch if self.k else 0):
@@ -121,6 +125,7 @@ def search(
     expert_group: int = 0,
     interleaves: Iterable[bool] = (True,),
     draft_dtype_bytes: int = 0,
+    refill: bool = False,
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
@@ -134,6 +139,8 @@ def search(
     expert_group: experts per ring slot of a streamed MoE layer (0: whole layers; placement.py).
     interleaves: with a draft, whether two batches alternate (True) or one drafts between its passes (False);
     both are candidates when both are given.
+    refill: price the steady state of refilled batches (the engine's default: runtime/planning.py passes its
+    config's), else waves (module docstring).
     weights_tier defaults to
     the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
     top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
@@ -167,13 +174,15 @@ def search(
         except PlacementError as exc:
             infeasible.append((batch, k, str(exc)))
             continue
-        estimate = estimate_workload(profile, costs, placement, batch, k, alpha, workload, expert_loading, interleave)
+        estimate = estimate_workload(profile, costs, placement, batch, k, alpha, workload, expert_loading, interleave,
+                                     refill)
         rates[(batch, k, interleave)] = [estimate.tokens_per_s if a is alpha or k == 0 else
                                          estimate_workload(profile, costs, placement, batch, k, a, workload,
-                                                           expert_loading, interleave).tokens_per_s
+                                                           expert_loading, interleave, refill).tokens_per_s
                                          for a in scenarios]
         feasible.append(replace(_policy(batch, k, pooled_alpha(alpha), placement, estimate),
-                                interleave=interleave))
+                                interleave=interleave, refill=refill,
+                                prefill_chunk=estimate.steady.prefill_chunk if estimate.steady else None))
     if not feasible:
         reasons = "; ".join(f"batch={b}, k={k}: {why}" for b, k, why in infeasible[:3])
         raise NoFeasiblePolicyError(f"no (batch, k) fits the memory budgets. First reasons: {reasons}")
@@ -223,6 +232,8 @@ def replan(
     alpha_range: tuple[float, float] | None = None,
     expert_loading: str = "auto",
     tokens: int | None = None,
+    refill: bool = False,
+    prompt_len: float | None = None,
 ) -> Replan:
     """Online re-planning with a drafter loaded and placed for two batches of `batch` rows: the decode step with
     the best worst-case ratio over `alpha_range` (module docstring) among
@@ -234,7 +245,10 @@ def replan(
     attended_len: keys each token attends to (cost.py `estimate_step`).
     tokens: new tokens per row; given, a speculating batch's rate counts its slowest row (a batch is refilled only
     when all its rows are done: rate x (N / R_slowest(N)) / E(k), acceptance.py `rounds_for_slowest`).
-    Ties go to the smaller k. Decode steps only: the rows' prefill is the same whichever is chosen.
+    refill: finished rows are refilled at once, so no row waits for the slowest; with `tokens` a candidate's rate
+    is then the steady pass's (cost.py `steady_pass`: rows x E_row / T_pass), its prefill share priced when
+    `prompt_len` (mean prompt tokens) is given; without `tokens` the decode step's.
+    Ties go to the smaller k. Decode steps only, in waves: the rows' prefill is the same whichever is chosen.
     """
     if costs.draft is None or k_max < 1:
         raise ValueError("replan needs a drafter (costs.draft) and k_max >= 1; without one there is nothing to choose")
@@ -246,8 +260,16 @@ def replan(
             return 1.0
         return tokens / rounds_for_slowest(a, k, tokens, rows) / tokens_per_round(a, k)
 
-    rates = {c: [estimate_step(profile, costs, placement, c[1], c[0], a, attended_len, expert_loading).tokens_per_s
-                 * wave(a, c[0], c[1]) for a in scenarios] for c in candidates}
+    def rate(a: Acceptance, k: int, rows: int) -> float:
+        if refill and tokens:
+            steady = Workload(num_prompts=1, prompt_len=max(1.0, prompt_len or 1.0), new_tokens=tokens)
+            priced = steady_pass(profile, costs, placement, rows, k, a, steady, expert_loading,
+                                 attended_len=attended_len)
+            return (priced.step if prompt_len else priced.decode).tokens_per_s
+        step = estimate_step(profile, costs, placement, rows, k, a, attended_len, expert_loading).tokens_per_s
+        return step if refill else step * wave(a, k, rows)
+
+    rates = {c: [rate(a, c[0], c[1]) for a in scenarios] for c in candidates}
     best_at = [max(r[n] for r in rates.values()) for n in range(len(scenarios))]
     worst = {c: min(r / b for r, b in zip(rates[c], best_at)) for c in candidates}
     point = next(n for n, a in enumerate(scenarios) if a is alpha)

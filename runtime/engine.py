@@ -109,12 +109,13 @@ class Engine:
         self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
                                                      self._select_experts(), plan.draft_experts)
         self.replanner = Replanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
-                                   self.placement, config.expert_loading)
+                                   self.placement, config.expert_loading, refill=config.refill)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,
                                                self.tracer, recovery, config.num_threads,
                                                adapt_interval=config.migrate_interval if drafter.adapts else 0,
-                                               refill=config.refill, prefill_chunk=config.prefill_chunk)
+                                               refill=config.refill, prefill_chunk=config.prefill_chunk
+                                               if config.prefill_chunk is not None else plan.prefill_chunk)
 
     # ---- construction -----------------------------------------------------------------------------------------------
     def _check_vocabularies(self, draft: Transformer) -> None:
@@ -171,6 +172,8 @@ class Engine:
             raise ValueError(f"keys: one per prompt ({len(encoded)}); got {len(keys)}")
         requests = [self._request(i, ids, p, i if keys is None else keys[i])
                     for i, (ids, p) in enumerate(zip(encoded, per_row))]
+        if self.pipeline is not None:  # the replanner prices the prefill share of refilled rows
+            self.replanner.prompt_len = sum(len(r.prompt) for r in requests) / len(requests)
         with torch.inference_mode():
             self.last_stats = self.runner.run(requests, progress=progress)
         return [self._result(r) for r in requests]

@@ -127,12 +127,14 @@ def make_plan(
     (batch, k) for `workload` (default: many prompts of max_seq_len / 2 tokens, as many new tokens) at acceptance
     `alpha` (default: config.acceptance_prior; a scalar or a per-position curve) on the measured `profile` (default:
     measured or cached); with
-    `alpha_range` (a warm-up's plausible acceptance, runtime/warmup.py) the maximin pick over it."""
+    `alpha_range` (a warm-up's plausible acceptance, runtime/warmup.py) the maximin pick over it. The search prices
+    the config's `refill` (the steady state of refilled batches, or waves) and the plan carries it, with the per-pass
+    prompt token budget the planner chose (`Plan.prefill_chunk`; a fixed plan has none)."""
     has_draft = models.draft is not None
     if not config.planned:
         k = int(config.num_draft_tokens) if has_draft else 0
         return fixed_plan(int(config.max_batch_size), k, max_seq_len, models.self_draft_experts,
-                          interleave=config.interleave is not False)
+                          interleave=config.interleave is not False, refill=config.refill)
     if profile is None:
         profile = load_or_measure(config, log=log or logger.info)
     if workload is None:
@@ -155,7 +157,7 @@ def make_plan(
         expert_loading=config.expert_loading, draft_pins=models.draft_pins, expert_group=config.expert_group or 0,
         interleaves=(True, False) if config.interleave == "auto" else (bool(config.interleave),),
         draft_dtype_bytes=models.draft_dtype_bytes,
-        alpha_range=alpha_range,
+        alpha_range=alpha_range, refill=config.refill,
     )
     plan = planned(result, max_seq_len, auto_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)

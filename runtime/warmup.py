@@ -11,6 +11,15 @@ the acceptance per position of a round (`AcceptanceCurve`, exact for every k <= 
 range (Student's t on w - 1 degrees of freedom, planner/acceptance.py); the plan must hold over that range at
 CONFIDENCE (maximin, planner/search.py).
 
+The warm-up also says how long the job's rows run: the mean new tokens a row generates before EOS (or its
+max_new_tokens), which the steady-state price of refilled batches needs (planner/cost.py). A row's length is taken
+as geometric (a constant chance h of stopping at each token, estimated as the rows that stopped / the tokens
+generated, the rows cut at the warm-up's cap counting as censored), so under the job's cap M
+
+    mean_new_tokens = sum_{t=1..M} (1 - h)^(t - 1) = (1 - (1 - h)^M) / h      (M when no row stopped);
+
+when the warm-up ran the job's whole length (M <= WARMUP_TOKENS) the observed mean itself.
+
 The warm-up streams the job's weights under the job's budget, so its loader also says what the disk delivers now:
 streamed bytes / its seconds in load ops (runtime/offload/replan.py `observed_stream_rate`), not the periods of
 its passes, which also hold the draft steps' compute. The plan is searched at that rate when there is one, else at
@@ -55,6 +64,7 @@ class Warmup:
     k: int
     seconds: float
     stream_rate: float | None = None  # what its loader delivered (replan.py `observed_stream_rate`)
+    mean_new_tokens: float | None = None  # tokens a job's row generates on average (module docstring)
 
     @property
     def alpha_range(self) -> tuple[float, float]:
@@ -66,7 +76,9 @@ class Warmup:
                 f"+-{self.curve.spread:.2f}; warm-up on {self.prompts} of "
                 f"the job's prompts, {self.new_tokens} tokens each at k = {self.k}, "
                 f"{self.estimate.trials:.0f} draft positions, {self.seconds:.0f} s"
-                + (f"; its loader delivered {self.stream_rate / 1e9:.2f} GB/s" if self.stream_rate else "") + ")")
+                + (f"; its loader delivered {self.stream_rate / 1e9:.2f} GB/s" if self.stream_rate else "")
+                + (f"; a row runs {self.mean_new_tokens:.0f} new tokens on average" if self.mean_new_tokens else "")
+                + ")")
 
 
 def spread(items: Sequence, n: int) -> list:
@@ -89,7 +101,7 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
     start = time.perf_counter()
     warm = Engine(replace(config, max_batch_size=rows, num_draft_tokens=MAX_AUTO_K, max_seq_len=seq))
     try:
-        warm.generate([list(p) for p in chosen], replace(params, max_new_tokens=new_tokens))
+        results = warm.generate([list(p) for p in chosen], replace(params, max_new_tokens=new_tokens))
     finally:
         warm.close()
     estimate, curve = warm.replanner.tracker.estimate(), warm.replanner.tracker.curve()
@@ -99,7 +111,23 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
     if profile is not None and warm.placement is not None:
         rate = observed_stream_rate(profile, warm.models.costs(warm.plan.drafting), warm.placement,
                                     warm.replanner.pass_log, seq // 2, config.expert_loading)
-    return Warmup(estimate, curve, len(chosen), new_tokens, MAX_AUTO_K, time.perf_counter() - start, rate)
+    lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
+    return Warmup(estimate, curve, len(chosen), new_tokens, MAX_AUTO_K, time.perf_counter() - start, rate,
+                  mean_output_len(lengths, params.max_new_tokens, new_tokens))
+
+
+def mean_output_len(lengths: Sequence[tuple[int, bool]], max_new_tokens: int, cap: int) -> float:
+    """The mean new tokens of a job's row (module docstring) from rows of the warm-up: (tokens, stopped), each run
+    to at most `cap` tokens; `max_new_tokens` is the job's cap M."""
+    generated, stopped = sum(n for n, _ in lengths), sum(s for _, s in lengths)
+    if not lengths or generated == 0:
+        return float(max_new_tokens)
+    if max_new_tokens <= cap:
+        return min(float(max_new_tokens), max(1.0, generated / len(lengths)))
+    if stopped == 0:
+        return float(max_new_tokens)
+    hazard = stopped / generated
+    return max(1.0, (1.0 - (1.0 - hazard) ** max_new_tokens) / hazard)
 
 
 @dataclass(frozen=True)
@@ -122,6 +150,8 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
         warmup = measure_acceptance(config, prompts, params, profile=profile)
         if warmup.stream_rate is not None:  # the disk's rate now (it drifts: runtime/offload/replan.py)
             profile = replace(profile, stream_bytes_per_s=warmup.stream_rate)
+        if warmup.mean_new_tokens is not None:  # rows stopping at EOS: the steady state's row length
+            workload = replace(workload, mean_new_tokens=min(workload.new_tokens, warmup.mean_new_tokens))
     plan = make_plan(config, models, max_seq_len, workload=workload, profile=profile,
                      alpha=warmup.curve if warmup else None,
                      alpha_range=warmup.alpha_range if warmup else None)

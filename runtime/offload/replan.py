@@ -11,6 +11,10 @@ ratio to the best candidate over the range). The decision is
             placed with), which a batch takes once the other has drained, as a no-draft plan runs. Turning
             speculation back on splits the rows again at the next wave.
 
+With row refill (the pipeline's default) a candidate is priced in the steady state of refilled batches (rows x
+tokens per row per pass / the pass's seconds, its prefill share at the run's mean prompt length: planner/cost.py
+`steady_pass`); with `refill=False`, by the rounds the slowest row of a wave needs.
+
 The cost model's stream rate is the job's own too (the disk's rate drifts between the profile and the job).
 Each decode pass is observed (`observe_pass`): its period and the seconds the io thread spent in load ops since
 the previous pass (reading and converting the weights into slots). On a CPU the rate is the bytes the model
@@ -53,8 +57,11 @@ class Replanner:
 
     def __init__(self, plan: Plan, interval: int, profile: HardwareProfile | None = None,
                  costs: ModelCosts | None = None, placement: Placement | None = None,
-                 expert_loading: str = "auto") -> None:
+                 expert_loading: str = "auto", refill: bool | None = None) -> None:
+        """refill: the pipeline refills finished rows at once (default: the plan's), so candidates are priced in
+        the steady state (planner/cost.py `steady_pass`), not by the slowest row of a wave."""
         self.plan, self.interval, self.expert_loading = plan, interval, expert_loading
+        self.refill = plan.refill if refill is None else refill
         self.profile, self.costs, self.placement = profile, costs, placement
         self.k = plan.k
         self.rows = plan.batch
@@ -64,6 +71,7 @@ class Replanner:
         # (seconds, k, rows, load seconds) of every decode pass observed
         self.pass_log: list[tuple[float, int, int, float]] = []
         self.tokens_per_row: int | None = None  # the run's max_new_tokens: the slowest row of a wave is priced
+        self.prompt_len: float | None = None  # the run's mean prompt tokens (the engine's): the prefill share
         self.stream_rate: float | None = None
 
     @property
@@ -106,7 +114,7 @@ class Replanner:
         choice = replan(profile, self.costs, self.placement, self.plan.batch, curve,
                         self.plan.max_seq_len, self.plan.k_max, self.plan.batch * self.plan.num_batches,
                         alpha_range=estimate.plausible(CONFIDENCE), expert_loading=self.expert_loading,
-                        tokens=self.tokens_per_row)
+                        tokens=self.tokens_per_row, refill=self.refill, prompt_len=self.prompt_len)
         if (choice.k, choice.rows) != (self.k, self.rows):
             self.replans.append({"round": self.rounds, "alpha": estimate.alpha, "k_from": self.k, "k_to": choice.k,
                                  "rows_from": self.rows, "rows_to": choice.rows,
