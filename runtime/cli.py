@@ -85,6 +85,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="with --draft self: routed experts per layer the drafter keeps (default: a quarter)")
     o.add_argument("--migrate-interval", type=int, default=8,
                    help="with --draft self: re-choose the resident experts every this many verify rounds (0: never)")
+    o.add_argument("--no-refill", action="store_true",
+                   help="a batch waits for its slowest row, then takes a new wave (default: a finished row's slot "
+                        "takes a waiting prompt at once)")
+    o.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens one streamed pass feeds at most (default: the planner's, else whole prompts)")
     o.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace JSON of the pipeline")
     o.add_argument("--show-placement", action="store_true", help="print the memory placement table to stderr")
 
@@ -216,6 +221,8 @@ def _generate(args: argparse.Namespace) -> int:
         interleave={"on": True, "off": False}.get(args.interleave, "auto"),
         resident_experts=args.resident_experts,
         migrate_interval=args.migrate_interval,
+        refill=not args.no_refill,
+        prefill_chunk=args.prefill_chunk,
         trace=args.trace is not None,
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,

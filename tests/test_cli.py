@@ -220,3 +220,20 @@ def test_progress_lines_when_not_a_terminal(tiny_models, tmp_path, capsys):
                str(tmp_path / "o.jsonl"), "--max-new-tokens", "2", "--chunk-size", "1", "--progress-interval", "0"])
     err = capsys.readouterr().err
     assert rc == 0 and "progress: 4/4 rows (100.0%)" in err and "ETA" in err and "tok/s" in err
+
+
+def test_refill_and_prefill_chunk_flags_leave_every_row_as_it_is(tiny_models, tmp_path, capsys):
+    """--no-refill and --prefill-chunk change how rows share passes, never a row: sampled rows included (each row
+    draws from the job's seed and its own index), and with chunks of 3 rows the job is one stream."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": [5 + i, 6, 7, 8, 9][: 2 + i % 4]}) + "\n" for i in range(7)))
+    rows = {}
+    for name, extra in {"default": [], "waves": ["--no-refill"], "chunked": ["--prefill-chunk", "2"]}.items():
+        out = tmp_path / f"{name}.jsonl"
+        rc = main(["generate", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["qwen2_draft"]),
+                   "--prompts", str(prompts), "-o", str(out), "--max-new-tokens", "6", "-k", "2", "--batch-size", "2",
+                   "--device-memory", "1GiB", "--max-seq-len", "32", "--temperature", "0.9", "--seed", "4",
+                   "--chunk-size", "3", "--no-progress", *extra])
+        assert rc == 0, capsys.readouterr().err
+        rows[name] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    assert len(rows["default"]) == 7 and rows["waves"] == rows["default"] == rows["chunked"]
