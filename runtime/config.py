@@ -50,6 +50,9 @@ class EngineConfig:
     expert_group: MoE only: experts per ring slot of a streamed MoE layer (None: a whole layer per slot); the
         ffn then runs one group after another, so the ring holds a group, not a layer (smaller by up to E / g).
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
+    kv_block_size: offloaded: the target's KV caches hold blocks of this many positions from one pool of the
+        attention worker, sized by the placement (runtime/kv_blocks.py): a row holds the blocks its tokens use, not
+        a reservation for prompt + max_new_tokens; 0: one contiguous cache per batch, reserved for its longest row.
 
     Self-drafting (draft="self"):
     resident_experts: routed experts per MoE layer the drafter keeps resident (>= 1, at most the layer's experts;
@@ -83,6 +86,7 @@ class EngineConfig:
     resident_experts: int | None = None
     migrate_interval: int = 8
     interleave: bool | str = True
+    kv_block_size: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -136,6 +140,9 @@ class EngineConfig:
         if self.expert_group is not None and (isinstance(self.expert_group, bool)
                                               or not isinstance(self.expert_group, int) or self.expert_group < 1):
             raise ConfigError(f"expert_group must be an integer >= 1 (experts per slot), got {self.expert_group!r}")
+        if isinstance(self.kv_block_size, bool) or not isinstance(self.kv_block_size, int) or self.kv_block_size < 0:
+            raise ConfigError(f"kv_block_size must be an integer >= 0 (0: contiguous KV caches), "
+                              f"got {self.kv_block_size!r}")
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
 

@@ -242,7 +242,8 @@ def test_roles_and_proxies_are_derived_from_the_worker_classes(tiny_models, sing
     classes = worker_classes(config)
     expected = {
         "prefetch": {"load"},
-        "attention": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "embed", "attention"},
+        "attention": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "embed", "attention",
+                      "free_blocks", "block_size"},
         "verifier": {"seed", "ffn", "head", "verify", "routing_counts"},
         "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "seed", "propose", "adapt"},
     }

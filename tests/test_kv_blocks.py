@@ -3,6 +3,7 @@ Transformer's logits over both caches on tiny random checkpoints."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,43 @@ def test_forward_over_a_paged_cache_matches_the_contiguous_one(tiny_models: dict
             paged.truncate(cut)
             contiguous.truncate(cut)
         assert shared.used_blocks == sum(shared.blocks_for(x) for x in paged.lengths.tolist())
+
+
+# ---- the offloaded engine ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("draft", ["qwen2_draft", "self", None])
+def test_offloaded_engine_on_paged_kv_matches_the_resident_engine(tiny_models, resident_greedy, draft) -> None:
+    """The attention worker's caches are PagedKVCaches over one pool sized by the placement (a self-drafter drafts
+    into them through scratch views); greedy output equals the resident engine's, and every block is back in the
+    pool once the job is done."""
+    from specoffload.runtime.config import EngineConfig
+    from specoffload.runtime.engine import Engine
+    from specoffload.runtime.sampling import SamplingParams
+    from tests.conftest import OFFLOAD_PROMPTS
+
+    target = "qwen2_moe"
+    config = EngineConfig(tiny_models[target], draft=tiny_models[draft] if draft == "qwen2_draft" else draft,
+                          max_batch_size=3, max_seq_len=48, num_draft_tokens=3, device_memory="1GiB", kv_block_size=4)
+    engine = Engine(config)
+    attention = engine.workers.attention
+    policy = engine.placement.policy
+    assert attention.block_size() == 4 and policy.kv_block_size == 4
+    assert attention.pool.num_blocks == policy.kv_blocks == policy.batch_size * policy.num_batches * 13  # 52 / 4
+    kv_item = next(i.nbytes for i in engine.placement.items if i.name == "target KV cache")
+    assert kv_item == attention.pool.nbytes()
+    seen: list[object] = []
+    original = attention.attention
+
+    def spy(batch: int, layer: int, slot: int, hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(type(attention.caches[batch]))
+        return original(batch, layer, slot, hidden)
+
+    attention.attention = spy
+    out = engine.generate(OFFLOAD_PROMPTS, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [r.token_ids for r in out] == resident_greedy(target)
+    assert seen and set(seen) == {PagedKVCache}
+    assert attention.free_blocks() == attention.pool.num_blocks and not attention.caches
+    contiguous = Engine(replace(config, kv_block_size=0))
+    assert contiguous.workers.attention.pool is None and contiguous.workers.attention.block_size() == 0
