@@ -1,10 +1,10 @@
 """Paged KV memory: `BlockPool`, fixed-size blocks of keys and values for all layers, and `PagedKVCache`, a drop-in
 for `KVCache` (kv_cache.py) whose rows hold blocks of a pool instead of a capacity reserved at admission.
 
-Index convention: pool `k[layer, block, slot, kv_head, dim]`; position p of row b lives in block
-`table[b][p // block_size]`, slot `p % block_size`. With this layout a row's blocks, gathered in table order, are
-its positions as consecutive [kv_heads, head_dim] rows, so `keys_values` is one `index_select` over the pool and
-a view, with no second copy.
+Index convention: pool `k[layer, block, kv_head, slot, dim]`; position p of row b lives in block
+`table[b][p // block_size]`, slot `p % block_size`. A (block, kv_head) pair is block_size x head_dim contiguous
+values, so `keys_values` is one `index_select` of those chunks over the pool, and its result, viewed as
+[rows, kv_heads, positions, head_dim], has the strides of the contiguous cache's view (attention reads both alike).
 
 Positions and lengths follow `KVCache`: a write of T positions lands at lengths[b] .. lengths[b] + T - 1 and does
 not change `lengths`; `advance` then marks how many of them are valid.
@@ -53,9 +53,9 @@ class BlockPool:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, blocks, block_size, kv_heads, dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, blocks, block_size, kv_heads, dim]
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, blocks, kv_heads, block_size, dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, blocks, kv_heads, block_size, dim]
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids go out first
         self._used: set[int] = set()
 
@@ -117,7 +117,7 @@ class PagedKVCache:
         self._home = self  # whose block tables these are (a scratch view: its owner's)
         self._version = 0  # bumped when a block table changes (on the home cache)
         self._gather: tuple[int, int, Tensor] | None = None  # (version, blocks per row, index) of keys_values
-        self._slots: tuple[int, int, Tensor] | None = None  # (version, T, slot per written position) of write
+        self._slots: tuple[int, int, Tensor] | None = None  # (version, T, pool row per written value) of write
         self._lengths = torch.zeros(batch_size, dtype=torch.long)  # [batch], CPU
         self._device_lengths: Tensor | None = None
 
@@ -143,24 +143,23 @@ class PagedKVCache:
         batch, _, steps, _ = k_new.shape
         if batch != self.batch_size or k_new.shape != v_new.shape:
             raise ValueError(f"k/v of shapes {tuple(k_new.shape)}, {tuple(v_new.shape)} for batch {self.batch_size}")
-        slots = self._write_slots(steps)  # [batch * T]
-        positions = self.pool.num_blocks * self.pool.block_size
+        slots = self._write_slots(steps)  # [batch * kv_heads * T]
         with torch.inference_mode():
             for store, new in ((self.pool.k, k_new), (self.pool.v, v_new)):
-                flat = store[layer].view(positions, self.num_kv_heads, self.head_dim)  # [blocks * bs, kv, dim]
-                rows = new.permute(0, 2, 1, 3).reshape(batch * steps, self.num_kv_heads, self.head_dim)
-                flat.index_copy_(0, slots, rows.to(self.dtype))  # rows: [batch * T, kv_heads, dim]
+                flat = store[layer].view(-1, self.head_dim)  # [blocks * kv_heads * block_size, dim]
+                flat.index_copy_(0, slots, new.reshape(-1, self.head_dim).to(self.dtype))  # [batch * kv * T, dim]
 
     def keys_values(self, layer: int, upto: int) -> tuple[Tensor, Tensor]:
         """Positions 0..upto-1 of every row, gathered from the pool: ([batch, kv_heads, upto, head_dim],) * 2.
         Positions past a row's blocks read an arbitrary block (they are past its length: never valid data)."""
         per_row = self.pool.blocks_for(upto)
-        index = self._gather_index(per_row)  # [batch * per_row]
-        shape = (self.batch_size, per_row * self.pool.block_size, self.num_kv_heads, self.head_dim)
+        index = self._gather_index(per_row)  # [batch * kv_heads * per_row]
+        chunk = self.pool.block_size * self.head_dim
+        shape = (self.batch_size, self.num_kv_heads, per_row * self.pool.block_size, self.head_dim)
         with torch.inference_mode():
-            k = self.pool.k[layer].index_select(0, index).view(shape)  # [batch, per_row * bs, kv_heads, dim]
-            v = self.pool.v[layer].index_select(0, index).view(shape)
-        return k[:, :upto].transpose(1, 2), v[:, :upto].transpose(1, 2)  # [batch, kv_heads, upto, dim]
+            k = self.pool.k[layer].view(-1, chunk).index_select(0, index).view(shape)  # [batch, kv, per_row * bs, dim]
+            v = self.pool.v[layer].view(-1, chunk).index_select(0, index).view(shape)
+        return k[:, :, :upto], v[:, :, :upto]  # [batch, kv_heads, upto, dim]
 
     def advance(self, num_new: Tensor | int) -> None:
         """Mark `num_new[b]` more positions of each row valid (they must have been written); frees the blocks
@@ -233,19 +232,19 @@ class PagedKVCache:
         if needed > self.pool.free_blocks + releasing:
             raise OutOfBlocksError(needed, self.pool.free_blocks + releasing)
         self.ensure_capacity(used)
-        keys, values = _all_positions(source, used)  # [layers, n, used, kv_heads, dim] each
+        keys, values = _all_positions(source, used)  # [layers, n, kv_heads, used, dim] each
         self.pool.free([b for r in rows for b in self._blocks[r]])
         for r, n in zip(rows, src_lengths.tolist()):
             self._blocks[r] = self.pool.allocate(self.pool.blocks_for(int(n)))
         self._changed()
-        valid = torch.arange(used)[None, :] < src_lengths[:, None]  # [n, used]
+        valid = torch.arange(used)[None, None, :] < src_lengths[:, None, None]  # [n, 1, used]
+        valid = valid.expand(-1, self.num_kv_heads, -1)  # [n, kv_heads, used]
         slots = self._slot_index(torch.as_tensor(rows, dtype=torch.long), torch.arange(used))[valid]  # [m]
         slots = slots.to(self.device)
-        positions = self.pool.num_blocks * self.pool.block_size
         with torch.inference_mode():
             for store, data in ((self.pool.k, keys), (self.pool.v, values)):
-                flat = store.view(self.num_layers, positions, self.num_kv_heads, self.head_dim)
-                flat.index_copy_(1, slots, data[:, valid.to(data.device)].to(self.device, self.dtype))
+                flat = store.view(self.num_layers, -1, self.head_dim)  # [layers, blocks * kv * block_size, dim]
+                flat.index_copy_(1, slots, data[:, valid.to(data.device)].to(self.device, self.dtype))  # [L, m, dim]
         new_lengths = self._lengths.clone()
         new_lengths[torch.as_tensor(rows, dtype=torch.long)] = src_lengths
         self._set_lengths(new_lengths)
@@ -339,8 +338,8 @@ class PagedKVCache:
             self._changed()
 
     def _write_slots(self, steps: int) -> Tensor:
-        """Flat pool positions (block * block_size + slot) of the T positions each row writes next, [batch * T],
-        on the device; reserves their blocks first. Memoised across the layers of one pass."""
+        """Pool rows (`_slot_index`) of the T positions each row writes next, [batch * kv_heads * T], on the
+        device; reserves their blocks first. Memoised across the layers of one pass."""
         memo = self._slots
         if memo is not None and memo[0] == self._home._version and memo[1] == steps:
             return memo[2]
@@ -355,19 +354,25 @@ class PagedKVCache:
         return slots
 
     def _slot_index(self, rows: Tensor, positions: Tensor) -> Tensor:
-        """Flat pool positions of `positions` ([n, T] or [T], CPU) in rows `rows` [n]: [n, T]."""
-        bs = self.pool.block_size
+        """Rows of a layer's pool viewed as [blocks * kv_heads * block_size, head_dim] that hold `positions`
+        ([n, T] or [T], CPU) of rows `rows` [n], for each kv head: [n, kv_heads, T]."""
+        bs, heads = self.pool.block_size, self.num_kv_heads
         positions = positions.expand(len(rows), -1) if positions.dim() == 1 else positions  # [n, T]
         width = max(1, self.pool.blocks_for(int(positions.max()) + 1) if positions.numel() else 1)
-        table = self._table(width)[rows]  # [n, width]
-        return table.gather(1, positions // bs) * bs + positions % bs
+        blocks = self._table(width)[rows].gather(1, positions // bs)  # [n, T]
+        head = torch.arange(heads)[None, :, None]  # [1, kv_heads, 1]
+        return (blocks[:, None, :] * heads + head) * bs + (positions % bs)[:, None, :]
 
     def _gather_index(self, per_row: int) -> Tensor:
-        """Block ids of each row's first `per_row` blocks, [batch * per_row] on the device (memoised)."""
+        """Chunks (block * kv_heads + head) of each row's first `per_row` blocks, per kv head, in a layer's pool
+        viewed as [blocks * kv_heads, block_size * head_dim]: [batch * kv_heads * per_row] on the device
+        (memoised)."""
         memo = self._gather
         if memo is not None and memo[0] == self._home._version and memo[1] == per_row:
             return memo[2]
-        index = self._table(per_row)[: self.batch_size, :per_row].reshape(-1).to(self.device)
+        blocks = self._table(per_row)[: self.batch_size, :per_row]  # [batch, per_row]
+        heads = torch.arange(self.num_kv_heads)[None, :, None]  # [1, kv_heads, 1]
+        index = (blocks[:, None, :] * self.num_kv_heads + heads).reshape(-1).to(self.device)
         self._gather = (self._home._version, per_row, index)
         return index
 
@@ -391,13 +396,14 @@ class PagedKVCache:
 
 
 def _all_positions(cache: KVCache | PagedKVCache, upto: int) -> tuple[Tensor, Tensor]:
-    """Positions 0..upto-1 of every row of every layer: ([layers, rows, upto, kv_heads, head_dim],) * 2."""
+    """Positions 0..upto-1 of every row of every layer: ([layers, rows, kv_heads, upto, head_dim],) * 2."""
     if isinstance(cache, PagedKVCache):
         per_row = cache.pool.blocks_for(upto)
-        index = cache._gather_index(per_row)  # [rows * per_row]
-        shape = (cache.num_layers, cache.batch_size, per_row * cache.pool.block_size, cache.num_kv_heads,
+        index = cache._gather_index(per_row)  # [rows * kv_heads * per_row]
+        chunk = cache.pool.block_size * cache.head_dim
+        shape = (cache.num_layers, cache.batch_size, cache.num_kv_heads, per_row * cache.pool.block_size,
                  cache.head_dim)
-        k = cache.pool.k.index_select(1, index).view(shape)[:, :, :upto]
-        v = cache.pool.v.index_select(1, index).view(shape)[:, :, :upto]
+        k = cache.pool.k.view(cache.num_layers, -1, chunk).index_select(1, index).view(shape)[:, :, :, :upto]
+        v = cache.pool.v.view(cache.num_layers, -1, chunk).index_select(1, index).view(shape)[:, :, :, :upto]
         return k, v
-    return cache.k[:, :, :, :upto].transpose(2, 3), cache.v[:, :, :, :upto].transpose(2, 3)
+    return cache.k[:, :, :, :upto], cache.v[:, :, :, :upto]
