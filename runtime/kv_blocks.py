@@ -20,6 +20,8 @@ pool at the next of those calls. Several caches (the two interleaved batches of 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .kv_cache import CacheCapacityError, KVCache
@@ -36,7 +38,9 @@ class OutOfBlocksError(CacheCapacityError):
 
 
 class BlockPool:
-    """`num_blocks` blocks of `block_size` positions of K and V for every layer, and their free list."""
+    """`num_blocks` blocks of `block_size` positions of K and V for every layer, and their free list. Allocation
+    and freeing are thread-safe: a drafter on another thread may draft into one batch's cache (a scratch view)
+    while the attention worker writes the other's."""
 
     def __init__(
         self,
@@ -58,6 +62,7 @@ class BlockPool:
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, blocks, kv_heads, block_size, dim]
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids go out first
         self._used: set[int] = set()
+        self._lock = threading.Lock()
 
     @classmethod
     def for_bytes(cls, nbytes: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -85,18 +90,20 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """`n` free block ids, or `OutOfBlocksError` (nothing allocated) when fewer are free."""
-        if n > len(self._free):
-            raise OutOfBlocksError(n, len(self._free))
-        blocks = [self._free.pop() for _ in range(n)]
-        self._used.update(blocks)
+        with self._lock:
+            if n > len(self._free):
+                raise OutOfBlocksError(n, len(self._free))
+            blocks = [self._free.pop() for _ in range(n)]
+            self._used.update(blocks)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
         """Return blocks to the pool; a block that is not in use (a double free) raises ValueError."""
-        if len(set(blocks)) != len(blocks) or not self._used.issuperset(blocks):
-            raise ValueError(f"freeing blocks that are not in use: {sorted(set(blocks) - self._used)[:8]}")
-        self._used.difference_update(blocks)
-        self._free.extend(reversed(blocks))
+        with self._lock:
+            if len(set(blocks)) != len(blocks) or not self._used.issuperset(blocks):
+                raise ValueError(f"freeing blocks that are not in use: {sorted(set(blocks) - self._used)[:8]}")
+            self._used.difference_update(blocks)
+            self._free.extend(reversed(blocks))
 
     def nbytes(self) -> int:
         """Bytes of the pool's storage (keys and values)."""
@@ -172,7 +179,8 @@ class PagedKVCache:
             raise CacheCapacityError(f"advance to lengths {new_lengths.tolist()} past capacity {self.capacity}")
         held = [len(blocks) * self.pool.block_size for blocks in self._home._blocks]
         if any(n > h for n, h in zip(new_lengths.tolist(), held)):
-            raise ValueError(f"advance to lengths {new_lengths.tolist()} past the written positions {held}")
+            raise ValueError(f"advance to lengths {new_lengths.tolist()} past the positions the rows' blocks hold "
+                             f"{held}: they were not written")
         self._set_lengths(new_lengths)
         self._trim()
 

@@ -97,7 +97,7 @@ def test_write_allocates_blocks_and_advance_frees_the_padded_ones() -> None:
     assert [read_back(cache, 0, b) for b in range(3)] == [[1, 2, 3, 10], [4, 11], [12]]
     k, v = cache.keys_values(0, 4)
     assert k.shape == v.shape == (3, KV_HEADS, 4, DIM)
-    with pytest.raises(ValueError, match="written positions"):
+    with pytest.raises(ValueError, match="not written"):
         cache.advance(torch.tensor([0, 1, 0]))  # row 1 holds one block of 2 positions, 2 of them valid already
 
 
