@@ -225,6 +225,26 @@ def test_scratch_view_writes_into_the_owners_blocks_and_frees_nothing() -> None:
         owner.scratch_view().add_rows(1)
 
 
+def test_a_scratch_view_out_of_blocks_changes_nothing() -> None:
+    owner = PagedKVCache(pool(blocks=3, block_size=2), batch_size=2, capacity=16)
+    write_all_layers(owner, [[1, 2], [3, 4]])
+    owner.advance(2)
+    view = owner.scratch_view()
+    before = state(owner)
+    with pytest.raises(OutOfBlocksError):
+        write_all_layers(view, [[5, 6, 7], [8, 9, 10]])  # 2 + 2 more blocks, 1 free
+    assert state(owner) == before and view.lengths.tolist() == [2, 2]
+
+
+def test_a_bfloat16_pool_stores_in_bfloat16() -> None:
+    cache = PagedKVCache(BlockPool(LAYERS, 4, 2, KV_HEADS, DIM, torch.bfloat16), batch_size=1, capacity=8)
+    write_all_layers(cache, [[1, 2, 3]])  # float32 in, small integers: exact in bfloat16
+    cache.advance(3)
+    k, _ = cache.keys_values(0, 3)
+    assert k.dtype == torch.bfloat16 and read_back(cache, 0, 0) == [1, 2, 3]  # layer 0: no 1000 offset
+    assert cache.nbytes() == 2 * cache.pool.block_nbytes == 2 * 2 * LAYERS * 2 * KV_HEADS * DIM * 2
+
+
 # ---- PagedKVCache against KVCache ----------------------------------------------------------------------------------
 
 
@@ -307,6 +327,24 @@ class PagedMachine(RuleBasedStateMachine):
             assert state(self.paged) == before
             return
         self.ref.assign_rows(rows, source)
+
+    @rule(steps=st.integers(1, 4), data=st.data())
+    def draft_through_a_scratch_view(self, steps: int, data: st.DataObject) -> None:
+        """A drafter's round: writes past the valid positions through a view (blocks allocated in this cache; or
+        OutOfBlocksError, or CacheCapacityError past the capacity a view cannot grow, with nothing changed), then
+        this cache's own truncate to its lengths frees them."""
+        view = self.paged.scratch_view()
+        values = self._values(self.paged.batch_size, steps)
+        before = state(self.paged)
+        try:
+            write_all_layers(view, values)
+        except CacheCapacityError:
+            assert state(self.paged) == before
+            return
+        view.advance(torch.tensor([data.draw(st.integers(0, steps)) for _ in range(view.batch_size)]))
+        drafted = [self.pool.blocks_for(n + steps) for n in self.paged.lengths.tolist()]
+        assert self.paged.blocks_held() == [max(d, h) for d, h in zip(drafted, before[1])]
+        self.paged.truncate(self.paged.lengths)
 
     @invariant()
     def same_lengths_and_contents(self) -> None:
