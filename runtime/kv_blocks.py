@@ -40,7 +40,13 @@ class OutOfBlocksError(CacheCapacityError):
 class BlockPool:
     """`num_blocks` blocks of `block_size` positions of K and V for every layer, and their free list. Allocation
     and freeing are thread-safe: a drafter on another thread may draft into one batch's cache (a scratch view)
-    while the attention worker writes the other's."""
+    while the attention worker writes the other's.
+
+    The storage is allocated empty and a block is zeroed when it is first handed out (fresh blocks go out in id
+    order, so they are the ids from `touched` up): host memory is committed as blocks come into use, not for the
+    whole pool at start. Block 0, which pads block tables, is zeroed at once. Every block a cache reads thus holds
+    finite values (zeros or keys written earlier), which masked attention weighs by exactly 0.
+    """
 
     def __init__(
         self,
@@ -58,11 +64,13 @@ class BlockPool:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, blocks, kv_heads, block_size, dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, blocks, kv_heads, block_size, dim]
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids go out first
+        self.k = torch.empty(shape, dtype=dtype, device=self.device)  # [layers, blocks, kv_heads, block_size, dim]
+        self.v = torch.empty(shape, dtype=dtype, device=self.device)  # [layers, blocks, kv_heads, block_size, dim]
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: freed blocks on top, fresh ones in id order
         self._used: set[int] = set()
         self._lock = threading.Lock()
+        self.touched = 0  # blocks 0..touched-1 have been zeroed; the others were never handed out
+        self._zero_upto(1)
 
     @classmethod
     def for_bytes(cls, nbytes: int, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -95,6 +103,7 @@ class BlockPool:
                 raise OutOfBlocksError(n, len(self._free))
             blocks = [self._free.pop() for _ in range(n)]
             self._used.update(blocks)
+            self._zero_upto(max(blocks, default=-1) + 1)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
@@ -108,6 +117,14 @@ class BlockPool:
     def nbytes(self) -> int:
         """Bytes of the pool's storage (keys and values)."""
         return self.num_blocks * self.block_nbytes
+
+    def _zero_upto(self, top: int) -> None:
+        """Zero the never handed out blocks touched..top-1."""
+        if top > self.touched:
+            with torch.inference_mode():
+                self.k[:, self.touched:top].zero_()
+                self.v[:, self.touched:top].zero_()
+            self.touched = top
 
 
 class PagedKVCache:

@@ -73,6 +73,20 @@ def test_pool_allocates_frees_and_refuses_a_double_free() -> None:
     assert p.free_blocks == 2 and p.allocate(2) == [1, 3]
 
 
+def test_fresh_blocks_are_zeroed_when_first_handed_out() -> None:
+    p = pool(blocks=4, block_size=2)
+    assert p.touched == 1 and not p.k[:, 0].any() and not p.v[:, 0].any()  # block 0 pads block tables
+    p.k[:, 1:] = p.v[:, 1:] = float("nan")  # what empty storage may hold
+    cache = PagedKVCache(p, batch_size=1, capacity=8)
+    write_all_layers(cache, [[1, 2, 3]])  # blocks 0 and 1; slot 1 of block 1 is not written
+    cache.advance(3)
+    assert p.touched == 2 and p.k[:, 2:].isnan().all()  # blocks 2 and 3 untouched
+    k, v = cache.keys_values(0, 4)
+    assert k[0, 0, :, 0].tolist() == [1, 2, 3, 0] and v[0, 0, :, 0].tolist() == [-1, -2, -3, 0]
+    cache.truncate(torch.tensor([1]))  # block 1 back, with its keys: reused without zeroing
+    assert p.allocate(1) == [1] and p.touched == 2 and p.k[0, 1, 0, 0, 0] == 3  # position 2 of the row
+
+
 def test_pool_for_bytes_counts_whole_blocks() -> None:
     per_block = 2 * LAYERS * 4 * KV_HEADS * DIM * 4  # 384 bytes
     assert BlockPool.for_bytes(10 * per_block + 100, 4, LAYERS, KV_HEADS, DIM).num_blocks == 10
