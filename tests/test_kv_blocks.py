@@ -451,3 +451,12 @@ def test_offloaded_engine_on_paged_kv_matches_the_resident_engine(tiny_models, r
     assert attention.free_blocks() == attention.pool.num_blocks and not attention.caches
     contiguous = Engine(replace(config, kv_block_size=0))
     assert contiguous.workers.attention.pool is None and contiguous.workers.attention.block_size() == 0
+
+
+def test_kv_block_size_is_validated() -> None:
+    from specoffload.runtime.config import ConfigError, EngineConfig
+
+    assert EngineConfig("unused").kv_block_size == 16 and EngineConfig("unused", kv_block_size=0).kv_block_size == 0
+    for bad in (-1, True, 2.0, "16"):
+        with pytest.raises(ConfigError, match="kv_block_size"):
+            EngineConfig("unused", kv_block_size=bad)  # type: ignore[arg-type]
