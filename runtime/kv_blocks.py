@@ -142,6 +142,7 @@ class PagedKVCache:
         self._version = 0  # bumped when a block table changes (on the home cache)
         self._gather: tuple[int, int, Tensor] | None = None  # (version, blocks per row, index) of keys_values
         self._slots: tuple[int, int, Tensor] | None = None  # (version, T, pool row per written value) of write
+        self._out: tuple[Tensor, Tensor] | None = None  # keys_values' K and V buffers, [chunks, block_size * dim]
         self._lengths = torch.zeros(batch_size, dtype=torch.long)  # [batch], CPU
         self._device_lengths: Tensor | None = None
 
@@ -175,14 +176,18 @@ class PagedKVCache:
 
     def keys_values(self, layer: int, upto: int) -> tuple[Tensor, Tensor]:
         """Positions 0..upto-1 of every row, gathered from the pool: ([batch, kv_heads, upto, head_dim],) * 2.
-        Positions past a row's blocks read an arbitrary block (they are past its length: never valid data)."""
+        Positions past a row's blocks read an arbitrary block (they are past its length: never valid data).
+
+        The results are views of two buffers this cache reuses (no allocation per layer): they hold until its
+        next `keys_values` call."""
         per_row = self.pool.blocks_for(upto)
         index = self._gather_index(per_row)  # [batch * kv_heads * per_row]
-        chunk = self.pool.block_size * self.head_dim
+        out_k, out_v = self._buffers(len(index))  # [batch * kv_heads * per_row, block_size * dim] each
         shape = (self.batch_size, self.num_kv_heads, per_row * self.pool.block_size, self.head_dim)
         with torch.inference_mode():
-            k = self.pool.k[layer].view(-1, chunk).index_select(0, index).view(shape)  # [batch, kv, per_row * bs, dim]
-            v = self.pool.v[layer].view(-1, chunk).index_select(0, index).view(shape)
+            chunk = self.pool.block_size * self.head_dim
+            k = torch.index_select(self.pool.k[layer].view(-1, chunk), 0, index, out=out_k).view(shape)
+            v = torch.index_select(self.pool.v[layer].view(-1, chunk), 0, index, out=out_v).view(shape)
         return k[:, :, :upto], v[:, :, :upto]  # [batch, kv_heads, upto, dim]
 
     def advance(self, num_new: Tensor | int) -> None:
@@ -291,7 +296,7 @@ class PagedKVCache:
         view = PagedKVCache.__new__(PagedKVCache)
         view.__dict__.update(self.__dict__)
         view.growable = False
-        view._gather = view._slots = None
+        view._gather = view._slots = view._out = None
         view._set_lengths(self._lengths)
         return view
 
@@ -319,6 +324,7 @@ class PagedKVCache:
         """Return every row's blocks to the pool (rows become empty); a scratch view releases nothing."""
         if self._owns():
             self.reset_rows(list(range(self.batch_size)))
+        self._out = None
 
     def blocks_held(self) -> list[int]:
         """Blocks each row holds now (from the home tables)."""
@@ -400,6 +406,16 @@ class PagedKVCache:
         index = (blocks[:, None, :] * self.num_kv_heads + heads).reshape(-1).to(self.device)
         self._gather = (self._home._version, per_row, index)
         return index
+
+    def _buffers(self, chunks: int) -> tuple[Tensor, Tensor]:
+        """keys_values' K and V buffers, their first `chunks` rows (grown by at least 1.5x when too small)."""
+        if self._out is None or self._out[0].shape[0] < chunks:
+            size = max(chunks, 3 * self._out[0].shape[0] // 2 if self._out is not None else 0)
+            shape = (size, self.pool.block_size * self.head_dim)
+            with torch.inference_mode():
+                self._out = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                             torch.empty(shape, dtype=self.dtype, device=self.device))
+        return self._out[0][:chunks], self._out[1][:chunks]
 
     def _table(self, width: int) -> Tensor:
         """The home block tables as a LongTensor [rows, width] on the CPU, padded with block 0."""

@@ -115,6 +115,20 @@ def test_write_allocates_blocks_and_advance_frees_the_padded_ones() -> None:
         cache.advance(torch.tensor([0, 1, 0]))  # row 1 holds one block of 2 positions, 2 of them valid already
 
 
+def test_keys_values_reuses_its_buffers() -> None:
+    cache = PagedKVCache(pool(block_size=2), batch_size=2, capacity=16)
+    write_all_layers(cache, [[1, 2, 3], [4, 5, 6]])
+    cache.advance(3)
+    k0, _ = cache.keys_values(0, 3)
+    pointer = k0.data_ptr()
+    k1, v1 = cache.keys_values(1, 2)  # a shorter read: the same buffers, layer 1 now
+    assert k1.data_ptr() == pointer and k1[1, 0, :, 0].tolist() == [1004, 1005] and torch.equal(v1, -k1)
+    write_all_layers(cache, [[7] * 5, [8] * 5])
+    cache.advance(5)
+    k2, _ = cache.keys_values(0, 8)  # longer: the buffers grow
+    assert k2.shape == (2, KV_HEADS, 8, DIM) and k2[0, 0, :, 0].tolist() == [1, 2, 3, 7, 7, 7, 7, 7]
+
+
 def test_truncate_reset_and_select_rows_free_blocks_without_moving_data() -> None:
     cache = PagedKVCache(pool(block_size=2), batch_size=3, capacity=16)
     write_all_layers(cache, [[1, 2, 3, 4, 5]] * 3)
