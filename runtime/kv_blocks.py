@@ -11,9 +11,10 @@ not change `lengths`; `advance` then marks how many of them are valid.
 
 Blocks per row: before a write, row b is given blocks up to ceil((lengths[b] + T) / block_size), for all rows at
 once, or the write raises `OutOfBlocksError` having changed nothing (the caller may preempt a row and retry).
-After `advance`, `truncate`, `reset_rows`, `select_rows` and `assign_rows` every row holds exactly
-ceil(lengths[b] / block_size) blocks: the blocks of right-padded positions and rejected drafts go back to the
-pool at the next of those calls. Several caches (the two interleaved batches of a worker) may share one pool.
+After `advance`, `truncate`, `reset_rows` and `select_rows` every row holds exactly ceil(lengths[b] / block_size)
+blocks (`assign_rows`: every assigned row): the blocks of right-padded positions and rejected drafts go back to
+the pool at the next of those calls. A scratch view (`scratch_view`) allocates in its owner's tables and frees
+nothing. Several caches (the two interleaved batches of a worker) may share one pool.
 
 `capacity` is a per-row limit on positions, as in `KVCache` (growable or not); no memory is reserved for it.
 """
