@@ -80,6 +80,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="with --draft self: routed experts per layer the drafter keeps (default: a quarter)")
     o.add_argument("--migrate-interval", type=int, default=8,
                    help="with --draft self: re-choose the resident experts every this many verify rounds (0: never)")
+    o.add_argument("--kv-block-size", type=int, default=16,
+                   help="positions per block of the target's paged KV cache (0: contiguous caches per batch)")
     o.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace JSON of the pipeline")
     o.add_argument("--show-placement", action="store_true", help="print the memory placement table to stderr")
 
@@ -206,6 +208,7 @@ def _generate(args: argparse.Namespace) -> int:
         interleave={"on": True, "off": False}.get(args.interleave, "auto"),
         resident_experts=args.resident_experts,
         migrate_interval=args.migrate_interval,
+        kv_block_size=args.kv_block_size,
         trace=args.trace is not None,
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,

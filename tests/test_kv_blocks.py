@@ -474,3 +474,23 @@ def test_kv_block_size_is_validated() -> None:
     for bad in (-1, True, 2.0, "16"):
         with pytest.raises(ConfigError, match="kv_block_size"):
             EngineConfig("unused", kv_block_size=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_cli_kv_block_size(tiny_models, tmp_path, capsys) -> None:
+    """`specoffload generate --kv-block-size`: paged (4) and contiguous (0) caches write the same tokens."""
+    import json
+
+    from specoffload.runtime.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [5, 6, 7]}) + "\n" + json.dumps({"token_ids": [9, 4]}) + "\n")
+    outputs = []
+    for size in ("4", "0"):
+        out = tmp_path / f"out{size}.jsonl"
+        rc = main(["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts), "--max-new-tokens",
+                   "5", "--ignore-eos", "--no-progress", "--device-memory", "1000KiB", "--max-seq-len", "32",
+                   "--batch-size", "2", "--kv-block-size", size, "-o", str(out)])
+        assert rc == 0, capsys.readouterr().err
+        outputs.append([json.loads(line)["token_ids"] for line in out.read_text().splitlines()])
+    assert outputs[0] == outputs[1] and all(len(t) == 5 for t in outputs[0])
