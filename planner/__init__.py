@@ -7,6 +7,7 @@ torch, never `specoffload.runtime` or Ray (a test imports it in a fresh interpre
     units.py        memory sizes: parse "4GiB", format bytes, the machine's RAM
     shapes.py       PartKey (a loadable part of a model) and ModelShape (parts, bytes, KV bytes per token)
     placement.py    where each part and cache lives under the memory budgets (pure arithmetic)
+    kv_budget.py    rows of target KV a budget holds: paged by expected use versus reserved at max_seq_len
 
     profile.py      HardwareProfile: measured io / attention / FFN / draft costs, JSON with provenance
     acceptance.py   expected tokens per verify round (Leviathan et al. 2023, eq. 1); alpha estimation

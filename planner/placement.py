@@ -11,6 +11,9 @@ Footprint of a plan (what `place` checks against the budgets):
     device = draft weights + draft KV + resident target parts + num_buffers * slot_bytes
              (+ every host item when `unified_memory`: one pool)
     host   = target KV + target weights on "host"
+The target KV is rows x `context` positions, or with `kv_block_size` (paged KV, runtime/kv_blocks.py) rows x the
+expected positions per row (`kv_expected_tokens`, else `context`) rounded up to whole blocks; the draft KV is
+always rows x `context`.
 where slot_bytes is the largest *slot group* of streamed target parts: all streamed parts of one layer load
 together into one ring slot (for MoE the router if streamed and every expert: the worst case of routing), and
 the streamed head takes a slot of its own (group index num_layers). The embedding never goes through the ring.
@@ -64,6 +67,8 @@ class PlacementPolicy:
     unified_memory: bool = True  # True on CPU: device memory IS host memory, host items count against both
     pinned: frozenset[PartKey] = frozenset()  # target parts resident in every plan (a drafter shares them)
     expert_group: int = 0  # experts per ring slot of a streamed MoE layer (0: the whole layer in one slot)
+    kv_block_size: int = 0  # target KV in blocks of this many positions (runtime/kv_blocks.py); 0: contiguous
+    kv_expected_tokens: int = 0  # with blocks: KV positions a row is expected to use, k + 1 included (0: context)
 
     def __post_init__(self) -> None:
         for name, low in (("batch_size", 1), ("kv_capacity", 1), ("num_buffers", 1)):
@@ -77,6 +82,10 @@ class PlacementPolicy:
             )
         if isinstance(self.expert_group, bool) or not isinstance(self.expert_group, int) or self.expert_group < 0:
             raise PlacementError(f"expert_group must be an integer >= 0 (0: whole layers), got {self.expert_group!r}")
+        for name in ("kv_block_size", "kv_expected_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlacementError(f"{name} must be an integer >= 0, got {value!r}")
         if self.weights_tier not in WEIGHTS_TIERS:
             raise PlacementError(
                 f"weights_tier must be 'disk' (stream from the safetensors files) or 'ram' (keep in host "
@@ -88,6 +97,27 @@ class PlacementPolicy:
         return shape.kv_cache_bytes(self.batch_size * self.num_batches, self.kv_capacity)
 
     @property
+    def target_kv_positions(self) -> int:
+        """KV positions placed per row of the target: `kv_capacity`; with blocks, the expected use when given (at most
+        `kv_capacity`), rounded up to whole blocks."""
+        if not self.kv_block_size:
+            return self.kv_capacity
+        tokens = min(self.kv_expected_tokens or self.kv_capacity, self.kv_capacity)
+        return -(-tokens // self.kv_block_size) * self.kv_block_size
+
+    @property
+    def kv_blocks(self) -> int:
+        """Blocks of the target's KV pool: target_kv_positions / kv_block_size per row, every row of every batch
+        (0: contiguous caches)."""
+        if not self.kv_block_size:
+            return 0
+        return self.batch_size * self.num_batches * self.target_kv_positions // self.kv_block_size
+
+    def target_kv_cache_bytes(self, target: ModelShape) -> int:
+        """Bytes of the target's KV cache: every row of every batch at `target_kv_positions`."""
+        return target.kv_cache_bytes(self.batch_size * self.num_batches, self.target_kv_positions)
+
+    @property
     def streamed_tier(self) -> str:
         """The tier of a target part that is not resident: "disk" or "host"."""
         return "disk" if self.weights_tier == "disk" else "host"
@@ -97,6 +127,8 @@ class PlacementPolicy:
             f"batch_size={self.batch_size}, num_batches={self.num_batches}, kv_capacity={self.kv_capacity}, "
             f"num_buffers={self.num_buffers}, weights_tier={self.weights_tier!r}"
             + (f", expert_group={self.expert_group}" if self.expert_group else "")
+            + (f", kv_block_size={self.kv_block_size}" if self.kv_block_size else "")
+            + (f", kv_expected_tokens={self.kv_expected_tokens}" if self.kv_expected_tokens else "")
         )
 
 
@@ -277,7 +309,7 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     """
     nbytes = dict(target.parts)
     draft_bytes = draft.total_bytes + policy.kv_cache_bytes(draft) if draft is not None else 0
-    kv = policy.kv_cache_bytes(target)
+    kv = policy.target_kv_cache_bytes(target)
     slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
     for key, n in target.parts:
         group = slot_unit(key, target.num_layers, policy.expert_group)
@@ -356,7 +388,7 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
         if (category, policy.streamed_tier) in buckets:
             nbytes, layers, parts = buckets[category, policy.streamed_tier]
             items.append(PlacementItem(_label(category, layers, parts, streamed=True), policy.streamed_tier, nbytes))
-    items.append(PlacementItem("target KV cache", "host", policy.kv_cache_bytes(target)))
+    items.append(PlacementItem("target KV cache", "host", policy.target_kv_cache_bytes(target)))
     return _Layout(tuple(tiers), tuple(sorted({layer for layer, _ in slots})), slot_bytes, tuple(items))
 
 

@@ -33,6 +33,7 @@ from types import MappingProxyType
 from .acceptance import Acceptance, AcceptanceCurve, pooled_alpha, rounds_for_slowest, tokens_per_round
 from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimate_workload, steady_pass
 from .errors import SpecOffloadError
+from .kv_budget import expected_kv_tokens
 from .placement import Placement, PlacementError, PlacementPolicy, place
 from .profile import HardwareProfile
 from .shapes import ModelShape, PartKey
@@ -126,6 +127,8 @@ def search(
     interleaves: Iterable[bool] = (True,),
     draft_dtype_bytes: int = 0,
     refill: bool = False,
+    kv_block_size: int = 0,
+    kv_expected_use: bool = False,
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
@@ -141,6 +144,10 @@ def search(
     both are candidates when both are given.
     refill: price the steady state of refilled batches (the engine's default: runtime/planning.py passes its
     config's), else waves (module docstring).
+    kv_block_size: the target KV is paged in blocks of this many positions (placement rounds a row up to whole
+    blocks; 0: contiguous); kv_expected_use: with blocks, place the target KV by the workload's expected use,
+    ceil(prompt_len) + new_tokens + k_max + 1 per row (kv_budget.py), instead of the context (the runtime must
+    then preempt rows when the pool runs out).
     weights_tier defaults to
     the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
     top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
@@ -159,15 +166,18 @@ def search(
     for batch, k, interleave in candidates:
         if k >= 1 and draft is None:
             continue
+        k_max = max(k, k_ceiling) if k >= 1 else 0
         policy = PlacementPolicy(
             batch_size=batch,
             num_batches=2 if k >= 1 and interleave else 1,
-            kv_capacity=tokens + (max(k, k_ceiling) if k >= 1 else 0) + 1,
+            kv_capacity=tokens + k_max + 1,
             num_buffers=num_buffers,
             weights_tier=tier,
             unified_memory=unified,
             pinned=draft_pins if k >= 1 else frozenset(),
             expert_group=expert_group,
+            kv_block_size=kv_block_size,
+            kv_expected_tokens=expected_kv_tokens(workload, k_max) if kv_block_size and kv_expected_use else 0,
         )
         try:
             placement = place(target, draft if k >= 1 else None, policy, device_memory, host_memory)

@@ -90,6 +90,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "takes a waiting prompt at once)")
     o.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens one streamed pass feeds at most (default: the planner's, else whole prompts)")
+    o.add_argument("--kv-block-size", type=int, default=0,
+                   help="positions per block of the target's paged KV cache (0: contiguous caches per batch)")
     o.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace JSON of the pipeline")
     o.add_argument("--show-placement", action="store_true", help="print the memory placement table to stderr")
 
@@ -223,6 +225,7 @@ def _generate(args: argparse.Namespace) -> int:
         migrate_interval=args.migrate_interval,
         refill=not args.no_refill,
         prefill_chunk=args.prefill_chunk,
+        kv_block_size=args.kv_block_size,
         trace=args.trace is not None,
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,

@@ -54,6 +54,9 @@ class EngineConfig:
     expert_group: MoE only: experts per ring slot of a streamed MoE layer (None: a whole layer per slot); the
         ffn then runs one group after another, so the ring holds a group, not a layer (smaller by up to E / g).
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
+    kv_block_size: offloaded: the target's KV caches hold blocks of this many positions from one pool of the
+        attention worker, sized by the placement (runtime/kv_blocks.py): a row holds the blocks its tokens use, not
+        a reservation for prompt + max_new_tokens; 0: one contiguous cache per batch, reserved for its longest row.
 
     Self-drafting (drafter "self"):
     resident_experts: routed experts per MoE layer the drafter keeps resident (>= 1, at most the layer's experts;
@@ -96,6 +99,7 @@ class EngineConfig:
     refill: bool = True
     prefill_chunk: int | None = None
     drafter: str | None = None
+    kv_block_size: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -153,6 +157,9 @@ class EngineConfig:
                                                or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
             raise ConfigError(f"prefill_chunk must be an integer >= 1 (prompt tokens per pass) or None, "
                               f"got {self.prefill_chunk!r}")
+        if isinstance(self.kv_block_size, bool) or not isinstance(self.kv_block_size, int) or self.kv_block_size < 0:
+            raise ConfigError(f"kv_block_size must be an integer >= 0 (0: contiguous KV caches), "
+                              f"got {self.kv_block_size!r}")
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
 

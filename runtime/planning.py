@@ -158,6 +158,7 @@ def make_plan(
         interleaves=(True, False) if config.interleave == "auto" else (bool(config.interleave),),
         draft_dtype_bytes=models.draft_dtype_bytes,
         alpha_range=alpha_range, refill=config.refill,
+        kv_block_size=_kv_block_size(config),
     )
     plan = planned(result, max_seq_len, auto_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
@@ -174,7 +175,14 @@ def placement_policy(config: EngineConfig, plan: Plan, models: ModelPair) -> Pla
         unified_memory=config.unified_memory,
         pinned=models.draft_pins if plan.drafting else frozenset(),
         expert_group=config.expert_group or 0,
+        kv_block_size=_kv_block_size(config),
     )
+
+
+def _kv_block_size(config: EngineConfig) -> int:
+    """Positions per block of the target's paged KV (offloaded only: the attention worker's pool), 0: contiguous.
+    The pool holds every row's full context (rounded up to blocks): the pipeline does not preempt rows."""
+    return config.kv_block_size if config.offloaded else 0
 
 
 def place_plan(config: EngineConfig, plan: Plan, models: ModelPair) -> Placement:

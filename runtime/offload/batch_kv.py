@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kv_blocks import PagedKVCache
 from ..kv_cache import KVCache
 from .wire import wire
 
@@ -18,19 +19,26 @@ from .wire import wire
 class BatchKV:
     """Mixin: `self.caches[b]` per batch, built by `self.new_cache(rows, capacity)` (the worker's model)."""
 
-    caches: dict[int, KVCache]
+    caches: dict[int, KVCache | PagedKVCache]
 
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
+    def new_cache(self, rows: int, capacity: int) -> KVCache | PagedKVCache:
         raise NotImplementedError
 
     @wire
     def reset(self, batch: int, rows: int, capacity: int) -> None:
         """An empty cache of `rows` rows and `capacity` positions for batch `batch`."""
+        self._release(batch)
         self.caches[batch] = self.new_cache(rows, capacity)
 
     @wire
     def drop(self, batch: int) -> None:
-        self.caches.pop(batch, None)
+        self._release(batch)
+
+    def _release(self, batch: int) -> None:
+        """Forget batch `batch`'s cache; a paged one first returns its blocks to the pool (a view returns none)."""
+        cache = self.caches.pop(batch, None)
+        if isinstance(cache, PagedKVCache):
+            cache.release()
 
     @wire
     def lengths(self, batch: int) -> list[int]:

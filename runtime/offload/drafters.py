@@ -252,7 +252,7 @@ def feed_prefixes(model: Transformer, cache: KVCache, ids: Tensor, num_new: Tens
     padded call (causal attention: padding never reaches a valid position)."""
     rows, width = ids.shape
     valid = int(num_new.sum())
-    if rows < 2 or width <= 2 or 2 * valid >= rows * width:
+    if rows < 2 or width <= 2 or 2 * valid >= rows * width or not hasattr(cache, "take_rows"):  # (paged: as is)
         return ids, num_new
     long = [n for n in range(rows) if int(num_new[n]) > 1]
     sub = cache.take_rows(long)

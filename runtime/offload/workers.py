@@ -1,7 +1,8 @@
 """The workers of the offloaded pipeline, as plain classes (one per resource / actor role), and their bundle.
 
   PrefetchWorker   io      streams a layer's non-resident target weights into a ring slot
-  AttentionWorker  cpu     target embedding + attention against the host KV caches (one per batch)
+  AttentionWorker  cpu     target embedding + attention against the host KV caches (one per batch; paged: one
+                           pool of KV blocks for both, runtime/kv_blocks.py)
   VerifierWorker   device  target FFN / experts / head with resident or slot weights; verification
   drafter          device  a `Drafter` (drafters.py): proposes draft tokens for the other batch
 
@@ -23,6 +24,7 @@ from specoffload.planner.plan import Plan
 from specoffload.planner.shapes import PartKey
 
 from ..config import EngineConfig
+from ..kv_blocks import BlockPool, PagedKVCache
 from ..kv_cache import KVCache
 from ..models.model import MoEPartial, Transformer
 from ..models.weights import Weights
@@ -58,6 +60,8 @@ class WeightPlan:
     draft_experts: int = 0  # a resident-expert drafter's experts per layer (the plan's; 0: another drafter)
     expert_group: int = 0  # experts per load unit of a streamed MoE layer (0: the whole layer)
     num_experts: int = 0
+    kv_block_size: int = 0  # positions per block of the target's paged KV pool (0: contiguous caches)
+    kv_blocks: int = 0  # blocks of that pool: the placement's target KV bytes / bytes per block
 
     @classmethod
     def from_placement(cls, placement: Placement, num_layers: int, num_experts: int, selected: bool,
@@ -87,6 +91,8 @@ class WeightPlan:
             draft_experts=draft_experts,
             expert_group=expert_group,
             num_experts=num_experts,
+            kv_block_size=placement.policy.kv_block_size,
+            kv_blocks=placement.policy.kv_blocks,
         )
 
     def units(self) -> list[tuple[int, int]]:
@@ -194,10 +200,23 @@ class AttentionWorker(BatchKV):
         if plan.embedding_tier == "disk":
             name = self.model.loader.refs(PartKey("embedding"))["embed"].name
             self.rows = EmbeddingRows(self.model.loader.checkpoint, name, self.model.dtype)
-        self.caches: dict[int, KVCache] = {}
+        self.caches: dict[int, KVCache | PagedKVCache] = {}
+        self.pool = kv_pool(self.model, plan)
 
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
+    def new_cache(self, rows: int, capacity: int) -> KVCache | PagedKVCache:
+        if self.pool is not None:
+            return PagedKVCache(self.pool, rows, capacity)
         return self.model.new_cache(rows, capacity)
+
+    @wire
+    def free_blocks(self) -> int:
+        """Free blocks of the paged KV pool (0 with contiguous caches)."""
+        return self.pool.free_blocks if self.pool is not None else 0
+
+    @wire
+    def block_size(self) -> int:
+        """Positions per block of the paged KV pool (0: contiguous caches)."""
+        return self.pool.block_size if self.pool is not None else 0
 
     @property
     def bytes_read(self) -> int:
@@ -218,6 +237,16 @@ class AttentionWorker(BatchKV):
     def close(self) -> None:
         if self.rows is not None:
             self.rows.close()
+
+
+def kv_pool(model: Transformer, plan: WeightPlan) -> BlockPool | None:
+    """The attention worker's pool of target KV blocks, shared by its per-batch caches: `plan.kv_blocks` blocks
+    of `plan.kv_block_size` positions (the placement's target KV); None for contiguous caches."""
+    if not plan.kv_block_size or not plan.kv_blocks:
+        return None
+    cfg = model.config
+    return BlockPool(cfg.num_layers, plan.kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                     model.device)
 
 
 class VerifierWorker:
