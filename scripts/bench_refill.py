@@ -17,9 +17,10 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from scripts.bench_offload import roofline
-from scripts.common import PERF, median_spread, utc_now, write_json
+from scripts.common import PERF, figure, median_spread, utc_now, write_json
 from scripts.get_models import model_dir
 from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime.config import EngineConfig
@@ -39,12 +40,16 @@ def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) 
         stats = engine.last_stats
         log = engine.pipeline.verify_log if engine.pipeline is not None else []
         row_passes = sum(rows for *_, rows in log)
+        timeline, total = [], 0
+        for at, _, tokens, _ in log:  # (seconds since the start, tokens committed so far) per verified pass
+            total += tokens
+            timeline.append((round(at - start, 3), total))
         return {"wall_s": wall, "tokens": stats.generated_tokens, "tok_s": stats.generated_tokens / wall,
                 "passes": stats.passes, "row_passes": row_passes,
                 "committed_per_row_pass": stats.generated_tokens / row_passes if row_passes else None,
                 "acceptance": stats.acceptance_rate if stats.num_drafted else None,
                 "refilled": engine.pipeline.batches.refilled if engine.pipeline is not None else 0,
-                "token_ids": [r.token_ids for r in results]}
+                "timeline": timeline, "token_ids": [r.token_ids for r in results]}
     finally:
         engine.close()
 
@@ -105,7 +110,7 @@ def main() -> int:
             rows.append({"system": name, "refill": refill, "tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi,
                          "passes": rs[0]["passes"], "committed_per_row_pass": rs[0]["committed_per_row_pass"],
                          "acceptance": rs[0]["acceptance"], "refilled": rs[0]["refilled"],
-                         "tokens": rs[0]["tokens"], "equal_tokens": same,
+                         "tokens": rs[0]["tokens"], "equal_tokens": same, "timeline": rs[0]["timeline"],
                          "ideal_gain": ideal_gain(lengths, args.batch)})
     summary = {}
     print(f"\n{'system':8s} {'refill':6s} {'tok/s (min-max)':22s} {'passes':>6s} {'tok/row/pass':>12s} "
@@ -133,7 +138,23 @@ def main() -> int:
                                                    "budget": budget, "roofline": roof, "summary": summary,
                                                    "rows": rows})
     print(f"wrote {path}")
+    print(f"wrote {plot(args, rows)}")
     return 0
+
+
+def plot(args: argparse.Namespace, rows: list[dict]) -> Path:
+    """Tokens committed over time, waves against refill, per system: the before/after figure."""
+    out = PERF / f"{args.out}.png"
+    with figure(out, (7.0, 4.0)) as ax:
+        for r in rows:
+            ts, tokens = zip(*r["timeline"]) if r["timeline"] else ((), ())
+            label = f"{r['system']}, {'refill' if r['refill'] else 'waves'} ({r['passes']} passes)"
+            ax.plot(ts, tokens, label=label, linestyle="-" if r["refill"] else "--")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("tokens committed")
+        ax.set_title(f"{args.target}, batch {args.batch}, up to {args.new_tokens} new tokens, EOS honoured")
+        ax.legend()
+    return out
 
 
 if __name__ == "__main__":
