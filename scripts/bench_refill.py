@@ -5,8 +5,9 @@ The same engine config (target streamed from disk under one budget, one batch ca
 with `refill=True` (a finished row's slot takes a waiting prompt at once) and `refill=False` (a batch waits for its
 slowest row, then takes a new wave). HumanEval prompts, EOS honoured, so rows end anywhere up to --new-tokens.
 Reports tokens/s (median and spread over the repetitions), target passes, tokens committed per row per pass,
-greedy tokens equal across the two, and the ideal gain (per wave of `batch` consecutive rows: the longest row over
-the mean row). Writes docs/perf/<out>.json with a top-level "summary".
+greedy tokens equal across the two, and the ideal gain: the passes one batch needs for the measured row lengths
+in waves over those it needs with refill (list scheduling; one token per row per pass). Writes
+docs/perf/<out>.json with a top-level "summary" and <out>.png (tokens committed over time).
 
     python -m scripts.bench_refill [--target dense|moefied|DIR] [--budget 4.5GiB] [--batch 8] [--quick]
 """
@@ -54,10 +55,16 @@ def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) 
         engine.close()
 
 
-def ideal_gain(lengths: list[int], batch: int) -> float:
-    """Per wave of `batch` consecutive rows, its longest row over its mean row (weighted by the wave's tokens)."""
-    waves = [lengths[i: i + batch] for i in range(0, len(lengths), batch)]
-    return sum(max(w) * len(w) for w in waves) / sum(sum(w) for w in waves)
+def ideal_passes(lengths: list[int], batch: int) -> tuple[int, int]:
+    """Passes one batch of `batch` rows needs for rows of these lengths (one token per row per pass, the first at
+    its prefill pass), in input order: (waves: each wave lasts its longest row; refill: a finished row's slot takes
+    the next prompt at the next pass, i.e. list scheduling). Their ratio bounds what refill can gain."""
+    waves = sum(max(lengths[i: i + batch]) for i in range(0, len(lengths), batch))
+    free = [0] * min(batch, len(lengths))  # the pass at which each slot is free
+    for n in lengths:
+        slot = min(range(len(free)), key=free.__getitem__)
+        free[slot] += n
+    return waves, max(free)
 
 
 def main() -> int:
@@ -105,13 +112,15 @@ def main() -> int:
                       f"{r['committed_per_row_pass']:.2f} tokens per row per pass", flush=True)
         same = all(r["token_ids"] == runs[False][0]["token_ids"] for r in runs[True] + runs[False])
         lengths = [len(t) for t in runs[False][0]["token_ids"]]
+        waves, refilled = ideal_passes(lengths, args.batch)
         for refill, rs in runs.items():
             med, lo, hi = median_spread(r["tok_s"] for r in rs)
             rows.append({"system": name, "refill": refill, "tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi,
                          "passes": rs[0]["passes"], "committed_per_row_pass": rs[0]["committed_per_row_pass"],
                          "acceptance": rs[0]["acceptance"], "refilled": rs[0]["refilled"],
                          "tokens": rs[0]["tokens"], "equal_tokens": same, "timeline": rs[0]["timeline"],
-                         "ideal_gain": ideal_gain(lengths, args.batch)})
+                         "lengths": lengths, "ideal_passes_waves": waves, "ideal_passes_refill": refilled,
+                         "ideal_gain": waves / refilled})
     summary = {}
     print(f"\n{'system':8s} {'refill':6s} {'tok/s (min-max)':22s} {'passes':>6s} {'tok/row/pass':>12s} "
           f"{'equal':>5s}")

@@ -151,3 +151,12 @@ def test_a_job_streams_every_chunk_through_one_pipeline(tiny_models, single_thre
     ref = backend.engine.generate(PROMPTS, [j.params for j in jobs], keys=[j.index for j in jobs])
     assert got == {r.index: tuple(r.token_ids) for r in ref}
     backend.close()
+
+
+def test_bench_refill_ideal_passes_on_literal_lengths():
+    """Waves last their longest row (12 + 12 passes); refill puts the next prompt in the first free slot."""
+    from scripts.bench_refill import ideal_passes
+
+    assert ideal_passes([2, 12, 3, 12], 2) == (24, 17)
+    assert ideal_passes([5, 5, 5, 5], 2) == (10, 10)  # equal rows: nothing to gain
+    assert ideal_passes([7], 4) == (7, 7)
