@@ -137,7 +137,7 @@ def main() -> int:
         if on["acceptance"] is not None:  # E[n] = (1 - a^(k+1)) / (1 - a) tokens per row per pass at acceptance a
             a = on["acceptance"]
             expected = (1 - a ** (args.k + 1)) / (1 - a) if a < 1 else args.k + 1.0
-            summary[f"committed_per_row_pass_over_expected_{name}"] = on["committed_per_row_pass"] / expected
+            summary["committed_per_row_pass_over_expected"] = on["committed_per_row_pass"] / expected  # (drafting)
             summary[f"expected_per_row_pass_{name}"] = expected
     if "refill_over_waves_nodraft" in summary and "refill_over_waves_draft" in summary:
         on = {r["system"]: r["tok_s_median"] for r in rows if r["refill"]}
