@@ -513,7 +513,8 @@ def _pass(
         resident = not units  # resident weights use the packed-layout GEMM rate where one was measured
         ffn = profile.ffn_seconds(costs.dense_flops(j) * fed, fed, resident)
         ffn += profile.ffn_seconds(costs.expert_flops(j) * fed, expert_rows, resident)
-        streams_attention = placement.tiers.get(PartKey("attention", j), "device") != "device"
+        attention = PartKey("attention", j)
+        streams_attention = attention in placement.tiers and placement.is_streamed(attention)
         # one link per load unit: the layer's ffn runs one expert group after another (an even share each)
         for n, g in enumerate(units or [0]):
             layers.append(ChainLink(attn if n == 0 else 0.0, ffn / max(len(units), 1), loads.get((j, g)),

@@ -69,6 +69,9 @@ class PlacementPolicy:
     expert_group: int = 0  # experts per ring slot of a streamed MoE layer (0: the whole layer in one slot)
     kv_block_size: int = 0  # target KV in blocks of this many positions (runtime/kv_blocks.py); 0: contiguous
     kv_expected_tokens: int = 0  # with blocks: KV positions a row is expected to use, k + 1 included (0: context)
+    # a GPU with CPU attention (the paper's design): the target's attention and embedding stay in host RAM, where
+    # the attention worker computes with them; they never take device memory or a ring slot
+    host_attention: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("batch_size", 1), ("kv_capacity", 1), ("num_buffers", 1)):
@@ -118,6 +121,11 @@ class PlacementPolicy:
         return target.kv_cache_bytes(self.batch_size * self.num_batches, self.target_kv_positions)
 
     @property
+    def host_kinds(self) -> tuple[str, ...]:
+        """Part kinds resident in host RAM beside the host KV cache (`host_attention`), never on the device."""
+        return ("attention", "embedding") if self.host_attention else ()
+
+    @property
     def streamed_tier(self) -> str:
         """The tier of a target part that is not resident: "disk" or "host"."""
         return "disk" if self.weights_tier == "disk" else "host"
@@ -129,6 +137,7 @@ class PlacementPolicy:
             + (f", expert_group={self.expert_group}" if self.expert_group else "")
             + (f", kv_block_size={self.kv_block_size}" if self.kv_block_size else "")
             + (f", kv_expected_tokens={self.kv_expected_tokens}" if self.kv_expected_tokens else "")
+            + (", host_attention=True" if self.host_attention else "")
         )
 
 
@@ -161,8 +170,9 @@ class Placement:
             raise KeyError(f"{key} is not a part of the placed target model") from None
 
     def is_streamed(self, key: PartKey) -> bool:
-        """True if the part is loaded into a ring slot before use (the embedding never is: rows are gathered)."""
-        return key.kind != "embedding" and self.tier(key) != "device"
+        """True if the part is loaded into a ring slot before use (the embedding never is: rows are gathered; nor are
+        host-resident attention parts under `host_attention`)."""
+        return key.kind != "embedding" and key.kind not in self.policy.host_kinds and self.tier(key) != "device"
 
     def bytes_by_tier(self) -> dict[str, int]:
         """tier -> sum of the items on it (every tier present, possibly 0)."""
@@ -283,7 +293,7 @@ def place(
     fitting = [k for k, (device, host) in enumerate(chain) if device <= device_memory and host <= host_memory]
     if not fitting:
         raise PlacementError(_no_fit_message(target, draft, policy, chain, device_memory, host_memory))
-    steps = priority_order(target, policy.pinned)
+    steps = priority_order(target, policy.pinned | _host_parts(target, policy))
     resident = set(policy.pinned) | {key for step in steps[: fitting[-1]] for key in step}
     layout = _layout(target, draft, policy, resident)
     return Placement(
@@ -309,20 +319,22 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     """
     nbytes = dict(target.parts)
     draft_bytes = draft.total_bytes + policy.kv_cache_bytes(draft) if draft is not None else 0
-    kv = policy.target_kv_cache_bytes(target)
+    on_host = _host_parts(target, policy)
+    kv = policy.target_kv_cache_bytes(target) + sum(nbytes[key] for key in on_host)
     slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
     for key, n in target.parts:
         group = slot_unit(key, target.num_layers, policy.expert_group)
-        if group is not None:
+        if group is not None and key not in on_host:
             slots[group] = slots.get(group, 0) + n
-    resident = 0  # target weight bytes on the device
+    resident = sum(nbytes[key] for key in on_host)  # target weight bytes not streamed (on the device, or on_host)
+    on_device = -resident  # ... of which on the device
 
     def footprint() -> tuple[int, int]:
         host = kv + (target.total_bytes - resident if policy.weights_tier == "ram" else 0)
         ring = policy.num_buffers * max(slots.values(), default=0)
-        return draft_bytes + resident + ring + (host if policy.unified_memory else 0), host
+        return draft_bytes + resident + on_device + ring + (host if policy.unified_memory else 0), host
 
-    steps = priority_order(target, policy.pinned)
+    steps = priority_order(target, policy.pinned | on_host)
     chain = []
     for step in [tuple(policy.pinned), *steps]:
         for key in step:
@@ -332,6 +344,11 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
                 slots[group] -= nbytes[key]
         chain.append(footprint())
     return chain
+
+
+def _host_parts(target: ModelShape, policy: PlacementPolicy) -> frozenset[PartKey]:
+    """The target parts resident in host RAM under `host_attention` (attention and embedding), else none."""
+    return frozenset(key for key, _ in target.parts if key.kind in policy.host_kinds)
 
 
 def slot_unit(key: PartKey, num_layers: int, expert_group: int = 0) -> tuple[int, int] | None:
@@ -360,11 +377,12 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
     tiers: list[tuple[PartKey, str]] = []
     slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
     buckets: dict[tuple[str, str], list[Any]] = {}  # (category, tier) -> [bytes, set of layers]
+    on_host = _host_parts(target, policy)
     for key, nbytes in target.parts:
-        tier = "device" if key in resident else policy.streamed_tier
+        tier = "host" if key in on_host else "device" if key in resident else policy.streamed_tier
         tiers.append((key, tier))
         group = slot_unit(key, target.num_layers, policy.expert_group)
-        if tier != "device" and group is not None:
+        if tier != "device" and group is not None and key not in on_host:
             slots[group] = slots.get(group, 0) + nbytes
         bucket = buckets.setdefault((_CATEGORY[key.kind], tier), [0, set(), 0])
         bucket[0] += nbytes
@@ -384,10 +402,16 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
         unit = f" (units of {policy.expert_group} experts)" if policy.expert_group else ""
         ring = f"ring buffers {policy.num_buffers} x {format_bytes(slot_bytes)}{unit}"
         items.append(PlacementItem(ring, "device", policy.num_buffers * slot_bytes))
+    host_categories = {_CATEGORY[kind] for kind in policy.host_kinds}
     for category in _CATEGORY_ORDER:
-        if (category, policy.streamed_tier) in buckets:
+        if (category, policy.streamed_tier) in buckets and category not in host_categories:
             nbytes, layers, parts = buckets[category, policy.streamed_tier]
             items.append(PlacementItem(_label(category, layers, parts, streamed=True), policy.streamed_tier, nbytes))
+    for category in sorted(host_categories, key=_CATEGORY_ORDER.index):
+        if (category, "host") in buckets:
+            nbytes, layers, parts = buckets[category, "host"]
+            items.append(PlacementItem(f"{_label(category, layers, parts, streamed=False)} (host: CPU attention)",
+                                       "host", nbytes))
     items.append(PlacementItem("target KV cache", "host", policy.target_kv_cache_bytes(target)))
     return _Layout(tuple(tiers), tuple(sorted({layer for layer, _ in slots})), slot_bytes, tuple(items))
 

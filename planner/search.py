@@ -129,6 +129,7 @@ def search(
     refill: bool = False,
     kv_block_size: int = 0,
     kv_expected_use: bool = False,
+    host_attention: bool | None = None,
 ) -> SearchResult:
     """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
 
@@ -148,7 +149,8 @@ def search(
     blocks; 0: contiguous); kv_expected_use: with blocks, place the target KV by the workload's expected use,
     ceil(prompt_len) + new_tokens + k_max + 1 per row (kv_budget.py), instead of the context (the runtime must
     then preempt rows when the pool runs out).
-    weights_tier defaults to
+    host_attention: the target's attention and embedding stay in host RAM (CPU attention beside a GPU; default: on
+    a CUDA profile). weights_tier defaults to
     the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
     top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
     Raises `NoFeasiblePolicyError` (with the reasons) when no pair fits.
@@ -156,6 +158,7 @@ def search(
     costs = ModelCosts.from_shapes(target, draft, dtype_bytes, top_k, draft_top_k, draft_dtype_bytes)
     tier = weights_tier if weights_tier is not None else profile.weights_tier
     unified = unified_memory if unified_memory is not None else profile.device == "cpu"
+    on_host = host_attention if host_attention is not None else profile.device == "cuda"
     tokens = max_seq_len if max_seq_len is not None else math.ceil(workload.prompt_len) + workload.new_tokens
     scenarios = _alpha_grid(alpha, alpha_range)
     rates: dict[tuple[int, int, bool], list[float]] = {}  # (batch, k, interleave) -> tokens/s at each alpha
@@ -178,6 +181,7 @@ def search(
             expert_group=expert_group,
             kv_block_size=kv_block_size,
             kv_expected_tokens=expected_kv_tokens(workload, k_max) if kv_block_size and kv_expected_use else 0,
+            host_attention=on_host,
         )
         try:
             placement = place(target, draft if k >= 1 else None, policy, device_memory, host_memory)

@@ -223,6 +223,12 @@ class EngineConfig:
         return torch.device(self.device).type == "cpu" and self.host_memory is None
 
     @property
+    def host_attention(self) -> bool:
+        """Offloaded on a GPU, the target's attention, embedding and KV cache stay in host RAM and the CPU computes
+        attention (the paper's design); the GPU runs the FFN / experts, the head and the draft."""
+        return self.offloaded and torch.device(self.device).type == "cuda"
+
+    @property
     def host_budget(self) -> int:
         """Bytes of host RAM for the target KV cache and the "ram" weights tier: host_memory, else the machine's."""
         return int(self.host_memory) if self.host_memory is not None else machine_memory_bytes()

@@ -68,11 +68,9 @@ class Engine:
     def __init__(self, config: EngineConfig, *, workers: WorkerFactory | None = None,
                  recovery: Recovery | None = None, plan: Plan | None = None) -> None:
         self.config = config
-        if config.offloaded and torch.device(config.device).type != "cpu":
-            raise ConfigError(
-                "the offloaded pipeline runs on device 'cpu' only so far (its CUDA copy-stream path is untested); "
-                "drop device_memory to run every weight resident on CUDA"
-            )
+        if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {config.device!r}: this torch ({torch.__version__}) sees no CUDA GPU; "
+                              "use device='cpu'")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = config.torch_dtype

@@ -159,6 +159,7 @@ def make_plan(
         draft_dtype_bytes=models.draft_dtype_bytes,
         alpha_range=alpha_range, refill=config.refill,
         kv_block_size=_kv_block_size(config),
+        host_attention=config.host_attention,
     )
     plan = planned(result, max_seq_len, auto_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
@@ -176,6 +177,7 @@ def placement_policy(config: EngineConfig, plan: Plan, models: ModelPair) -> Pla
         pinned=models.draft_pins if plan.drafting else frozenset(),
         expert_group=config.expert_group or 0,
         kv_block_size=_kv_block_size(config),
+        host_attention=config.host_attention,
     )
 
 

@@ -11,15 +11,16 @@ Source tiers:
   "ram"   at construction the streamable `parts` are read once into host memory in the compute dtype (pinned on
           CUDA), laid out per part exactly as in a slot, so a load is one memcpy per part.
 
-On CUDA all copies are issued on a dedicated copy stream with `non_blocking=True` and an event is recorded per load;
-`wait(slot)` makes the current stream wait for it, `release(slot)` makes the next load into the slot wait for the
-work the current stream has queued on it. From disk, the raw file bytes go host->device first (in the file dtype,
+On CUDA all copies are issued on a dedicated copy stream with `non_blocking=True`; the streamer's `SlotSync`
+(slot_sync.py, shared with the workers that read the slots) makes the copy stream wait for the slot's last readers
+before a load and records the load's event, which a reader's stream waits on before it reads. From disk, the raw
+file bytes go host->device first (in the file dtype,
 e.g. float16: half the PCIe bytes of float32) into a device scratch buffer, and are converted on the device; two
 pinned staging buffers let the read of one chunk overlap the transfer of the previous one. On CPU every copy is
 synchronous in the calling thread, and the conversion reads straight from the staging buffer.
 
 Threading: `load` may run in a dedicated io thread (calls are serialised by a lock); the caller guarantees that a
-slot being reloaded is no longer in use (on CUDA: calls `release(slot)` after queueing its last use).
+slot being reloaded is no longer in use (on CUDA: calls `sync.after_use(slot)` after queueing its last use).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from ..models.checkpoint import TensorLocation
 from ..models.weights import PartKey, TensorRef, WeightLoader, Weights
 from .direct_io import ALIGN, AlignedBuffer, DirectReader, align_up
+from .slot_sync import SlotSync, slot_sync
 
 TENSOR_ALIGN = 64  # bytes: start of every tensor in a slot (and in the host tier)
 SOURCES = ("disk", "ram")
@@ -127,6 +129,7 @@ class WeightStreamer:
         direct: bool = True,
         max_gap: int = 64 << 10,
         slots: Sequence[torch.Tensor] | None = None,
+        sync: SlotSync | None = None,
     ) -> None:
         if source not in SOURCES:
             raise ValueError(f"unknown weight source {source!r}; expected one of {SOURCES}")
@@ -159,8 +162,8 @@ class WeightStreamer:
         self._max_piece = (staging_bytes - 2 * ALIGN) // TENSOR_ALIGN * TENSOR_ALIGN  # + alignment fits staging
         self._turn = 0
         self._staging_free: list[torch.cuda.Event | None] = [None] * len(self._staging)
-        self._loaded: list[torch.cuda.Event | None] = [None] * num_slots
-        self._released: list[torch.cuda.Event | None] = [None] * num_slots
+        #: the slot protocol (events on CUDA; shared with the slots' readers, who call before_use / after_use)
+        self.sync = sync if sync is not None else slot_sync(num_slots, self.device)
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         on_device_disk = self._cuda and source == "disk"
         self._scratch = torch.empty(staging_bytes, dtype=torch.uint8, device=self.device) if on_device_disk else None
@@ -184,7 +187,7 @@ class WeightStreamer:
     def load(self, slot: int, keys: Sequence[PartKey]) -> dict[PartKey, Weights]:
         """Fill slot `slot` with the parts and return their weights (views into the slot, compute dtype, device).
 
-        Blocks until the data is in the slot on CPU; on CUDA until it is queued (call `wait(slot)` before use).
+        Blocks until the data is in the slot on CPU; on CUDA until it is queued (`sync.before_use(slot)` before use).
         Raises ValueError if the parts do not fit in a slot, CheckpointError if the checkpoint cannot be read.
         """
         if not 0 <= slot < len(self._slots):
@@ -201,16 +204,14 @@ class WeightStreamer:
             raise ValueError(f"parts {missing} are not in the host RAM tier; pass them in `parts` at construction")
         with self._lock, self._span("load", "io", slot=slot, parts=len(keys), bytes=need):
             bases = self._bases(keys)
-            if self._stream is not None and self._released[slot] is not None:
-                self._stream.wait_event(self._released[slot])
+            self.sync.before_load(slot, self._stream)
             if self.source == "disk":
                 before = self.reader.bytes_read
                 self._fill_from_disk(self._pieces(self._slots[slot], bases), on_device=self._cuda)
                 self.bytes_read += self.reader.bytes_read - before
             else:
                 self._fill_from_host(self._slots[slot], bases)
-            if self._stream is not None:
-                self._loaded[slot] = self._stream.record_event()
+            self.sync.after_load(slot, self._stream)
             return {key: self.loader.assemble(key, self._views(self._slots[slot], key, base)) for key, base in bases}
 
     def views(self, slot: int, keys: Sequence[PartKey]) -> dict[PartKey, Weights]:
@@ -222,18 +223,6 @@ class WeightStreamer:
         keys = list(dict.fromkeys(keys))
         return {key: self.loader.assemble(key, self._views(self._slots[slot], key, base))
                 for key, base in self._bases(keys)}
-
-    def wait(self, slot: int) -> None:
-        """Make the current stream wait until the last load into `slot` has landed (no-op on CPU)."""
-        event = self._loaded[slot]
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-
-    def release(self, slot: int) -> None:
-        """Mark `slot` free once the work queued so far on the current stream is done (no-op on CPU): the next
-        load into it waits for that work before overwriting the slot."""
-        if self._cuda:
-            self._released[slot] = torch.cuda.current_stream(self.device).record_event()
 
     def close(self) -> None:
         """Close the checkpoint files and free the slots, staging buffers and host tier."""

@@ -33,6 +33,7 @@ from ..speculative import verify_rows
 from .batch_kv import BatchKV
 from .drafters import Drafter, TargetShare, drafter_class, make_drafter
 from .embedding import EmbeddingRows
+from .slot_sync import SlotSync
 from .streamer import TENSOR_ALIGN, WeightStreamer
 from .wire import wire
 
@@ -67,10 +68,13 @@ class WeightPlan:
     def from_placement(cls, placement: Placement, num_layers: int, num_experts: int, selected: bool,
                        draft_experts: int = 0) -> WeightPlan:
         embedding = PartKey("embedding")
-        resident = [key for key, tier in placement.tiers.items() if tier == "device"]
+        on_host = placement.policy.host_kinds  # CPU attention beside a GPU: attention resident in host RAM
+        resident = [key for key, tier in placement.tiers.items()
+                    if tier == "device" or (key.kind in on_host and key != embedding)]
         if placement.tier(embedding) == "host":
             resident.append(embedding)  # on the host tier it is a plain resident table of the host-side worker
-        streamed = [key for key, tier in placement.tiers.items() if tier != "device" and key != embedding]
+        streamed = [key for key, tier in placement.tiers.items()
+                    if tier != "device" and key != embedding and key.kind not in on_host]
         expert_group = placement.policy.expert_group
         groups: dict[tuple[int, int], list[PartKey]] = {}
         for key in streamed:
@@ -111,15 +115,26 @@ class WeightPlan:
 
 
 def _slot_streamer(model: Transformer, plan: WeightPlan, config: EngineConfig, slots: Sequence[Tensor] | None,
-                   loads: bool) -> WeightStreamer | None:
-    """A streamer over the shared slot buffers: loads (PrefetchWorker, routed experts) or only views them."""
+                   loads: bool, sync: SlotSync | None = None) -> WeightStreamer | None:
+    """A streamer over the shared slot buffers: loads (PrefetchWorker, routed experts) or only views them; every
+    streamer over the same slots shares one `SlotSync` (the copy / compute ordering on CUDA)."""
     if not plan.streamed:
         return None
     source = config.weights_tier if loads else "disk"  # a view-only streamer never reads, so never preloads
     return WeightStreamer(
-        model.loader, plan.slot_bytes, plan.num_buffers, source, model.device,
+        model.loader, plan.slot_bytes, plan.num_buffers, source, compute_device(config),
         staging_bytes=(64 << 20) if loads else 4 * 4096, parts=list(plan.streamed) if loads else None, slots=slots,
+        sync=sync,
     )
+
+
+def compute_device(config: EngineConfig) -> torch.device:
+    """Where the target's FFN / experts / head, the ring slots and the draft live: the config's device."""
+    return torch.device(config.device)
+
+
+#: where the target's embedding, attention and KV cache live when offloaded: host RAM (the CPU computes attention)
+HOST = torch.device("cpu")
 
 
 class _SlotReader:
@@ -144,7 +159,10 @@ class _SlotReader:
             if not (self.plan.selected_experts and self.expert_loader is not None
                     and all(k.kind == "expert" for k in routed)):
                 raise RuntimeError(f"parts {routed} are neither resident nor in slot {self.slot}: schedule bug")
+            sync = self.streamer.sync
+            sync.after_use(self.slot)  # the routed experts' load into this slot waits for what was queued so far
             out |= self.expert_loader.load(self.slot, routed)  # routed experts only, into this layer's slot
+            sync.before_use(self.slot)
         return out
 
     def bind(self, layer: int, slot: int, group: int = 0) -> _SlotReader:
@@ -152,23 +170,33 @@ class _SlotReader:
         return self
 
     def __enter__(self) -> _SlotReader:
+        if self.slot >= 0 and self.streamer is not None:
+            self.streamer.sync.before_use(self.slot)  # the compute stream waits for the slot's load
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.slot >= 0 and self.streamer is not None:
+            self.streamer.sync.after_use(self.slot)  # the next load into the slot waits for the reads queued here
         self.unit, self.slot = (-1, -1), -1
 
 
 class PrefetchWorker:
     """io: fills ring slots with a layer's streamed weights (disk with O_DIRECT, or the host-RAM tier)."""
 
-    def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None) -> None:
+    def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None,
+                 sync: SlotSync | None = None) -> None:
         self.plan = plan
-        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
-        self.streamer = _slot_streamer(self.model, plan, config, slots, loads=True)
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=compute_device(config))
+        self.streamer = _slot_streamer(self.model, plan, config, slots, loads=True, sync=sync)
 
     @property
     def slots(self) -> list[Tensor]:
         return list(self.streamer._slots) if self.streamer is not None else []
+
+    @property
+    def sync(self) -> SlotSync | None:
+        """The slots' copy / compute protocol, for the workers that read them (None: nothing streams)."""
+        return self.streamer.sync if self.streamer is not None else None
 
     @property
     def bytes_read(self) -> int:
@@ -189,12 +217,13 @@ class PrefetchWorker:
 class AttentionWorker(BatchKV):
     """cpu: the target's embedding and attention blocks over one host KV cache per batch."""
 
-    def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None) -> None:
+    def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None,
+                 sync: SlotSync | None = None) -> None:
         self.plan = plan
-        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=HOST)
         mine = [k for k in plan.resident if k.kind in ("attention", "embedding")]
         self.model.preload(mine)
-        self.reader = _SlotReader(_slot_streamer(self.model, plan, config, slots, loads=False), plan)
+        self.reader = _SlotReader(_slot_streamer(self.model, plan, config, slots, loads=False, sync=sync), plan)
         self.model.fetch = self.reader
         self.rows: EmbeddingRows | None = None
         if plan.embedding_tier == "disk":
@@ -232,7 +261,7 @@ class AttentionWorker(BatchKV):
     def attention(self, batch: int, layer: int, slot: int, hidden: Tensor) -> Tensor:
         """hidden [rows, T, H] -> [rows, T, H]; writes K/V of the T new positions (advance comes later)."""
         with self.reader.bind(layer, slot):
-            return self.model.attention(layer, hidden, self.caches[batch])
+            return self.model.attention(layer, hidden.to(HOST), self.caches[batch])
 
     def close(self) -> None:
         if self.rows is not None:
@@ -252,13 +281,15 @@ def kv_pool(model: Transformer, plan: WeightPlan) -> BlockPool | None:
 class VerifierWorker:
     """device: the target's FFN / experts and head (resident or from the op's slot), and verification."""
 
-    def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None) -> None:
+    def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None,
+                 sync: SlotSync | None = None) -> None:
         self.plan = plan
-        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=compute_device(config))
         mine = [k for k in plan.resident if k.kind in ("dense_mlp", "router", "expert", "head")]
         self.model.preload(mine)
-        views = _slot_streamer(self.model, plan, config, slots, loads=False)
-        experts = _slot_streamer(self.model, plan, config, slots, loads=True) if plan.selected_experts else None
+        views = _slot_streamer(self.model, plan, config, slots, loads=False, sync=sync)
+        experts = (_slot_streamer(self.model, plan, config, slots, loads=True, sync=views.sync if views else None)
+                   if plan.selected_experts else None)
         self.reader = _SlotReader(views, plan, experts)
         self.model.fetch = self.reader
         self.model.on_route = self._count_routing
@@ -278,24 +309,27 @@ class VerifierWorker:
         experts' outputs (kept here per batch), the last returns the combination; the others return `hidden`."""
         units = self.plan.groups_of(layer)
         self._batch = batch
+        host = hidden.device  # the attention worker's (the CPU): the result goes back there
+        hidden = hidden.to(self.model.device)
         with self.reader.bind(layer, slot, max(group, 0)):
             if units <= 1 or not self.model.config.is_moe_layer(layer):
-                return self.model.ffn(layer, hidden, token_mask)
+                return self.model.ffn(layer, hidden, token_mask).to(host)
             if group == 0:
                 self.partial[batch] = self.model.moe_route(layer, hidden, token_mask)
             state = self.partial[batch]
             self.model.moe_experts(state, self.plan.experts_of(group))
             if group < units - 1:
-                return hidden
+                return hidden.to(host)
             del self.partial[batch]
-            return self.model.moe_finish(state, hidden)
+            return self.model.moe_finish(state, hidden).to(host)
 
     @wire(keep_outputs=True)
     def head(self, slot: int, hidden: Tensor, positions: Tensor) -> Tensor:
         """hidden [rows, T, H], positions [rows, P] -> logits [rows, P, vocab] (float32)."""
+        hidden = hidden.to(self.model.device)
         index = positions.to(hidden.device)[:, :, None].expand(-1, -1, hidden.shape[-1])
         with self.reader.bind(self.model.config.num_layers, slot, 0):
-            return self.model.logits(torch.gather(hidden, 1, index))
+            return self.model.logits(torch.gather(hidden, 1, index)).to(HOST)  # (verification runs on the host)
 
     @wire
     def routing_counts(self, batch: int) -> list[list[int]]:
@@ -320,8 +354,10 @@ class VerifierWorker:
                params: SamplingParams, seeds: list[int] | None,
                warps: list[list[float]] | None = None) -> tuple[list[int], list[list[int]]]:
         """Greedy match or rejection sampling of ragged drafts, each row at its own warping when `warps` is given
-        (runtime/speculative.py `verify_rows`): (accepted per row, emitted tokens per row)."""
-        return verify_rows(logits, drafts, num_drafts, p, params, seeds, warps)
+        (runtime/speculative.py `verify_rows`): (accepted per row, emitted tokens per row). On the host: a GPU
+        drafter's tokens and probabilities come over here beside the head's logits."""
+        return verify_rows(logits, drafts.to(logits.device), num_drafts, None if p is None else p.to(logits.device),
+                           params, seeds, warps)
 
 
 @dataclass
@@ -356,13 +392,15 @@ def worker_classes(config: EngineConfig) -> dict[str, type]:
             "draft": drafter_class(config)}
 
 
-def local_workers(config: EngineConfig, weights: WeightPlan, plan: Plan, drafter: type | None = None) -> Workers:
-    """The workers in this process; they share the prefetcher's ring slots. drafter: a drafter class to use
-    instead of the config's (e.g. a benchmark's random drafter), when the plan speculates."""
-    prefetch = PrefetchWorker(config, weights)
-    slots = prefetch.slots
-    attention = AttentionWorker(config, weights, slots)
+def local_workers(config: EngineConfig, weights: WeightPlan, plan: Plan, drafter: type | None = None,
+                  sync: SlotSync | None = None) -> Workers:
+    """The workers in this process; they share the prefetcher's ring slots and its `SlotSync`. drafter: a drafter
+    class to use instead of the config's (e.g. a benchmark's random drafter), when the plan speculates; sync: the
+    slot protocol to use (default: events on CUDA, none on the CPU; tests pass a `RecordingSlotSync`)."""
+    prefetch = PrefetchWorker(config, weights, sync=sync)
+    slots, sync = prefetch.slots, prefetch.sync
+    attention = AttentionWorker(config, weights, slots, sync=sync)
     draft = drafter(config, weights, slots) if drafter is not None and plan.drafting else None
-    verifier = VerifierWorker(config, weights, slots)
+    verifier = VerifierWorker(config, weights, slots, sync=sync)
     share = TargetShare(attention.caches, {**attention.model.resident, **verifier.model.resident}, attention.embed)
     return Workers(prefetch, attention, verifier, draft or make_drafter(config, plan, weights, share))
