@@ -92,12 +92,20 @@ def load_or_measure(config: EngineConfig, quick: bool = False, log: Callable[[st
     return profile
 
 
+def _sync() -> None:
+    """Wait for queued GPU work (CUDA kernels and copies are asynchronous; nothing to wait for on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time(fn: Callable[[], object], reps: int) -> float:
     fn()  # warm-up
+    _sync()
     samples = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
+        _sync()
         samples.append(time.perf_counter() - t)
     return statistics.median(samples)
 
@@ -128,7 +136,9 @@ def measure(config: EngineConfig, quick: bool = False, open_engine: EngineFactor
                 seconds = _time(lambda x=x, mlp=packed: layers.gated_mlp(x, mlp, cfg.hidden_act), reps)
                 resident_rates.append((rows, 2 * params * rows / seconds))
         del ffn_w, mlp, packed
-        attention = _attention_fit(target, reps, quick)
+        # attention runs where the attention worker runs it: on the host beside a GPU (host_attention)
+        host = Transformer(config.target, dtype=dtype, device="cpu") if config.host_attention else target
+        attention = _attention_fit(host, reps, quick)
         head = target.loader.load(PartKey("head"))
         head = pack_weights(head) if packs else head  # the head is placed resident first (placement.py)
         x = torch.randn(16, 1, cfg.hidden_size, dtype=dtype, device=device)
@@ -185,6 +195,7 @@ def _stream_rate(config: EngineConfig, target: Transformer, layers_to_load: int)
         for n, group in enumerate(groups):
             streamer.load(n % 2, group)
             moved += streamer.nbytes(group)
+        _sync()  # (on CUDA a load only queues its copies)
         return moved / (time.perf_counter() - t)
     finally:
         streamer.close()
