@@ -151,7 +151,7 @@ class ResidentRunner:
                 if prob is not None:
                     probs.append(prob)
                 ids, num_new = token[:, None], torch.ones(len(active), dtype=torch.long)
-            drafts = torch.stack(tokens, dim=1)  # [rows, L]
+            drafts = torch.stack(tokens, dim=1).cpu()  # [rows, L] (token ids live on the host)
             p = torch.stack(probs, dim=1) if probs else None  # [rows, L, vocab]
         t1 = time.perf_counter()
         pending = torch.tensor([r.tokens[-1] for r in active], dtype=torch.long)  # [rows]

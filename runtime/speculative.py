@@ -82,6 +82,8 @@ def verify_rows(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: Sequence
     distributions make rejection sampling exact greedy matching). Returns (accepted per row, emitted tokens per
     row: the first accepted + 1 are real)."""
     with torch.inference_mode():
+        drafts = drafts.to(logits.device)  # (a drafter on a GPU, the target's head on the host, or the reverse)
+        p = None if p is None else p.to(logits.device)
         if warps is None and params.greedy:
             result = verify_greedy(drafts, logits, num_drafts)
         else:

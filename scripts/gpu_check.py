@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -122,16 +123,24 @@ def correctness(where: Path, device: str) -> dict:
         for draft in (None, "qwen2_draft"):
             base = dict(target=models[target], draft=models[draft] if draft else None, max_batch_size=3,
                         num_draft_tokens=3 if draft else None, max_seq_len=48)
-            out = {}
-            for name, kw in (("cpu", dict(device="cpu")), ("resident", dict(device=device))):
-                out[name] = [r.token_ids for r in Engine(EngineConfig(**base, **kw)).generate(prompts, params)]
-            probe = Engine(EngineConfig(**base, device=device, device_memory="1GiB"))
-            budget = probe.minimum_device_memory()
-            probe.close()
-            engine = Engine(EngineConfig(**base, device=device, device_memory=budget))
-            out["offloaded"] = [r.token_ids for r in engine.generate(prompts, params)]
-            streamed = len(engine.placement.streamed_layers)
-            engine.close()
+            out: dict = {}
+            budget = streamed = None
+            try:
+                for name, kw in (("cpu", dict(device="cpu")), ("resident", dict(device=device))):
+                    out[name] = [r.token_ids for r in Engine(EngineConfig(**base, **kw)).generate(prompts, params)]
+                probe = Engine(EngineConfig(**base, device=device, device_memory="1GiB"))
+                budget = probe.minimum_device_memory()
+                probe.close()
+                engine = Engine(EngineConfig(**base, device=device, device_memory=budget))
+                out["offloaded"] = [r.token_ids for r in engine.generate(prompts, params)]
+                streamed = len(engine.placement.streamed_layers)
+                engine.close()
+            except Exception as exc:  # noqa: BLE001 - recorded: the other cases still run
+                traceback.print_exc()
+                cases.append({"target": target, "draft": draft, "equal": False, "done": sorted(out),
+                              "error": f"{type(exc).__name__}: {exc}"})
+                print(f"  {target:8} draft={draft or '-':12} FAILED after {sorted(out)}: {exc}", flush=True)
+                continue
             equal = out["cpu"] == out["resident"] == out["offloaded"]
             diff = {name: sum(a != b for a, b in zip(out["cpu"], toks)) for name, toks in out.items()}
             cases.append({"target": target, "draft": draft, "budget": budget, "streamed_layers": streamed,
@@ -187,6 +196,8 @@ def realistic(work: Path, args: argparse.Namespace, start: float) -> dict:
             break
         config = EngineConfig(**common, max_batch_size=batch, num_draft_tokens=0, device_memory=budget)
         row = run_engine(f"no draft b={batch}", config, prompts[:batch * 2], params)
+        if row is None:
+            continue
         for p, toks in row.pop("_outputs"):
             reference.setdefault(tuple(p[:KEY]), p + toks)
         runs.append(row)
@@ -198,8 +209,9 @@ def realistic(work: Path, args: argparse.Namespace, start: float) -> dict:
         drafter = functools.partial(OracleDrafter.make, reference=reference, accept=args.accept,
                                     vocab=shape["vocab"])
         row = run_engine(f"draft b={batch} k={k}", config, prompts[:batch * 2], params, drafter)
-        row.pop("_outputs")
-        runs.append(row)
+        if row is not None:
+            row.pop("_outputs")
+            runs.append(row)
     result["runs"] = runs
     result["accept_forced"] = args.accept
     if not (args.quick or args.skip_hf) and time.perf_counter() - start < args.time_limit:
@@ -222,7 +234,17 @@ def minimum_budget(config) -> int:  # noqa: ANN001
 KEY = 16
 
 
-def run_engine(label: str, config, prompts: list[list[int]], params, drafter=None) -> dict:  # noqa: ANN001
+def run_engine(label: str, config, prompts: list[list[int]], params, drafter=None) -> dict | None:  # noqa: ANN001
+    """One system, two repetitions on one engine; None (and the traceback printed) when it fails."""
+    try:
+        return _run_engine(label, config, prompts, params, drafter)
+    except Exception:  # noqa: BLE001 - the other systems still run
+        traceback.print_exc()
+        print(f"  {label}: FAILED", flush=True)
+        return None
+
+
+def _run_engine(label: str, config, prompts: list[list[int]], params, drafter=None) -> dict:  # noqa: ANN001
     from specoffload.runtime.engine import Engine
     from specoffload.runtime.offload.workers import local_workers
 

@@ -356,8 +356,7 @@ class VerifierWorker:
         """Greedy match or rejection sampling of ragged drafts, each row at its own warping when `warps` is given
         (runtime/speculative.py `verify_rows`): (accepted per row, emitted tokens per row). On the host: a GPU
         drafter's tokens and probabilities come over here beside the head's logits."""
-        return verify_rows(logits, drafts.to(logits.device), num_drafts, None if p is None else p.to(logits.device),
-                           params, seeds, warps)
+        return verify_rows(logits, drafts, num_drafts, p, params, seeds, warps)
 
 
 @dataclass
