@@ -198,7 +198,7 @@ def experts_forward(
     out = torch.zeros_like(normed) if out is None else out  # [N, H]
     hits = topk_ids[:, :, None] == torch.arange(cfg.num_experts, device=topk_ids.device)  # [N, k, E]
     if token_mask is not None:
-        hits &= token_mask.reshape(-1, 1, 1)
+        hits &= token_mask.to(hits.device).reshape(-1, 1, 1)
     for e in selected_experts(topk_ids, token_mask):
         if only is not None and e not in only:
             continue

@@ -311,6 +311,7 @@ class VerifierWorker:
         self._batch = batch
         host = hidden.device  # the attention worker's (the CPU): the result goes back there
         hidden = hidden.to(self.model.device)
+        token_mask = None if token_mask is None else token_mask.to(self.model.device)
         with self.reader.bind(layer, slot, max(group, 0)):
             if units <= 1 or not self.model.config.is_moe_layer(layer):
                 return self.model.ffn(layer, hidden, token_mask).to(host)
