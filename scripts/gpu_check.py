@@ -78,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="device budget = this x the smallest that places the largest draft configuration")
     parser.add_argument("--quick", action="store_true", help="fewer configurations (and no accelerate baseline)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers + accelerate baseline")
+    parser.add_argument("--skip-correctness", action="store_true", help="skip (a), the tiny-model equality check")
+    parser.add_argument("--batches", default=None, help="no-draft batches, e.g. 16,64,192")
+    parser.add_argument("--draft-cases", default=None, help="draft (batch:k) cases, e.g. 16:4,64:4")
     parser.add_argument("--time-limit", type=float, default=420.0, help="seconds; later steps are skipped past it")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -90,8 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict = {"machine": machine(args.device), "args": {k: str(v) for k, v in vars(args).items()}}
     work = Path(tempfile.mkdtemp(prefix="specoffload-gpu-check-", dir=_ram_dir()))
     try:
-        print(f"[{_t(start)}] (a) correctness on tiny models", flush=True)
-        report["correctness"] = correctness(work / "tiny", args.device)
+        if not args.skip_correctness:
+            print(f"[{_t(start)}] (a) correctness on tiny models", flush=True)
+            report["correctness"] = correctness(work / "tiny", args.device)
         print(f"[{_t(start)}] (b) realistic random MoE: {args.layers} layers", flush=True)
         report["realistic"] = realistic(work, args, start)
     finally:
@@ -102,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print_table(report)
     print(f"[{_t(start)}] wrote {args.out}")
-    ok = report["correctness"]["all_equal"]
+    ok = report.get("correctness", {}).get("all_equal", True)
     return 0 if ok else 1
 
 
@@ -176,6 +180,10 @@ def realistic(work: Path, args: argparse.Namespace, start: float) -> dict:
     draft_cases = [(16, 4)] if args.quick else [(16, 2), (16, 4), (64, 4)]
     if not cuda:
         batches, draft_cases = [4, 8], [(4, 3)]
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
+    if args.draft_cases:
+        draft_cases = [(int(b), int(k)) for b, k in (c.split(":") for c in args.draft_cases.split(","))]
     n_prompts = max(max(batches), 2 * max(b for b, _ in draft_cases))
     prompts = [[rng.randrange(3, shape["vocab"]) for _ in range(args.prompt_len)] for _ in range(n_prompts)]
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -208,7 +216,7 @@ def realistic(work: Path, args: argparse.Namespace, start: float) -> dict:
                               device_memory=budget)
         drafter = functools.partial(OracleDrafter.make, reference=reference, accept=args.accept,
                                     vocab=shape["vocab"])
-        row = run_engine(f"draft b={batch} k={k}", config, prompts[:batch * 2], params, drafter)
+        row = run_engine(f"draft b={batch} k={k}", config, prompts[:batch * 2], params, drafter, reference)
         if row is not None:
             row.pop("_outputs")
             runs.append(row)
@@ -234,17 +242,22 @@ def minimum_budget(config) -> int:  # noqa: ANN001
 KEY = 16
 
 
-def run_engine(label: str, config, prompts: list[list[int]], params, drafter=None) -> dict | None:  # noqa: ANN001
-    """One system, two repetitions on one engine; None (and the traceback printed) when it fails."""
+def run_engine(label: str, config, prompts: list[list[int]], params, drafter=None,  # noqa: ANN001
+               reference: dict | None = None) -> dict | None:
+    """One system, two repetitions on one engine; None (and the traceback printed) when it fails. reference: the
+    oracle's greedy continuations, refreshed by an untimed first repetition of this very engine: in bf16 a verify
+    pass over k + 1 tokens does not round like the no-draft passes, and a random model's near-ties then flip, so
+    only the engine's own greedy output makes the forced acceptance hold."""
     try:
-        return _run_engine(label, config, prompts, params, drafter)
+        return _run_engine(label, config, prompts, params, drafter, reference)
     except Exception:  # noqa: BLE001 - the other systems still run
         traceback.print_exc()
         print(f"  {label}: FAILED", flush=True)
         return None
 
 
-def _run_engine(label: str, config, prompts: list[list[int]], params, drafter=None) -> dict:  # noqa: ANN001
+def _run_engine(label: str, config, prompts: list[list[int]], params, drafter=None,  # noqa: ANN001
+                reference: dict | None = None) -> dict:
     from specoffload.runtime.engine import Engine
     from specoffload.runtime.offload.workers import local_workers
 
@@ -252,6 +265,9 @@ def _run_engine(label: str, config, prompts: list[list[int]], params, drafter=No
     workers = functools.partial(local_workers, drafter=drafter) if drafter is not None else None
     engine = Engine(config, workers=workers)
     build_s = time.perf_counter() - t0
+    if reference is not None:
+        for p, r in zip(prompts, engine.generate(prompts, params)):
+            reference[tuple(p[:KEY])] = list(p) + r.token_ids
     reps = []
     outputs = None
     for _ in range(2):
@@ -517,7 +533,7 @@ def summarize(report: dict) -> dict:
     draft = [r for r in runs if r["k"] > 0]
     best_nd = max(nodraft, key=lambda r: r["tok_s_median"], default=None)
     best_d = max(draft, key=lambda r: r["tok_s_median"], default=None)
-    summary = {"correct_all_equal": report["correctness"]["all_equal"],
+    summary = {"correct_all_equal": report.get("correctness", {}).get("all_equal"),
                "h2d_pinned_GBps": real.get("link", {}).get("h2d_pinned_GBps")}
     if best_nd:
         summary |= {"nodraft_best_batch": best_nd["batch"], "nodraft_best_tok_s": best_nd["tok_s_median"],
