@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..bounded_encode import TooLong, encode_bounded
+from ..param_ranges import check_sampling
 from ..sampling import SamplingParams
 from .rows import RowError, RowJob, RowRequest, RowResult
 
@@ -48,7 +50,8 @@ class Preparer:
         return RowJob(item, tuple(ids), params, tuple(item.overrides.get("stop", ())))
 
     def _encode(self, r: RowRequest) -> list[int] | RowError:
-        tok = self.tokenizer
+        tok, lim = self.tokenizer, self.limits
+        limit = lim.context if lim.max_seq_len is None else min(lim.context, lim.max_seq_len)
         if r.messages is not None:
             if tok is None or not getattr(tok, "chat_template", None):
                 return _error(r, "no_chat_template", "the target has no chat template: send /v1/completions requests "
@@ -57,19 +60,23 @@ class Preparer:
                 text = tok.apply_chat_template(list(r.messages), tokenize=False, add_generation_prompt=True)
             except Exception as err:  # noqa: BLE001 - a template may raise anything (jinja); the row fails, not the job
                 return _error(r, "invalid_parameter", f"the chat template refused the messages: {err}")
-            ids = tok.encode(text, add_special_tokens=False)
+            ids = encode_bounded(tok, text, limit)
         elif isinstance(r.prompt, str):
             if tok is None:
                 return _error(r, "invalid_request", "the prompt is text but the target has no tokenizer: "
                                                     "send token ids")
-            ids = tok.encode(r.prompt, add_special_tokens=False)
+            ids = encode_bounded(tok, r.prompt, limit)  # a prefix only, when that shows it is too long
         else:
             ids = list(r.prompt or ())
             vocab = self.limits.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 return _error(r, "invalid_request", f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        n, lim = len(ids), self.limits
+        if isinstance(ids, TooLong):
+            where = "the target's context" if limit == lim.context else "the KV caches' length per row (--max-seq-len)"
+            return _error(r, "prompt_too_long", f"the prompt has at least {ids.at_least} tokens (counted on a prefix); "
+                                                f"{where} is {limit} tokens")
+        n = len(ids)
         if n == 0:
             return _error(r, "empty_prompt", "the prompt is empty")
         if n >= lim.context:
@@ -86,9 +93,11 @@ class Preparer:
         stop_ids = d.stop_token_ids + tuple(t for s in o.get("stop", ()) if (t := self._stop_id(s)) is not None)
         if "stop" in o and self.tokenizer is None:
             raise ValueError("stop strings need the target's tokenizer (it has none)")
-        return replace(d, max_new_tokens=o.get("max_new_tokens", d.max_new_tokens),
-                       temperature=o.get("temperature", d.temperature), top_p=o.get("top_p", d.top_p),
-                       top_k=o.get("top_k", d.top_k), seed=seed, stop_token_ids=stop_ids)
+        params = replace(d, max_new_tokens=o.get("max_new_tokens", d.max_new_tokens),
+                         temperature=o.get("temperature", d.temperature), top_p=o.get("top_p", d.top_p),
+                         top_k=o.get("top_k", d.top_k), seed=seed, stop_token_ids=stop_ids)
+        check_sampling(params)  # ranges (param_ranges.py): a ValueError naming the field
+        return params
 
     def _stop_id(self, stop: str) -> int | None:
         """The token id of a stop string that is exactly one token, else None."""
