@@ -7,7 +7,8 @@ bytes are scanned first, without recursion and in bounded memory:
   1. the strings are blanked out (one linear regex over the bytes: a JSON string is a quote, then characters that
      are not a quote or a backslash or are a backslash escape, then a quote);
   2. outside them, no run of digits may be longer than `max_digits` (integers, fractions and exponents alike);
-  3. and the brackets `[`/`{` minus `]`/`}` may never add up past `max_depth` (a cumulative sum in blocks).
+  3. outside them, at most `max_items` values (commas + 1: a list of a million ids is ~40 MB of Python objects);
+  4. and the brackets `[`/`{` minus `]`/`}` may never add up past `max_depth` (a cumulative sum in blocks).
 
 Only then is `json.loads` called. Text that is not JSON at all passes the scan unchanged or fails it; either way
 `json.loads` then reports it. `BoundsError` (a ValueError) says which limit, with the numbers.
@@ -37,13 +38,14 @@ class BoundsError(ValueError):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
-        self.code = code  # "too_deep" or "number_too_long"
+        self.code = code  # "too_deep", "number_too_long" or "too_many_items"
 
 
 @dataclass(frozen=True)
 class JsonBounds:
     max_depth: int = 32
     max_digits: int = 64
+    max_items: int = 1 << 20
 
 
 def check_bounds(data: bytes, bounds: JsonBounds) -> None:
@@ -53,6 +55,9 @@ def check_bounds(data: bytes, bounds: JsonBounds) -> None:
     if long_number is not None:
         raise BoundsError("number_too_long", f"a number with more than {bounds.max_digits} digits (at byte "
                                              f"{long_number.start()} outside strings)")
+    items = outside.count(b",") + 1
+    if items > bounds.max_items:
+        raise BoundsError("too_many_items", f"{items} values, over the limit of {bounds.max_items}")
     brackets = outside.translate(None, _NOT_BRACKETS)
     if brackets.count(b"[") + brackets.count(b"{") <= bounds.max_depth:
         return  # fewer opening brackets than the limit: no deeper nesting possible

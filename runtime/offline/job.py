@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from ..config import EngineConfig
 from ..models.config import ModelConfig
+from ..param_ranges import check_sampling
 from ..planning import resolve_max_seq_len
 from ..prompts import PromptFileError
 from ..sampling import SamplingParams
@@ -36,6 +37,7 @@ from .prepare import Limits, Preparer
 from .progress import Progress
 from .rows import RowError, RowJob
 from .source import InputSource
+from .unique import check_unique_ids
 
 #: failed rows reported one line each on stderr; the rest are counted (every one is an error row in the output)
 MAX_ERROR_LINES = 20
@@ -69,6 +71,10 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
         raise ValueError(f"--chunk-size must be >= 1, got {spec.chunk_size}")
     if spec.output is None and spec.resume:
         raise ValueError("--resume needs --output (rows on stdout cannot be resumed)")
+    try:
+        check_sampling(spec.params)  # the command line's defaults: ranges (param_ranges.py)
+    except ValueError as err:
+        raise ValueError(f"sampling parameters: {err}") from None
     fmt = input_format(spec.source, spec.input_format)
     out = OutputFile(spec.output, resume=spec.resume, overwrite=spec.overwrite) if spec.output else StdoutOutput()
     with closing(out):
@@ -105,6 +111,8 @@ def _scan(spec: JobSpec, config: EngineConfig, fmt: Format) -> tuple[EngineConfi
     sha, total = spec.source.identity()
     if total == 0:
         raise PromptFileError(f"{spec.source.name}: no prompts in file")
+    if fmt.name == "openai":  # before the output is touched: a repeated custom_id stops the job (unique.py)
+        check_unique_ids(spec.source.rows, fmt.parse, spec.source.where)
     limits = Limits(model.vocab_size, model.max_position_embeddings)
     if config.offloaded and config.max_seq_len is None:  # size the KV caches to the job, as `specoffload plan`
         config = replace(config, max_seq_len=_job_max_seq_len(spec, fmt, tokenizer, limits))

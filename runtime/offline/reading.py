@@ -2,7 +2,8 @@
 lengths (runtime/json_bounds.py) are checked before `json.loads` runs, so a hostile line becomes one error row.
 
 Limits (README, "Offline corpora"): a line of at most `source.MAX_LINE_BYTES` bytes, JSON nested at most
-`ROW_BOUNDS.max_depth` levels, numbers of at most `ROW_BOUNDS.max_digits` digits.
+`ROW_BOUNDS.max_depth` levels, numbers of at most `ROW_BOUNDS.max_digits` digits, at most `ROW_BOUNDS.max_items`
+values (commas + 1 outside strings).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from ..json_bounds import BoundsError, JsonBounds, loads_bounded
 from .source import RawRow
 
-ROW_BOUNDS = JsonBounds(max_depth=32, max_digits=64)
+ROW_BOUNDS = JsonBounds(max_depth=32, max_digits=64, max_items=1 << 20)
 _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"((?:[^"\\]|\\.){0,256})"')
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from ..prompts import PromptFileError, humaneval_prompts
 
 #: the longest input line read (bytes, without its newline); a longer one becomes an error row, never held in memory
-MAX_LINE_BYTES = 8 << 20
+MAX_LINE_BYTES = 16 << 20
 #: what an over-long line keeps of its start (its custom_id, for the error row)
 HEAD_BYTES = 4096
 _PIECE = 1 << 20  # an over-long line is skipped in pieces of this many bytes
