@@ -31,7 +31,7 @@ from ..sampling import SamplingParams
 from ..tokenizer import load_tokenizer
 from .chunks import Chunk, ChunkDone, InOrder, chunked
 from .formats import Format, input_format
-from .manifest import Manifest, checkpoint_identity
+from .manifest import Manifest, checkpoint_identity, row_files
 from .output import OutputFile, Resumed, StdoutOutput
 from .prepare import Limits, Preparer
 from .progress import Progress
@@ -192,16 +192,29 @@ def _job_max_seq_len(spec: JobSpec, fmt: Format, tokenizer: Any, limits: Limits)
     return min(longest, limits.context) if longest else resolve_max_seq_len(None, limits.context)
 
 
+def _engine_record(config: EngineConfig, limits: Limits) -> dict[str, Any]:
+    """The engine options that can change a row: dtypes, the drafter and its options, k, batch, the max lengths."""
+    drafter = config.drafter_class
+    options = {}
+    if drafter.needs_moe_target or drafter.adapts:  # drafts with the target's resident experts
+        options = {"resident_experts": config.resident_experts, "migrate_interval": config.migrate_interval}
+    return {"dtype": config.dtype, "draft_dtype": str(config.draft_torch_dtype).removeprefix("torch.")
+            if drafter.needs_checkpoint else None, "drafter": config.drafter_name, "drafter_options": options,
+            "num_draft_tokens": config.num_draft_tokens, "max_batch_size": config.max_batch_size,
+            "max_seq_len": limits.max_seq_len, "context": limits.context}
+
+
 def _manifest(spec: JobSpec, config: EngineConfig, fmt: Format, sha: str, total: int, limits: Limits) -> Manifest:
+    draft = config.draft if config.drafter_class.needs_checkpoint else None
     try:
         ours = version("specoffload")
     except PackageNotFoundError:
         ours = None
     return Manifest(
-        input={"sha256": sha, "rows": total, "format": fmt.name},
-        models={"target": checkpoint_identity(config.target), "draft": checkpoint_identity(config.draft)},
-        engine={"dtype": config.dtype, "num_draft_tokens": config.num_draft_tokens,
-                "max_batch_size": config.max_batch_size, "max_seq_len": limits.max_seq_len},
+        input={"sha256": sha, "rows": total, "format": fmt.name, "max_line_bytes": spec.source.max_line_bytes},
+        models={"target": checkpoint_identity(config.target), "draft": checkpoint_identity(draft)},
+        files={"target": row_files(config.target), "draft": row_files(draft)},
+        engine=_engine_record(config, limits),
         sampling=asdict(spec.params),
         chunk_size=spec.chunk_size,
         info={"input": spec.source.name, "target": str(config.target),
