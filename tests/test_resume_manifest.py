@@ -44,7 +44,8 @@ def test_resume_refuses_each_change_that_changes_a_row(job, tiny_models, capsys)
     manifest = out.with_name(out.name + ".manifest.json").read_text()
     assert main([*cli, "--resume"]) == 0  # unchanged: nothing to do
     capsys.readouterr()
-    flags = [(["--dtype", "bfloat16", "--draft-dtype", "float32"], "engine.dtype"), (["--draft-dtype", "bfloat16"], "engine.draft_dtype"),
+    flags = [(["--dtype", "bfloat16", "--draft-dtype", "float32"], "engine.dtype"),
+             (["--draft-dtype", "bfloat16"], "engine.draft_dtype"),
              (["--draft", str(tiny_models["mistral"])], "models.draft"),
              (["-k", "3"], "engine.num_draft_tokens"), (["--max-seq-len", "64"], "engine.max_seq_len"),
              (["--max-new-tokens", "4"], "sampling.max_new_tokens"), (["--top-k", "5"], "sampling.top_k"),
