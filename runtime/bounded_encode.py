@@ -13,11 +13,13 @@ most the limit times the longest token.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 PIECE_CHARS = 1 << 16
 BOUNDARY_SLACK = 8
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,13 @@ class TooLong:
 
 
 def encode_bounded(tokenizer: Any, text: str, limit: int) -> list[int] | TooLong:
-    """`tokenizer.encode(text)` (no special tokens added), or TooLong when the text surely has >= `limit` tokens."""
+    """`tokenizer.encode(text)` (no special tokens added), or TooLong when the text surely has >= `limit` tokens.
+    Raises ValueError for text that is not Unicode (an unpaired surrogate, which JSON's \\ud800 can carry and a fast
+    tokenizer refuses with a TypeError)."""
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise ValueError(f"the text has an unpaired surrogate (U+{ord(bad.group()):04X}) at character {bad.start()}: "
+                         "not Unicode text")
     if len(text) > PIECE_CHARS:
         counted = 0
         for cuts, piece in enumerate(_pieces(text)):

@@ -238,7 +238,10 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise PromptError(f"prompt {i} is text but {self.config.target} has no tokenizer; pass token ids")
-            encoded = encode_bounded(self.tokenizer, prompt, min(context, self.max_seq_len))  # bounded prefix
+            try:
+                encoded = encode_bounded(self.tokenizer, prompt, min(context, self.max_seq_len))  # bounded prefix
+            except ValueError as err:  # not Unicode text
+                raise PromptError(f"prompt {i}: {err}") from None
             if isinstance(encoded, TooLong):
                 raise PromptError(f"prompt {i} has at least {encoded.at_least} tokens (counted on a prefix); the "
                                   f"target's context is {context} tokens and the KV caches hold {self.max_seq_len}")

@@ -264,3 +264,70 @@ def test_a_10_mb_line_costs_no_more_than_100_mb(llama_tok, tmp_path, line_kind) 
         peaks[name] = int(kib) / 1024
     print(line_kind, peaks)
     assert peaks["with"] - peaks["without"] < 100, peaks
+
+
+# ---- property tests: the row reader never raises, and fails only with documented codes -------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from specoffload.runtime.offline.output import dump_row  # noqa: E402
+from specoffload.runtime.offline.prepare import Limits, Preparer  # noqa: E402
+from specoffload.runtime.offline.rows import RowResult  # noqa: E402
+
+#: every code an error row of the reader or the preparer can carry (README, "Offline corpora")
+ROW_ERROR_CODES = {"line_too_long", "invalid_utf8", "invalid_json", "too_deep", "number_too_long", "too_many_items",
+                   "invalid_request", "unknown_url", "invalid_parameter", "empty_prompt", "prompt_too_long",
+                   "no_chat_template"}
+_text = st.text(max_size=10) | st.sampled_from(["\ud800", "a\udfff", "\ud83d\ude00", "\u2028"])
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats() | _text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=25,
+)
+_bodies = st.fixed_dictionaries({}, optional={
+    "prompt": _text | st.lists(st.integers(-5, 2**70), max_size=4) | _values,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "robot"]), "content": _values}),
+                         max_size=2) | _values,
+    "max_tokens": st.integers(-(2**70), 2**70) | _values, "temperature": st.floats() | _values,
+    "top_p": st.floats() | _values, "top_k": st.integers(-(2**70), 2**70) | _values,
+    "seed": st.integers(-(2**70), 2**70) | _values, "stop": _values, "n": _values, "model": _values})
+_batch_rows = st.fixed_dictionaries({"custom_id": _text | _values,
+                                     "url": st.sampled_from(["/v1/completions", "/v1/chat/completions", "/x"]),
+                                     "body": _bodies | _values}, optional={"method": st.sampled_from(["POST", "GET"])})
+_hostile = st.builds(lambda n, c: c * n, st.integers(0, 60_000),
+                     st.sampled_from([b"[", b"{", b'{"a":', b"9", b'"', b"\\", b"\xff", b"[1,"]))
+_lines = (st.binary(max_size=200) | _hostile | _values.map(lambda v: json.dumps(v).encode())
+          | _batch_rows.map(lambda v: json.dumps(v).encode()))
+
+
+class _ByteTokenizer:
+    chat_template = "x"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if any("\ud800" <= c <= "\udfff" for c in text):
+            raise TypeError("TextEncodeInput must be Union[...]")  # what a fast tokenizer raises on a lone surrogate
+        return [3 + b for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(t - 3 for t in ids).decode("utf-8", "replace")
+
+    def apply_chat_template(self, messages: list, tokenize: bool = False, add_generation_prompt: bool = True) -> str:
+        return "".join(m["content"] for m in messages)
+
+
+@settings(max_examples=300, deadline=None)
+@given(line=_lines, limit=st.sampled_from([64, 1 << 20]))
+def test_the_row_reader_never_raises_and_uses_documented_codes(line: bytes, limit: int) -> None:
+    raw = RawRow(0, 1, line[:4096], (len(line), limit)) if len(line) > limit else RawRow(0, 1, line)
+    preparer = Preparer(_ByteTokenizer(), Limits(vocab_size=300, context=64), SamplingParams(), chunk_size=4)
+    for fmt in (SimpleFormat(), SimpleFormat(text=True), OpenAIBatchFormat()):
+        row = fmt.parse(raw)
+        assert isinstance(row, (RowRequest, RowError))
+        prepared = preparer(row)
+        if isinstance(prepared, RowError):
+            assert prepared.code in ROW_ERROR_CODES, prepared
+            assert "\n" not in prepared.message
+            dump_row(fmt.error_row(prepared)).encode("utf-8")  # the error row is writable
+        else:
+            result = RowResult(prepared.token_ids[:2], "out", "stop")
+            dump_row(fmt.result_row(prepared, preparer.finish(prepared, result), "m")).encode("utf-8")

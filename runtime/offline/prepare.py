@@ -40,12 +40,15 @@ class Preparer:
     def __call__(self, item: RowRequest | RowError) -> RowJob | RowError:
         if isinstance(item, RowError):
             return item
-        ids = self._encode(item)
+        try:
+            ids = self._encode(item)
+        except ValueError as err:  # text that is not Unicode (bounded_encode.py)
+            return _error(item, "invalid_request", str(err))
         if isinstance(ids, RowError):
             return ids
         try:
             params = self._params(item)
-        except ValueError as err:
+        except ValueError as err:  # a range (param_ranges.py), or a stop string that is not Unicode
             return _error(item, "invalid_parameter", str(err))
         return RowJob(item, tuple(ids), params, tuple(item.overrides.get("stop", ())))
 
@@ -102,7 +105,8 @@ class Preparer:
     def _stop_id(self, stop: str) -> int | None:
         """The token id of a stop string that is exactly one token, else None."""
         if stop not in self._stop_ids and self.tokenizer is not None:
-            ids = self.tokenizer.encode(stop, add_special_tokens=False)
+            ids = encode_bounded(self.tokenizer, stop, limit=1 << 30)
+            assert not isinstance(ids, TooLong)
             one = len(ids) == 1 and self.tokenizer.decode(ids) == stop
             self._stop_ids[stop] = ids[0] if one else None
         return self._stop_ids.get(stop)

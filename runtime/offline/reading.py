@@ -16,6 +16,8 @@ from ..json_bounds import BoundsError, JsonBounds, loads_bounded
 from .source import RawRow
 
 ROW_BOUNDS = JsonBounds(max_depth=32, max_digits=64, max_items=1 << 20)
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"((?:[^"\\]|\\.){0,256})"')
 
 
@@ -49,11 +51,26 @@ def row_json(raw: RawRow) -> Any:
     """The row's JSON value, parsed only once its bounds are checked. Raises RowProblem."""
     text = row_text(raw)
     try:
-        return loads_bounded(text, ROW_BOUNDS)
+        value = loads_bounded(text, ROW_BOUNDS)
     except BoundsError as err:
         raise RowProblem(err.code, f"JSON {err}") from None
     except json.JSONDecodeError as err:
         raise RowProblem("invalid_json", f"invalid JSON ({err.msg})") from None
+    if _ESCAPED_SURROGATE.search(text) and _has_surrogate(value):  # only a \uD800-style escape can make one
+        raise RowProblem("invalid_json", "a string with an unpaired surrogate escape (\\uD800-\\uDFFF alone): "
+                                         "not Unicode text")
+    return value
+
+
+def _has_surrogate(value: Any) -> bool:
+    """Any string (key or value) with an unpaired surrogate; recursion is bounded by ROW_BOUNDS.max_depth."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    return False
 
 
 def head_custom_id(raw: RawRow) -> str | None:
@@ -65,4 +82,4 @@ def head_custom_id(raw: RawRow) -> str | None:
         value = json.loads(b'"' + match.group(1) + b'"')
     except ValueError:
         return None
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, str) and not _SURROGATE.search(value) else None
