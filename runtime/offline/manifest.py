@@ -136,6 +136,8 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # disk full, read-only: name the file (a write error carries no file name)
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror}") from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
