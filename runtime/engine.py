@@ -244,14 +244,15 @@ class Engine:
                 raise PromptError(f"prompt {i}: {err}") from None
             if isinstance(encoded, TooLong):
                 raise PromptError(f"prompt {i} has at least {encoded.at_least} tokens (counted on a prefix); the "
-                                  f"target's context is {context} tokens and the KV caches hold {self.max_seq_len}")
+                                  f"target's context is {context} tokens and the KV caches hold {self.max_seq_len} "
+                                  "(max_seq_len)")
             ids = encoded
         elif isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
             raise PromptError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
         else:
             if len(prompt) >= min(context, self.max_seq_len):  # before copying it
                 raise PromptError(f"prompt {i} has {len(prompt)} tokens; the target's context is {context} tokens "
-                                  f"and this engine's KV caches hold {self.max_seq_len} tokens per row")
+                                  f"and this engine's KV caches hold {self.max_seq_len} tokens per row (max_seq_len)")
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:

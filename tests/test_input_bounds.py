@@ -331,3 +331,13 @@ def test_the_row_reader_never_raises_and_uses_documented_codes(line: bytes, limi
         else:
             result = RowResult(prepared.token_ids[:2], "out", "stop")
             dump_row(fmt.result_row(prepared, preparer.finish(prepared, result), "m")).encode("utf-8")
+
+
+def test_format_detection_survives_a_hostile_first_row(tmp_path: Path) -> None:
+    from specoffload.runtime.offline.formats import input_format
+
+    deep, big = tmp_path / "deep.jsonl", tmp_path / "big.jsonl"
+    deep.write_bytes(b"[" * 200_000 + b"\n" + _req("a").encode() + b"\n")
+    big.write_bytes(_req("big", prompt="x" * 300).encode() + b"\n")
+    assert input_format(InputSource.file(deep)).name == "simple"
+    assert input_format(InputSource.file(big, max_line_bytes=100)).name == "openai"  # its head names a custom_id
