@@ -31,12 +31,14 @@ from specoffload.planner.experts import selects_experts
 from specoffload.planner.placement import Placement
 from specoffload.planner.plan import Plan
 
+from .bounded_encode import TooLong, encode_bounded
 from .config import ConfigError, EngineConfig
 from .models.model import Transformer
 from .offload.pipeline import Pipeline, Recovery
 from .offload.profiler import load_or_measure
 from .offload.replan import Replanner
 from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
+from .param_ranges import check_sampling
 from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
 from .request import GenerationResult, Request
 from .resident import ResidentRunner
@@ -209,6 +211,12 @@ class Engine:
         self.last_stats = self.runner.last_stats
 
     def _request(self, index: int, ids: list[int], p: SamplingParams, key: int | str) -> Request:
+        if not isinstance(p, SamplingParams):
+            raise PromptError(f"request {index}: params must be a SamplingParams, got {type(p).__name__}")
+        try:
+            check_sampling(p)  # ranges (param_ranges.py)
+        except ValueError as err:
+            raise PromptError(f"request {index}: {err}") from None
         eos = frozenset(self.target.config.eos_token_ids)
         return Request(index, ids, min(p.max_new_tokens, self.max_seq_len - len(ids)),
                        frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos),
@@ -228,10 +236,21 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise PromptError(f"prompt {i} is text but {self.config.target} has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            try:
+                encoded = encode_bounded(self.tokenizer, prompt, min(context, self.max_seq_len))  # bounded prefix
+            except ValueError as err:  # not Unicode text
+                raise PromptError(f"prompt {i}: {err}") from None
+            if isinstance(encoded, TooLong):
+                raise PromptError(f"prompt {i} has at least {encoded.at_least} tokens (counted on a prefix); the "
+                                  f"target's context is {context} tokens and the KV caches hold {self.max_seq_len} "
+                                  "(max_seq_len)")
+            ids = encoded
         elif isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
             raise PromptError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
         else:
+            if len(prompt) >= min(context, self.max_seq_len):  # before copying it
+                raise PromptError(f"prompt {i} has {len(prompt)} tokens; the target's context is {context} tokens "
+                                  f"and this engine's KV caches hold {self.max_seq_len} tokens per row (max_seq_len)")
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:

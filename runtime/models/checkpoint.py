@@ -10,7 +10,6 @@ expert of a fused `[experts, ...]` tensor) inside its file, for direct reads tha
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
@@ -20,12 +19,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..json_bounds import JsonBounds, loads_bounded
 from .errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 #: the largest safetensors JSON header read (the safetensors library's own limit)
 MAX_HEADER_BYTES = 100_000_000
+#: a header (and an index) is {name: {dtype, shape: [...], data_offsets: [...]}}: 3 levels; offsets < 2**64
+HEADER_BOUNDS = JsonBounds(max_depth=4, max_digits=24, max_items=1 << 26)
 
 _ITEMSIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -138,6 +140,14 @@ class Checkpoint:
             raise CheckpointError(f"cannot read tensor {name!r} from {entry.file}: {exc}") from exc
         return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
+    def entry(self, name: str) -> _Entry:
+        """The validated header entry of a tensor (file, safetensors dtype string, shape, byte range)."""
+        return self._entry(name)
+
+    def data_bytes(self) -> int:
+        """Bytes of tensor data all the checkpoint's tensors hold (from their headers)."""
+        return sum(e.length for e in self._entries.values())
+
     def _entry(self, name: str) -> _Entry:
         try:
             return self._entries[name]
@@ -169,7 +179,7 @@ class Checkpoint:
 
 def _shards_from_index(index: Path) -> list[Path]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = loads_bounded(index.read_bytes(), HEADER_BOUNDS)["weight_map"]
         shards = sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"corrupt index file {index}: {exc}") from exc
@@ -199,10 +209,10 @@ def _read_header(file: Path) -> dict[str, _Entry]:
                     f"truncated or corrupt safetensors file {file}: header of {header_len} bytes "
                     f"but the file has {size} bytes"
                 )
-            header = json.loads(f.read(header_len))
+            header = loads_bounded(f.read(header_len), HEADER_BOUNDS)  # depth and numbers checked before parsing
     except OSError as exc:
         raise CheckpointError(f"cannot read {file}: {exc}") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # BoundsError, JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"corrupt safetensors header in {file}: {exc}") from exc
     if type(header) is not dict:
         raise CheckpointError(f"corrupt safetensors header in {file}: not a JSON object")

@@ -6,13 +6,13 @@ Layer convention used everywhere in `runtime.models`: layers are numbered 0..num
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..json_bounds import JsonBounds, loads_bounded
 from .errors import CheckpointError, UnsupportedModelError
 
 #: architecture name in config.json -> family name used in this package
@@ -119,8 +119,8 @@ def _read_json(file: Path, required: bool) -> dict[str, Any]:
             raise CheckpointError(f"missing {file.name} in checkpoint directory {file.parent}")
         return {}
     try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = loads_bounded(file.read_bytes(), JsonBounds(max_depth=32, max_digits=64))  # no recursion on it
+    except (OSError, ValueError) as exc:  # BoundsError, JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"corrupt {file}: {exc}") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"corrupt {file}: expected a JSON object")

@@ -18,6 +18,7 @@ from . import layers
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .linear import can_pack, pack_weights
+from .validate import validate_checkpoint
 from .weights import PartKey, WeightLoader, Weights
 
 Tensor = torch.Tensor
@@ -50,6 +51,7 @@ class Transformer:
         checkpoint = path_or_checkpoint
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = Checkpoint(path)
+        validate_checkpoint(checkpoint, self.config)  # every tensor against the config, before any allocation
         self.dtype = dtype
         self.device = torch.device(device)
         self.loader = WeightLoader(checkpoint, self.config, dtype, self.device)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Protocol
 
 from .openai import OpenAIBatchFormat
+from .reading import RowProblem, head_custom_id, row_json
 from .rows import RowError, RowJob, RowRequest, RowResult
 from .simple import SimpleFormat
 from .source import InputSource, RawRow
@@ -34,9 +34,9 @@ def input_format(source: InputSource, requested: str = "auto") -> Format:
     first = next(source.rows(), None)
     if first is not None:
         try:
-            value = json.loads(first.data)
-        except ValueError:
-            value = None
+            value = row_json(first)  # bounded (reading.py): a hostile first row is an error row, not a crash
+        except RowProblem:
+            value = head_custom_id(first) and {"custom_id": None}  # an over-long batch row still names its id
         if isinstance(value, dict) and {"custom_id", "url", "body"} & set(value):
             return OpenAIBatchFormat()
     return SimpleFormat()

@@ -24,18 +24,20 @@ from typing import Any, Protocol
 
 from ..config import EngineConfig
 from ..models.config import ModelConfig
+from ..param_ranges import check_sampling
 from ..planning import resolve_max_seq_len
 from ..prompts import PromptFileError
 from ..sampling import SamplingParams
 from ..tokenizer import load_tokenizer
 from .chunks import Chunk, ChunkDone, InOrder, chunked
 from .formats import Format, input_format
-from .manifest import Manifest, checkpoint_identity
+from .manifest import Manifest, checkpoint_identity, row_files
 from .output import OutputFile, Resumed, StdoutOutput
 from .prepare import Limits, Preparer
 from .progress import Progress
 from .rows import RowError, RowJob
 from .source import InputSource
+from .unique import check_unique_ids
 
 #: failed rows reported one line each on stderr; the rest are counted (every one is an error row in the output)
 MAX_ERROR_LINES = 20
@@ -69,6 +71,10 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
         raise ValueError(f"--chunk-size must be >= 1, got {spec.chunk_size}")
     if spec.output is None and spec.resume:
         raise ValueError("--resume needs --output (rows on stdout cannot be resumed)")
+    try:
+        check_sampling(spec.params)  # the command line's defaults: ranges (param_ranges.py)
+    except ValueError as err:
+        raise ValueError(f"sampling parameters: {err}") from None
     fmt = input_format(spec.source, spec.input_format)
     out = OutputFile(spec.output, resume=spec.resume, overwrite=spec.overwrite) if spec.output else StdoutOutput()
     with closing(out):
@@ -105,6 +111,8 @@ def _scan(spec: JobSpec, config: EngineConfig, fmt: Format) -> tuple[EngineConfi
     sha, total = spec.source.identity()
     if total == 0:
         raise PromptFileError(f"{spec.source.name}: no prompts in file")
+    if fmt.name == "openai":  # before the output is touched: a repeated custom_id stops the job (unique.py)
+        check_unique_ids(spec.source.rows, fmt.parse, spec.source.where)
     limits = Limits(model.vocab_size, model.max_position_embeddings)
     if config.offloaded and config.max_seq_len is None:  # size the KV caches to the job, as `specoffload plan`
         config = replace(config, max_seq_len=_job_max_seq_len(spec, fmt, tokenizer, limits))
@@ -184,16 +192,29 @@ def _job_max_seq_len(spec: JobSpec, fmt: Format, tokenizer: Any, limits: Limits)
     return min(longest, limits.context) if longest else resolve_max_seq_len(None, limits.context)
 
 
+def _engine_record(config: EngineConfig, limits: Limits) -> dict[str, Any]:
+    """The engine options that can change a row: dtypes, the drafter and its options, k, batch, the max lengths."""
+    drafter = config.drafter_class
+    options = {}
+    if drafter.needs_moe_target or drafter.adapts:  # drafts with the target's resident experts
+        options = {"resident_experts": config.resident_experts, "migrate_interval": config.migrate_interval}
+    return {"dtype": config.dtype, "draft_dtype": str(config.draft_torch_dtype).removeprefix("torch.")
+            if drafter.needs_checkpoint else None, "drafter": config.drafter_name, "drafter_options": options,
+            "num_draft_tokens": config.num_draft_tokens, "max_batch_size": config.max_batch_size,
+            "max_seq_len": limits.max_seq_len, "context": limits.context}
+
+
 def _manifest(spec: JobSpec, config: EngineConfig, fmt: Format, sha: str, total: int, limits: Limits) -> Manifest:
+    draft = config.draft if config.drafter_class.needs_checkpoint else None
     try:
         ours = version("specoffload")
     except PackageNotFoundError:
         ours = None
     return Manifest(
-        input={"sha256": sha, "rows": total, "format": fmt.name},
-        models={"target": checkpoint_identity(config.target), "draft": checkpoint_identity(config.draft)},
-        engine={"dtype": config.dtype, "num_draft_tokens": config.num_draft_tokens,
-                "max_batch_size": config.max_batch_size, "max_seq_len": limits.max_seq_len},
+        input={"sha256": sha, "rows": total, "format": fmt.name, "max_line_bytes": spec.source.max_line_bytes},
+        models={"target": checkpoint_identity(config.target), "draft": checkpoint_identity(draft)},
+        files={"target": row_files(config.target), "draft": row_files(draft)},
+        engine=_engine_record(config, limits),
         sampling=asdict(spec.params),
         chunk_size=spec.chunk_size,
         info={"input": spec.source.name, "target": str(config.target),

@@ -1,8 +1,11 @@
 """The manifest beside an output (`out.jsonl.manifest.json`): what the rows were written by.
 
-`--resume` continues an output only if every compared field equals this run's: the input's content (SHA-256) and
-format, the checkpoints' identity (from their provenance), the engine and sampling parameters that can change a
-row, the chunk size, and the manifest's format version. The first field that differs is named in one line.
+`--resume` continues an output only if every compared field equals this run's: the input's content (SHA-256),
+format and line limit, the checkpoints' identity (from their provenance), the SHA-256 of every file beside the
+weights that changes a row (`ROW_FILES`: config.json, generation_config.json, the tokenizer files and chat template,
+of target and draft), the engine options that can change a row (dtypes of target and draft, the drafter and its
+options, k, batch, the max lengths), the sampling defaults, the chunk size, and the manifest's format version. The
+first field that differs is named in one line (nested fields by their path, e.g. `files.target.config.json`).
 `info` (paths, version, time) is for the reader and is not compared: moving the input or the models is fine.
 """
 
@@ -16,7 +19,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: files of a checkpoint directory, besides its weights, whose content can change a row (hashed when present)
+ROW_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
+             "merges.txt", "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+             "chat_template.json")
 #: provenance.json key with {file name: SHA-256} of a converted checkpoint (scripts/get_models.py writes it)
 PROVENANCE_HASHES = "safetensors_sha256"
 
@@ -27,19 +34,20 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class Manifest:
-    input: dict[str, Any]  # sha256, rows, format
-    models: dict[str, Any]  # target, draft: checkpoint identities
-    engine: dict[str, Any]  # dtype, num_draft_tokens, max_batch_size, max_seq_len
+    input: dict[str, Any]  # sha256, rows, format, max_line_bytes
+    models: dict[str, Any]  # target, draft: checkpoint identities (their weights)
+    engine: dict[str, Any]  # dtype, draft_dtype, drafter (+ its options), num_draft_tokens, max_batch_size, lengths
     sampling: dict[str, Any]  # the command line's SamplingParams (rows may override some)
     chunk_size: int
+    files: dict[str, Any] = field(default_factory=dict)  # target, draft: {ROW_FILES name: SHA-256}
     format_version: int = FORMAT_VERSION
     info: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def compared(self) -> dict[str, Any]:
         """Every compared field as "section.key" -> value, format version first."""
         flat: dict[str, Any] = {"format_version": self.format_version}
-        for section in ("input", "models", "engine", "sampling"):
-            flat |= {f"{section}.{k}": v for k, v in getattr(self, section).items()}
+        for section in ("input", "models", "files", "engine", "sampling"):
+            flat |= _flatten(section, getattr(self, section))
         return flat | {"chunk_size": self.chunk_size}
 
     def first_difference(self, written: Manifest) -> str | None:
@@ -60,10 +68,39 @@ class Manifest:
             raise ValueError("not an object")
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            raise ManifestError(f"format_version {version!r}, this specoffload writes {FORMAT_VERSION}")
+            raise ManifestError(f"format_version {version!r}, this specoffload writes {FORMAT_VERSION} (which also "
+                                "records the checkpoints' config, tokenizer and drafter: an older output cannot be "
+                                "checked against them)")
         return cls(input=dict(data["input"]), models=dict(data["models"]), engine=dict(data["engine"]),
-                   sampling=dict(data["sampling"]), chunk_size=int(data["chunk_size"]), format_version=version,
-                   info=dict(data.get("info", {})))
+                   sampling=dict(data["sampling"]), chunk_size=int(data["chunk_size"]), files=dict(data["files"]),
+                   format_version=version, info=dict(data.get("info", {})))
+
+
+def _flatten(prefix: str, value: dict[str, Any]) -> dict[str, Any]:
+    """{"a": {"b": 1}} under "s" -> {"s.a.b": 1} (a nested field is compared, and named, on its own)."""
+    flat: dict[str, Any] = {}
+    for key, v in value.items():
+        if isinstance(v, dict):
+            flat |= _flatten(f"{prefix}.{key}", v)
+        else:
+            flat[f"{prefix}.{key}"] = v
+    return flat
+
+
+def row_files(directory: str | Path | None) -> dict[str, str] | None:
+    """{name: SHA-256} of the `ROW_FILES` present in a checkpoint directory (None: no such checkpoint)."""
+    if directory is None or not Path(directory).is_dir():
+        return None
+    out: dict[str, str] = {}
+    for name in ROW_FILES:
+        path = Path(directory) / name
+        if path.is_file():
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+            out[name] = digest.hexdigest()
+    return out
 
 
 def _norm(value: Any) -> Any:
@@ -99,6 +136,8 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # disk full, read-only: name the file (a write error carries no file name)
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror}") from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

@@ -21,11 +21,12 @@ body leaves out takes the command line's value. Output, one line per input line,
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from typing import Any
 
+from ..param_ranges import overrides_problem
+from .reading import RowProblem, head_custom_id, row_json
 from .rows import RowError, RowJob, RowRequest, RowResult
 from .simple import OutputMismatch
 from .source import RawRow
@@ -36,6 +37,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 NEUTRAL = {"n": (1,), "best_of": (1,), "stream": (False,), "echo": (False,), "logprobs": (None, False, 0),
            "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0)}
 IGNORED = ("user",)
+_SHOWN = {"max_new_tokens": "max_tokens"}  # SamplingParams name -> the body's name, in messages
 
 
 class BadRow(Exception):
@@ -51,11 +53,10 @@ class OpenAIBatchFormat:
         custom_id = None
         try:
             try:
-                value = json.loads(raw.data)
-            except UnicodeDecodeError as err:
-                raise BadRow("invalid_utf8", f"not UTF-8 ({err.reason})") from None
-            except json.JSONDecodeError as err:
-                raise BadRow("invalid_json", f"invalid JSON ({err.msg})") from None
+                value = row_json(raw)  # bounded: line length, nesting depth, number lengths (reading.py)
+            except RowProblem as problem:
+                custom_id = head_custom_id(raw) if problem.code != "invalid_json" else None
+                raise BadRow(problem.code, str(problem)) from None
             if not isinstance(value, dict):
                 raise BadRow("invalid_request", f"expected a JSON object, got {type(value).__name__}")
             custom_id = value.get("custom_id")
@@ -96,6 +97,9 @@ class OpenAIBatchFormat:
             overrides["top_k"] = max(_integer("top_k", body.pop("top_k"), minimum=-1), 0)  # -1 / 0: off
         if body.get("seed") is not None:
             overrides["seed"] = _integer("seed", body.pop("seed"))
+        problem = overrides_problem(overrides, _SHOWN | {"max_new_tokens": max_keys[0]})
+        if problem is not None:
+            raise BadRow("invalid_parameter", problem)
         stop = body.pop("stop", None)
         if stop is not None:
             overrides["stop"] = _stop(stop)

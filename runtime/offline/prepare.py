@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..bounded_encode import TooLong, encode_bounded
+from ..param_ranges import check_sampling
 from ..sampling import SamplingParams
 from .rows import RowError, RowJob, RowRequest, RowResult
 
@@ -38,17 +40,21 @@ class Preparer:
     def __call__(self, item: RowRequest | RowError) -> RowJob | RowError:
         if isinstance(item, RowError):
             return item
-        ids = self._encode(item)
+        try:
+            ids = self._encode(item)
+        except ValueError as err:  # text that is not Unicode (bounded_encode.py)
+            return _error(item, "invalid_request", str(err))
         if isinstance(ids, RowError):
             return ids
         try:
             params = self._params(item)
-        except ValueError as err:
+        except ValueError as err:  # a range (param_ranges.py), or a stop string that is not Unicode
             return _error(item, "invalid_parameter", str(err))
         return RowJob(item, tuple(ids), params, tuple(item.overrides.get("stop", ())))
 
     def _encode(self, r: RowRequest) -> list[int] | RowError:
-        tok = self.tokenizer
+        tok, lim = self.tokenizer, self.limits
+        limit = lim.context if lim.max_seq_len is None else min(lim.context, lim.max_seq_len)
         if r.messages is not None:
             if tok is None or not getattr(tok, "chat_template", None):
                 return _error(r, "no_chat_template", "the target has no chat template: send /v1/completions requests "
@@ -57,19 +63,23 @@ class Preparer:
                 text = tok.apply_chat_template(list(r.messages), tokenize=False, add_generation_prompt=True)
             except Exception as err:  # noqa: BLE001 - a template may raise anything (jinja); the row fails, not the job
                 return _error(r, "invalid_parameter", f"the chat template refused the messages: {err}")
-            ids = tok.encode(text, add_special_tokens=False)
+            ids = encode_bounded(tok, text, limit)
         elif isinstance(r.prompt, str):
             if tok is None:
                 return _error(r, "invalid_request", "the prompt is text but the target has no tokenizer: "
                                                     "send token ids")
-            ids = tok.encode(r.prompt, add_special_tokens=False)
+            ids = encode_bounded(tok, r.prompt, limit)  # a prefix only, when that shows it is too long
         else:
             ids = list(r.prompt or ())
             vocab = self.limits.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 return _error(r, "invalid_request", f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        n, lim = len(ids), self.limits
+        if isinstance(ids, TooLong):
+            where = "the target's context" if limit == lim.context else "the KV caches' length per row (--max-seq-len)"
+            return _error(r, "prompt_too_long", f"the prompt has at least {ids.at_least} tokens (counted on a prefix); "
+                                                f"{where} is {limit} tokens")
+        n = len(ids)
         if n == 0:
             return _error(r, "empty_prompt", "the prompt is empty")
         if n >= lim.context:
@@ -86,14 +96,17 @@ class Preparer:
         stop_ids = d.stop_token_ids + tuple(t for s in o.get("stop", ()) if (t := self._stop_id(s)) is not None)
         if "stop" in o and self.tokenizer is None:
             raise ValueError("stop strings need the target's tokenizer (it has none)")
-        return replace(d, max_new_tokens=o.get("max_new_tokens", d.max_new_tokens),
-                       temperature=o.get("temperature", d.temperature), top_p=o.get("top_p", d.top_p),
-                       top_k=o.get("top_k", d.top_k), seed=seed, stop_token_ids=stop_ids)
+        params = replace(d, max_new_tokens=o.get("max_new_tokens", d.max_new_tokens),
+                         temperature=o.get("temperature", d.temperature), top_p=o.get("top_p", d.top_p),
+                         top_k=o.get("top_k", d.top_k), seed=seed, stop_token_ids=stop_ids)
+        check_sampling(params)  # ranges (param_ranges.py): a ValueError naming the field
+        return params
 
     def _stop_id(self, stop: str) -> int | None:
         """The token id of a stop string that is exactly one token, else None."""
         if stop not in self._stop_ids and self.tokenizer is not None:
-            ids = self.tokenizer.encode(stop, add_special_tokens=False)
+            ids = encode_bounded(self.tokenizer, stop, limit=1 << 30)
+            assert not isinstance(ids, TooLong)
             one = len(ids) == 1 and self.tokenizer.decode(ids) == stop
             self._stop_ids[stop] = ids[0] if one else None
         return self._stop_ids.get(stop)

@@ -8,9 +8,9 @@ JSON strings, or a .txt file with one prompt per line. Output rows carry the pro
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from .reading import RowProblem, row_json, row_text
 from .rows import RowError, RowJob, RowRequest, RowResult
 from .source import RawRow
 
@@ -31,16 +31,12 @@ class SimpleFormat:
         def error(code: str, message: str) -> RowError:
             return RowError(raw.index, raw.lineno, code, message)
 
-        try:
-            line = raw.data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            return error("invalid_utf8", f"not UTF-8 ({err.reason} at byte {err.start})")
-        if self.text:
-            return RowRequest(raw.index, raw.lineno, prompt=line)
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as err:
-            return error("invalid_json", f"invalid JSON ({err.msg})")
+        try:  # bounded: line length, and for JSON nesting depth and number lengths (reading.py)
+            if self.text:
+                return RowRequest(raw.index, raw.lineno, prompt=row_text(raw))
+            value = row_json(raw)
+        except RowProblem as problem:
+            return error(problem.code, str(problem))
         if isinstance(value, str):
             return RowRequest(raw.index, raw.lineno, prompt=value)
         if not isinstance(value, dict):

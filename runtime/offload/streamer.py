@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..models.checkpoint import TensorLocation
+from ..models.errors import CheckpointError
 from ..models.weights import PartKey, TensorRef, WeightLoader, Weights
 from .direct_io import ALIGN, AlignedBuffer, DirectReader, align_up
 from .slot_sync import SlotSync, slot_sync
@@ -71,6 +72,7 @@ class Piece:
     length: int
     file_dtype: torch.dtype
     dest: torch.Tensor  # [length // file_dtype.itemsize], compute dtype, flat view into a slot or the host tier
+    tensor: str = ""  # the checkpoint tensor these bytes belong to (named in errors)
 
     @property
     def end(self) -> int:
@@ -101,7 +103,7 @@ def split_pieces(field: FieldLayout, dest: torch.Tensor, max_piece: int) -> Iter
     for begin in range(0, loc.length, max_piece):
         length = min(max_piece, loc.length - begin)
         elems = dest[begin // itemsize : (begin + length) // itemsize]
-        yield Piece(loc.path, loc.offset + begin, length, field.file_dtype, elems)
+        yield Piece(loc.path, loc.offset + begin, length, field.file_dtype, elems, field.ref.name)
 
 
 class WeightStreamer:
@@ -285,10 +287,10 @@ class WeightStreamer:
             if free is not None:
                 free.synchronize()  # the staging buffer's previous transfer has left it
             t0 = time.perf_counter()
-            with self._span("read", "disk", bytes=end - start):
+            with self._span("read", "disk", bytes=end - start), _naming(group):
                 raw = self.reader.read_into(group[0].path, start, end - start, self._staging[turn])  # [end - start]
             t1 = time.perf_counter()
-            with self._span("copy", "copy", bytes=end - start):
+            with self._span("copy", "copy", bytes=end - start), _naming(group):
                 if on_device:
                     assert self._stream is not None and self._scratch is not None
                     with torch.cuda.stream(self._stream):
@@ -329,6 +331,17 @@ class WeightStreamer:
 
     def _span(self, name: str, resource: str, **args: Any) -> contextlib.AbstractContextManager[Any]:
         return self.tracer.span(name, resource, **args) if self.tracer is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _naming(group: Sequence[Piece]) -> Iterator[None]:
+    """Re-raise an error of reading or converting a group's bytes as a CheckpointError naming its tensors and file."""
+    try:
+        yield
+    except (OSError, RuntimeError, ValueError) as exc:  # CheckpointError is a ValueError
+        names = sorted({p.tensor for p in group if p.tensor})
+        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise CheckpointError(f"streaming tensor {shown or '?'} from {group[0].path}: {exc}") from exc
 
 
 def _typed(raw: torch.Tensor, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""A checkpoint checked against its config.json before anything is allocated (the model's executor calls it first).
+
+1. Size: the weights the config implies (every part's tensors, at the smallest float item size, 2 bytes) must fit
+   in the tensor data of the safetensors files: a config that implies 4 GB in a 200 KB file is refused in one line
+   before a byte is allocated (this catches, e.g., hidden_size 10**9).
+2. Every tensor the config implies is present, has exactly the shape the config implies (one line naming the
+   tensor, its file, the expected and the found shape) and a float dtype (F64, F32, F16, BF16): a float model with
+   an int32 tensor, or intermediate_size off by one, is refused instead of running.
+
+Only headers are read (Checkpoint reads nothing else at open).
+"""
+
+from __future__ import annotations
+
+import math
+
+from specoffload.planner.shapes import PartKey
+
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .errors import CheckpointError
+from .weights import WeightLoader
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def expected_shape(config: ModelConfig, key: PartKey, field: str) -> tuple[int, ...]:
+    """The shape config.json implies for field `field` of part `key` (of one expert's row for a fused tensor)."""
+    c = config
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    inter = c.moe_intermediate_size if key.kind == "expert" else c.intermediate_size
+    shared = c.shared_expert_intermediate_size
+    shapes = {
+        "embed": (c.vocab_size, h), "lm_head": (c.vocab_size, h), "norm": (h,), "input_norm": (h,),
+        "post_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "q_bias": (q,), "k_bias": (kv,),
+        "v_bias": (kv,), "up": (inter, h), "down": (h, inter), "gate_up": (2 * inter, h),
+        "shared_gate_proj": (shared, h), "shared_up_proj": (shared, h), "shared_down_proj": (h, shared),
+        "shared_expert_gate": (1, h),
+    }  # fmt: skip
+    if field == "gate":  # the router's gate is [experts, hidden]; an MLP's gate projection [inter, hidden]
+        return (c.num_experts, h) if key.kind == "router" else (inter, h)
+    return shapes[field]
+
+
+def validate_checkpoint(checkpoint: Checkpoint, config: ModelConfig) -> None:
+    """Raise CheckpointError (one line) unless every tensor the config implies is there, shaped and typed as it
+    implies, and their total fits in the files (see the module docstring)."""
+    loader = WeightLoader(checkpoint, config, dtype=None, device="cpu")  # type: ignore[arg-type]
+    where = f"{config.path}/config.json"
+    expected: dict[str, tuple[int, ...]] = {}  # tensor -> its full expected shape
+    for key in loader.parts():
+        for field, ref in loader.refs(key).items():
+            shape = expected_shape(config, key, field)
+            if ref.index is not None:
+                shape = (config.num_experts, *shape)  # a fused [experts, ...] tensor
+            expected.setdefault(ref.name, shape)
+    implied = sum(math.prod(s) for s in expected.values()) * 2
+    held = checkpoint.data_bytes()
+    if implied > held:
+        raise CheckpointError(
+            f"{where} implies at least {implied} bytes of weights (hidden_size {config.hidden_size}, "
+            f"{config.num_layers} layers, vocab {config.vocab_size}, intermediate {config.intermediate_size}), but "
+            f"the safetensors files of {checkpoint.path} hold {held} bytes of tensors: config and weights disagree"
+        )
+    for name, shape in expected.items():
+        if not checkpoint.has(name):
+            raise CheckpointError(f"tensor {name!r} that {where} implies is missing from {checkpoint.path}")
+        entry = checkpoint.entry(name)
+        if entry.shape != shape:
+            raise CheckpointError(f"tensor {name!r} in {entry.file}: expected shape {list(shape)} (from {where}), "
+                                  f"found {list(entry.shape)}")
+        if entry.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {entry.file}: expected a float dtype ({', '.join(FLOAT_DTYPES)})"
+                                  f", found {entry.dtype}")
