@@ -313,3 +313,21 @@ def test_openai_batch_round_trip_schema(tiny_models, tmp_path, capsys):
     ref = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, presence_penalty=0.5,
                                                       repetition_penalty=1.3, min_tokens=2))
     assert first[0]["response"]["body"]["choices"][0]["token_ids"] == ref[0].token_ids
+
+
+def test_progress_lines_on_a_timer_whatever_the_chunking(tiny_models, tmp_path, capsys):
+    """One chunk for the whole job still gives a line every --progress-interval seconds; loading is reported
+    apart from the generation rate."""
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"token_ids": [3 + i, 4]}) + "\n" for i in range(12)))
+    summary = tmp_path / "summary.json"
+    rc = main(["generate", "--model", str(tiny_models["llama"]), "--prompts", str(ids), "-o", str(tmp_path / "o"),
+               "--max-tokens", "40", "--ignore-eos", "--max-num-seqs", "2", "--progress-interval", "0.05",
+               "--summary", str(summary)])
+    err = capsys.readouterr().err
+    assert rc == 0
+    lines = [line for line in err.splitlines() if line.startswith("progress: ") and "rows" in line]
+    assert len(lines) >= 3, err  # one chunk (256 rows), several lines
+    assert "models loaded in" in err and "s loading)" in err
+    record = json.loads(summary.read_text())
+    assert record["load_s"] >= 0 and record["total_s"] >= record["wall_s"] + record["load_s"] - 1e-6

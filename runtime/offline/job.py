@@ -92,6 +92,7 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
             t = progress.tally
             record = {"rows": total, "resumed_rows": resumed.rows, "written_rows": t.rows, "failed_rows": failed,
                       "new_tokens": t.tokens, "chunks": t.chunks, "wall_s": wall, "tokens_per_s": t.tokens / wall,
+                      "load_s": progress.load_s, "total_s": time.monotonic() - progress.created,
                       "acceptance": t.acceptance, "write_s": writer.seconds, "backend": details}
             spec.summary.write_text(json.dumps(record, indent=2) + "\n")
         return 0  # the job ran: failed rows are error rows in the output, counted above (as `vllm run-batch`)
@@ -118,6 +119,7 @@ def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[Engin
               ) -> tuple[float, dict[str, Any]]:
     """Hand the chunks to the backend and write what comes back in input order; returns (seconds, its summary)."""
     backend = open_backend(config)
+    progress.generating()
     start = time.perf_counter()
     try:
         order = InOrder(first=resumed.rows // spec.chunk_size)
@@ -126,7 +128,7 @@ def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[Engin
                 progress.update(*writer.write(ready))
         wall = time.perf_counter() - start
         progress.close()
-        _summary(progress, wall, config.drafter_class.proposes)
+        _summary(progress, wall, config.drafter_class.proposes, progress.load_s or 0.0)
         backend.report()
         return wall, backend.summary()
     finally:
@@ -210,11 +212,11 @@ def _say_resumed(spec: JobSpec, resumed: Resumed, total: int) -> None:
         print(f"resuming {spec.output}: {resumed.rows} of {total} prompts already done", file=sys.stderr)
 
 
-def _summary(progress: Progress, wall: float, drafting: bool) -> None:
+def _summary(progress: Progress, wall: float, drafting: bool, load_s: float = 0.0) -> None:
     t = progress.tally
     failed = f" ({t.failed} failed)" if t.failed else ""
-    line = (f"{t.rows - t.failed} prompts{failed}, {t.tokens} new tokens in {wall:.1f} s: "
-            f"{t.tokens / max(wall, 1e-9):.1f} tokens/s")
+    line = (f"{t.rows - t.failed} prompts{failed}, {t.tokens} new tokens in {wall:.1f} s of generation "
+            f"(+ {load_s:.1f} s loading): {t.tokens / max(wall, 1e-9):.1f} tokens/s")
     if drafting:
         line += f", acceptance {t.acceptance:.2f} ({t.accepted}/{t.drafted} draft tokens)"
     print(line, file=sys.stderr)
