@@ -251,7 +251,7 @@ class Coordinator:
         results = self.generate(prompts, params, keys)
         engine, roles = self._engine()
         stats = engine.last_stats
-        keep = ("token_ids", "text", "finish_reason", "num_drafted", "num_accepted")
+        keep = ("token_ids", "text", "finish_reason", "num_drafted", "num_accepted", "stop_reason")
         return {"results": [{k: r[k] for k in keep} for r in results], "recoveries": roles.recoveries,
                 "bytes_read": getattr(stats, "bytes_read", 0), "passes": getattr(stats, "passes", 0),
                 "wall_s": getattr(stats, "wall_s", 0.0)}

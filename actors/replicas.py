@@ -209,7 +209,7 @@ class ReplicaPool:
                 replica.call_s += t0 - sent.pop(ref)
                 free.append(replica)
                 results = tuple(RowResult(tuple(r["token_ids"]), r["text"], r["finish_reason"], r["num_drafted"],
-                                          r["num_accepted"]) for r in out["results"])
+                                          r["num_accepted"], r.get("stop_reason")) for r in out["results"])
                 self._count(replica, chunk, results, out)
                 if chunk.number in redone:
                     self._event("chunk_redone", replica, chunk=chunk.number)

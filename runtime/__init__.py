@@ -19,16 +19,26 @@ _EXPORTS = {
     "SpecOffloadError": "specoffload.planner.errors",
     "UnsupportedModelError": ".models.errors",
     "GenerationResult": ".request",
+    "LLM": ".llm",
+    "CompletionOutput": ".outputs",
+    "Logprob": ".outputs",
+    "RequestMetrics": ".outputs",
+    "RequestOutput": ".outputs",
     "SamplingParams": ".sampling",
 }
 
 __all__ = [
+    "LLM",
     "CheckpointError",
+    "CompletionOutput",
     "Engine",
     "EngineConfig",
     "GenerateStats",
     "GenerationResult",
+    "Logprob",
     "PromptError",
+    "RequestMetrics",
+    "RequestOutput",
     "SamplingParams",
     "SpecOffloadError",
     "UnsupportedModelError",
@@ -40,7 +50,9 @@ if TYPE_CHECKING:
 
     from .config import EngineConfig
     from .engine import Engine, PromptError, VocabularyMismatchError
+    from .llm import LLM
     from .models.errors import CheckpointError, UnsupportedModelError
+    from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from .request import GenerationResult
     from .sampling import SamplingParams
     from .stats import GenerateStats

@@ -18,73 +18,101 @@ DRAFTER_HELP = (f"who drafts, by registry name ({', '.join(sorted(DRAFTERS))}; r
                 "default: from --draft (none without it, model with a checkpoint, self for 'self')")
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="complete prompts from a file (or HumanEval) into JSONL")
-    p.add_argument("--target", required=True, help="target checkpoint directory (HF safetensors)")
-    p.add_argument("--draft", default=None,
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None / False (nothing to show) or the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+DTYPE_HELP = ("compute dtype; auto: the checkpoint's where the CPU computes it well (a float16 checkpoint computes "
+              "in float32, a bfloat16 one in bfloat16)")
+
+
+def _add_model_flags(g: argparse._ArgumentGroup, *, budget_required: bool = False) -> None:
+    """The model flags `generate` and `plan` share: vLLM's spelling first, today's as an alias."""
+    g.add_argument("--model", "--target", dest="target", required=True, metavar="DIR",
+                   help="target checkpoint directory (HF safetensors)")
+    g.add_argument("--speculative-model", "--draft", dest="draft", default=None, metavar="DIR",
                    help="draft checkpoint directory (same vocabulary); 'self': an MoE target drafts with its resident "
                         "experts (needs --device-memory); omit for none")
-    p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
-    src = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--drafter", default=None, help=DRAFTER_HELP)
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete prompts from a file (or HumanEval) into JSONL",
+                       allow_abbrev=False, formatter_class=_HelpFormatter)
+    m = p.add_argument_group("model")
+    _add_model_flags(m)
+    m.add_argument("--draft-dtype", default=None, choices=DTYPES,
+                   help="the draft model's compute dtype (default: --dtype); bfloat16 halves its memory")
+    m.add_argument("--num-speculative-tokens", "-k", "--num-draft-tokens", dest="num_draft_tokens",
+                   type=_int_or_auto, default=None, metavar="K",
+                   help="draft tokens per step, or 'auto' (planner; the default with --device-memory, else 4)")
+    m.add_argument("--max-num-seqs", "--batch-size", dest="batch_size", type=_int_or_auto, default=None,
+                   metavar="N", help="max rows decoded together, or 'auto' (the default with --device-memory, else 16)")
+    m.add_argument("--max-model-len", "--max-seq-len", dest="max_seq_len", type=int, default=None, metavar="N",
+                   help="prompt + output tokens per row the KV caches are sized for (default: the job's longest "
+                        "prompt + --max-tokens, as `specoffload plan` sizes them)")
+
+    s = p.add_argument_group("sampling (an OpenAI batch row's own fields override these)")
+    s.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=128, metavar="N",
+                   help="new tokens per prompt at most")
+    s.add_argument("--min-tokens", type=int, default=0, metavar="N", help="EOS and stop ids masked until N tokens")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus: the most likely tokens of this mass")
+    s.add_argument("--top-k", type=int, default=0, help="the k most likely tokens; 0 or -1: off")
+    s.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, per generated token seen")
+    s.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, per generated occurrence")
+    s.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's, on prompt and output tokens")
+    s.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="a stop string (repeat the flag for several); the text is cut before it")
+    s.add_argument("--seed", type=int, default=None, help="the job's random stream (default: a random one)")
+    s.add_argument("--ignore-eos", action="store_true", help="run every row to --max-tokens")
+
+    j = p.add_argument_group("job: input, output, resume")
+    src = j.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", type=Path,
                      help=".jsonl ({'prompt': ...} or {'token_ids': [...]}, or OpenAI batch requests) or .txt file")
     src.add_argument("--humaneval", type=int, metavar="N", help="the first N HumanEval prompts (0: all 164)")
-    p.add_argument("--input-format", default="auto", choices=["auto", "simple", "openai"],
+    j.add_argument("--input-format", default="auto", choices=["auto", "simple", "openai"],
                    help="simple: {'prompt'|'token_ids'} rows; openai: OpenAI Batch API requests (custom_id, url, "
-                        "body); auto (default): openai when the first row has custom_id/url/body. Output follows it")
-    p.add_argument("--output", "-o", type=Path, default=None,
+                        "body); auto (the default): openai when the first row has custom_id/url/body. Output follows "
+                        "it")
+    j.add_argument("--output", "-o", type=Path, default=None,
                    help="output JSONL, one row per input row in input order (default: stdout)")
-    p.add_argument("--resume", action="store_true",
+    j.add_argument("--resume", action="store_true",
                    help="keep the rows already in --output and generate only the missing prompts")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    p.add_argument("--chunk-size", type=int, default=256,
-                   help="prompts per chunk; each finished chunk is appended to --output and fsynced (default 256)")
-    p.add_argument("--backend", default="local",
-                   help="local: one process; ray: the Ray actor runtime (needs --device-memory); any other name "
-                        "registered under the 'specoffload.backends' entry points")
-    p.add_argument("--replicas", type=_int_or_auto, default=None,
-                   help="--backend ray: engines to run, one per node (placement groups), sharing the corpus in "
-                        "leased chunks; 'auto': one on every node that can host one (default 1)")
-    p.add_argument("--summary", type=Path, default=None,
+    j.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    j.add_argument("--chunk-size", type=int, default=256,
+                   help="prompts per chunk; each finished chunk is appended to --output and fsynced")
+    j.add_argument("--summary", type=Path, default=None,
                    help="also write the final summary as JSON here (rows, failed rows, tokens/s, per replica)")
-    p.add_argument("--progress-interval", type=float, default=10.0,
-                   help="seconds between progress lines when stderr is not a terminal (e.g. `ray job logs`)")
-    p.add_argument("--ray-address", default=None,
-                   help="Ray to join with --backend ray (default: RAY_ADDRESS, e.g. inside `ray job submit`, "
-                        "else a local Ray)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"],
-                   help="the draft model's compute dtype (default: --dtype); bfloat16 halves its memory")
-    p.add_argument("-k", "--num-draft-tokens", type=_int_or_auto, default=None,
-                   help="draft tokens per step, or 'auto' (planner; the default with --device-memory, else 4)")
-    p.add_argument("--batch-size", type=_int_or_auto, default=None,
-                   help="max rows decoded together, or 'auto' (the default with --device-memory, else 16)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--no-progress", action="store_true")
-    o = p.add_argument_group("offloading (set --device-memory to stream the target's weights)")
+    j.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+    o = p.add_argument_group("memory and offload (set --device-memory to stream the target's weights)")
     o.add_argument("--device-memory", default=None, help="memory budget where compute runs, e.g. 3GiB")
     o.add_argument("--host-memory", default=None, help="host RAM for the target KV cache / ram tier")
     o.add_argument("--weights-tier", default="disk", choices=["disk", "ram"], help="where streamed weights live")
     o.add_argument("--num-buffers", type=int, default=2, help="ring slots of streamed layer weights")
-    o.add_argument("--max-seq-len", type=int, default=None,
-                   help="prompt + output tokens per row the KV caches are sized for (default: the job's longest "
-                        "prompt + --max-new-tokens, as `specoffload plan` sizes them)")
-    o.add_argument("--expert-loading", default="auto", choices=["auto", "selected", "all"])
+    o.add_argument("--expert-loading", default="auto", choices=["auto", "selected", "all"],
+                   help="MoE: load only the experts the router picked, every expert, or choose")
     o.add_argument("--interleave", default="on", choices=["on", "off", "auto"],
                    help="with a draft: on: two batches alternate; off: one batch drafts between its passes; "
                         "auto: the planner chooses")
     o.add_argument("--expert-group", type=int, default=None,
                    help="MoE: experts per ring slot of a streamed layer (default: the whole layer per slot)")
     o.add_argument("--resident-experts", type=int, default=None,
-                   help="with --draft self: routed experts per layer the drafter keeps (default: a quarter)")
+                   help="with --speculative-model self: routed experts per layer the drafter keeps (default: a "
+                        "quarter)")
     o.add_argument("--migrate-interval", type=int, default=8,
-                   help="with --draft self: re-choose the resident experts every this many verify rounds (0: never)")
+                   help="with --speculative-model self: re-choose the resident experts every this many verify "
+                        "rounds (0: never)")
     o.add_argument("--no-refill", action="store_true",
                    help="a batch waits for its slowest row, then takes a new wave (default: a finished row's slot "
                         "takes a waiting prompt at once)")
@@ -92,8 +120,25 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="prompt tokens one streamed pass feeds at most (default: the planner's, else whole prompts)")
     o.add_argument("--kv-block-size", type=int, default=0,
                    help="positions per block of the target's paged KV cache (0: contiguous caches per batch)")
-    o.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace JSON of the pipeline")
-    o.add_argument("--show-placement", action="store_true", help="print the memory placement table to stderr")
+
+    r = p.add_argument_group("Ray")
+    r.add_argument("--backend", default="local",
+                   help="local: one process; ray: the Ray actor runtime (needs --device-memory); any other name "
+                        "registered under the 'specoffload.backends' entry points")
+    r.add_argument("--replicas", type=_int_or_auto, default=None,
+                   help="--backend ray: engines to run, one per node (placement groups), sharing the corpus in "
+                        "leased chunks; 'auto': one on every node that can host one (default 1)")
+    r.add_argument("--ray-address", default=None,
+                   help="Ray to join with --backend ray (default: RAY_ADDRESS, e.g. inside `ray job submit`, "
+                        "else a local Ray)")
+
+    d = p.add_argument_group("diagnostics")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    d.add_argument("--progress-interval", type=float, default=10.0,
+                   help="seconds between progress lines when stderr is not a terminal (e.g. `ray job logs`)")
+    d.add_argument("--trace", type=Path, default=None,
+                   help="write a Chrome/Perfetto trace JSON of the offloaded pipeline (needs --device-memory)")
+    d.add_argument("--show-placement", action="store_true", help="print the memory placement table to stderr")
 
 
 def _int_or_auto(value: str) -> int | str:
@@ -106,27 +151,31 @@ def _int_or_auto(value: str) -> int | str:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="measure the hardware profile and print the planner's choice of batch and k")
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", default=None, help="draft checkpoint directory; 'self': the target's resident experts")
-    p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
-    p.add_argument("--device-memory", required=True, help="memory budget, e.g. 4.5GiB")
-    p.add_argument("--host-memory", default=None)
-    p.add_argument("--weights-tier", default="disk", choices=["disk", "ram"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--prompts", type=Path, default=None,
+    p = sub.add_parser("plan", help="measure the hardware profile and print the planner's choice of batch and k",
+                       allow_abbrev=False, formatter_class=_HelpFormatter)
+    m = p.add_argument_group("model")
+    _add_model_flags(m)
+    m.add_argument("--max-model-len", "--max-seq-len", dest="max_seq_len", type=int, default=None, metavar="N",
+                   help="prompt + output tokens per row (default: the job's longest prompt + --max-tokens)")
+    m.add_argument("--max-num-seqs", "--batch-size", dest="batch_size", type=_int_or_auto, default="auto",
+                   metavar="N", help="fix the batch instead of planning it")
+    m.add_argument("--num-speculative-tokens", "-k", "--num-draft-tokens", dest="num_draft_tokens",
+                   type=_int_or_auto, default="auto", metavar="K", help="fix k instead of planning it")
+    o = p.add_argument_group("memory")
+    o.add_argument("--device-memory", required=True, help="memory budget, e.g. 4.5GiB")
+    o.add_argument("--host-memory", default=None)
+    o.add_argument("--weights-tier", default="disk", choices=["disk", "ram"])
+    j = p.add_argument_group("job")
+    j.add_argument("--prompts", type=Path, default=None,
                    help="the job's prompts: workload shape, and a short warm-up that measures the acceptance rate")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-seq-len", type=int, default=None,
-                   help="prompt + output tokens per row (default: the job's longest prompt + --max-new-tokens)")
-    p.add_argument("--batch-size", type=_int_or_auto, default="auto", help="fix the batch instead of planning it")
-    p.add_argument("-k", "--num-draft-tokens", type=_int_or_auto, default="auto", help="fix k instead of planning it")
-    p.add_argument("--alpha", type=float, default=None, help="acceptance rate to assume (default: measure / 0.7)")
-    p.add_argument("--temperature", type=float, default=0.0, help="the job's sampling (the warm-up drafts with it)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top", type=int, default=8, help="alternatives to print")
-    p.add_argument("--quick-profile", action="store_true", help="fewer measurement points")
+    j.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=128, metavar="N")
+    j.add_argument("--alpha", type=float, default=None, help="acceptance rate to assume (default: measure / 0.7)")
+    j.add_argument("--temperature", type=float, default=0.0, help="the job's sampling (the warm-up drafts with it)")
+    j.add_argument("--top-p", type=float, default=1.0)
+    j.add_argument("--top-k", type=int, default=0)
+    d = p.add_argument_group("output")
+    d.add_argument("--top", type=int, default=8, help="alternatives to print")
+    d.add_argument("--quick-profile", action="store_true", help="fewer measurement points")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -195,6 +244,9 @@ def _generate(args: argparse.Namespace) -> int:
     from .offline.job import JobSpec, run_job
     from .offline.source import InputSource
 
+    if args.trace is not None and args.device_memory is None:
+        raise ValueError("--trace records the offloaded pipeline: it needs --device-memory (a resident run has no "
+                         "pipeline to trace)")
     source = InputSource.file(args.prompts) if args.prompts else InputSource.humaneval(args.humaneval)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -203,6 +255,11 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        stop=tuple(args.stop or ()),
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     config = EngineConfig(
         target=args.target,
@@ -237,8 +294,18 @@ def _generate(args: argparse.Namespace) -> int:
     return run_job(spec, config, lambda job_config: backend(job_config, options))
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specoffload")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specoffload", description=__doc__)
+    parser = argparse.ArgumentParser(prog="specoffload", description=__doc__, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"specoffload {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_plan(sub)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,20 +15,46 @@ from .offload.drafters import drafter_named
 
 __all__ = ["ConfigError", "EngineConfig"]
 
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: dtype "auto": the checkpoint's dtype where the device computes in it well; on the CPU float16 weights compute in
+#: float32 (exact upcast: the CPU has no fast float16 matmul), bfloat16 ones in bfloat16
+_AUTO_ON_CPU = {"float16": "float32", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+def checkpoint_dtype(path: str | Path) -> str | None:
+    """The dtype a checkpoint's config.json names (`dtype`, or the older `torch_dtype`), if one this engine runs."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype")
+    return name if name in _DTYPES else None
+
+
+def resolve_dtype(dtype: str, path: str | Path, device: str = "cpu") -> str:
+    """A concrete dtype name for `dtype` ("auto": from the checkpoint, see _AUTO_ON_CPU; float32 when it names
+    none)."""
+    if dtype != "auto":
+        return dtype
+    found = checkpoint_dtype(path) or "float32"
+    return _AUTO_ON_CPU[found] if torch.device(device).type == "cpu" else found
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """What to run and how.
 
-    target: HF checkpoint directory of the model whose output we reproduce.
+    target: HF checkpoint directory of the model whose output we reproduce ("~" is expanded, as for draft).
     draft: checkpoint directory of a small model on the same vocabulary (the "model" drafter's); "self": the same as
         drafter="self"; None: no checkpoint.
     drafter: who proposes the draft tokens, a name in the drafter registry (runtime/offload/drafters.py
         `DRAFTERS`): "none" (plain decoding), "model" (the draft checkpoint), "self" (an MoE target, offloaded,
         drafts for itself with only its resident experts), or any registered one. None: from `draft` (None ->
         "none", "self" -> "self", a checkpoint directory -> "model"); `drafter_name` is the resolved name.
+    dtype: compute dtype: "float32" (default), "bfloat16", "float16" or "auto" (the checkpoint's; on the CPU a
+        float16 checkpoint computes in float32). draft_dtype: the draft's (None: dtype).
     num_draft_tokens: k, tokens the draft proposes per verification step (0 = no speculation: the draft is not
         loaded; unused without a draft), or "auto" (offloaded only, and its default): the planner picks k
         (0 included) from the measured hardware profile and re-plans it online from the observed acceptance rate.
@@ -102,10 +129,19 @@ class EngineConfig:
     kv_block_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.draft_dtype is not None and self.draft_dtype not in _DTYPES:
-            raise ConfigError(f"draft_dtype must be one of {sorted(_DTYPES)} or None, got {self.draft_dtype!r}")
+        for name in ("target", "draft"):  # "~/models/x" as a shell would read it
+            value = getattr(self, name)
+            if isinstance(value, (str, Path)) and str(value).startswith("~"):
+                object.__setattr__(self, name, type(value)(os.path.expanduser(str(value))))
+        if self.dtype not in (*_DTYPES, "auto"):
+            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {self.dtype!r}")
+        if self.draft_dtype is not None and self.draft_dtype not in (*_DTYPES, "auto"):
+            raise ConfigError(f"draft_dtype must be one of {sorted(_DTYPES)}, 'auto' or None, "
+                              f"got {self.draft_dtype!r}")
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.target, self.device))
+        if self.draft_dtype == "auto":
+            draft = self.draft if self.draft not in (None, "self") else self.target
+            object.__setattr__(self, "draft_dtype", resolve_dtype("auto", draft, self.device))
         # Defaults: the planner's choice when offloaded (device_memory set), else k = 4 and 16 rows.
         if self.num_draft_tokens is None:
             object.__setattr__(self, "num_draft_tokens", "auto" if self.device_memory is not None else 4)

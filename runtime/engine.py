@@ -218,9 +218,20 @@ class Engine:
         except ValueError as err:
             raise PromptError(f"request {index}: {err}") from None
         eos = frozenset(self.target.config.eos_token_ids)
-        return Request(index, ids, min(p.max_new_tokens, self.max_seq_len - len(ids)),
-                       frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos),
-                       seed=None if p.greedy else row_seed(p.seed, key), warp=p.warp)
+        if p.stop and self.tokenizer is None:
+            raise PromptError(f"prompt {index}: stop strings need the target's tokenizer ({self.config.target} has "
+                              "none); use stop_token_ids")
+        max_new = min(p.max_new_tokens, self.max_seq_len - len(ids))
+        return Request(index, ids, max_new, frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos),
+                       seed=None if p.greedy else row_seed(p.seed, key), warp=p.warp,
+                       penalties=(p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
+                       min_tokens=min(p.min_tokens, max_new), logprobs=p.logprobs,
+                       user_stop_ids=frozenset(p.stop_token_ids), stop_strings=p.stop,
+                       include_stop_str=p.include_stop_str_in_output,
+                       decode=self._decode if p.stop else None)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -273,6 +284,9 @@ class Engine:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(r.output, skip_special_tokens=True)
+            if isinstance(r.stop_reason, str) and not r.include_stop_str:  # cut before the first stop string
+                text = text[: min(i for s in r.stop_strings if (i := text.find(s)) >= 0)]
+        logprobs = r.token_logprobs if r.logprobs is not None else None
         return GenerationResult(
             index=r.index,
             prompt_token_ids=r.prompt,
@@ -281,6 +295,11 @@ class Engine:
             finish_reason=r.finish_reason or "length",
             num_drafted=r.num_drafted,
             num_accepted=r.num_accepted,
+            stop_reason=r.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=sum(t[0][1] for t in logprobs) if logprobs is not None else None,
+            time_to_first_token_s=None if r.first_token_at is None else r.first_token_at - r.arrival,
+            time_s=None if r.finished_at is None else r.finished_at - r.arrival,
         )
 
     def close(self) -> None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+#: one generated token's log-probabilities: (token id, logprob, rank) for the chosen token first, then the top-N
+TokenLogprobs = list[tuple[int, float, int]]
 
 
 @dataclass(frozen=True)
@@ -15,6 +19,10 @@ class GenerationResult:
     token_ids: new tokens only (a terminating EOS / stop token is included, as transformers does).
     finish_reason: "stop" (EOS or a stop id) or "length" (max_new_tokens or the model's context).
     num_drafted / num_accepted: draft tokens proposed for this row and accepted by the target.
+    stop_reason: the stop string or stop id (from SamplingParams.stop / stop_token_ids) that ended it; None for EOS
+    or the length limit. logprobs: per token, (id, logprob, rank) of the chosen token then of the top-N (None when
+    not asked for); cumulative_logprob: the chosen tokens' sum. time_to_first_token_s / time_s: from the row's
+    admission (its prompt read) to its first token / to its end.
     """
 
     index: int
@@ -24,6 +32,11 @@ class GenerationResult:
     finish_reason: str
     num_drafted: int
     num_accepted: int
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    time_to_first_token_s: float | None = None
+    time_s: float | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -36,7 +49,12 @@ class Request:
 
     seed: the row's own random stream (runtime/rng.py `row_seed` of the job seed and the row's key); None: it draws
     nothing (a greedy row in a greedy run). warp: its (temperature, top_p, top_k); rows of different warpings run
-    in one batch (runtime/sampling.py `warp_rows`)."""
+    in one batch (runtime/sampling.py `warp_rows`).
+
+    Logit processing (runtime/logits_process.py, applied to the target's logits before verification): penalties
+    (presence, frequency, repetition), min_tokens (masks `min_stop_ids` until that many tokens are out) and
+    logprobs (top-N recorded per committed token). stop_strings end the row once `decode`d output holds one
+    (`stop_reason`: the string; a user stop id in `user_stop_ids` is its own stop_reason; EOS: None)."""
 
     index: int
     prompt: list[int]
@@ -48,6 +66,18 @@ class Request:
     num_drafted: int = 0
     num_accepted: int = 0
     finish_reason: str | None = None
+    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0)  # (presence, frequency, repetition)
+    min_tokens: int = 0
+    logprobs: int | None = None
+    user_stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    include_stop_str: bool = False
+    decode: Callable[[list[int]], str] | None = field(default=None, repr=False, compare=False)
+    stop_reason: int | str | None = None
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -69,16 +99,49 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def processed(self) -> bool:
+        """Whether the target's logits for this row need processing (runtime/logits_process.py)."""
+        return (self.penalties != (0.0, 0.0, 1.0) or self.logprobs is not None
+                or (self.min_tokens > len(self.output) and bool(self.min_stop_ids)))
+
+    @property
+    def min_stop_ids(self) -> frozenset[int]:
+        """The ids min_tokens masks: every id that would end the row."""
+        return self.stop_ids
+
     def commit(self, new_tokens: list[int]) -> None:
-        """Append verified tokens, stopping at the first stop id or at the length limit."""
+        """Append verified tokens, stopping at the first stop id, stop string or at the length limit."""
+        if new_tokens and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         for token in new_tokens:
             self.output.append(token)
-            if token in self.stop_ids:
+            if len(self.output) < self.min_tokens:  # (min_tokens masks the stop ids' logits before this too)
+                pass
+            elif token in self.stop_ids:
                 self.finish_reason = "stop"
-                return
+                self.stop_reason = token if token in self.user_stop_ids else None
+                break
+            elif self.stop_strings and self._stop_string() is not None:
+                self.finish_reason = "stop"
+                break
             if self.remaining <= 0:
                 self.finish_reason = "length"
-                return
+                break
+        if self.finish_reason is not None:
+            self.finished_at = time.monotonic()
+
+    def _stop_string(self) -> str | None:
+        """The stop string the output's tail now holds, if any (looked for in the text of the last tokens only:
+        each token is at least one character, so the longest string's length in tokens holds any new match; two
+        more, as a tokenizer may drop the first token's leading space)."""
+        assert self.decode is not None
+        tail = self.decode(self.output[-(max(len(s) for s in self.stop_strings) + 2):])
+        for s in self.stop_strings:
+            if s in tail:
+                self.stop_reason = s
+                return s
+        return None
 
 
 class Waiting:

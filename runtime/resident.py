@@ -19,6 +19,7 @@ from tqdm import tqdm
 from specoffload.planner.plan import Plan
 
 from .kv_cache import KVCache
+from .logits_process import process_rows, record_logprobs
 from .models.model import Transformer
 from .offload.drafters import Drafter, ModelDrafter, NoDrafter
 from .request import Request, Waiting
@@ -159,8 +160,11 @@ class ResidentRunner:
         logits = self.target.forward(ids, t_cache)  # [rows, L + 1, vocab]
         t2 = time.perf_counter()
         seeds = None if warps is None else draw_seeds(active, VERIFY)
+        logits = process_rows(active, logits, drafts)  # penalties, min_tokens: q is the processed target
         accepted, emitted = verify_rows(logits, drafts, num_drafts, p, GREEDY, seeds, warps)
+        before = [len(r.output) for r in active]
         committed = commit(active, accepted, emitted, num_drafts)
+        record_logprobs(active, logits, before)
         target, drafter = kept_lengths(committed, accepted, calls)
         t_cache.truncate(torch.tensor(target, dtype=torch.long))
         if calls >= 1:

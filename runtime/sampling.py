@@ -7,43 +7,116 @@ goes through :func:`warp_logits` with one :class:`SamplingParams`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings. ``temperature == 0`` means greedy decoding."""
+    """Per-request decoding settings, with vLLM's names and meanings. ``temperature == 0`` means greedy decoding.
+
+    max_new_tokens (also accepted as vLLM's ``max_tokens``; `max_tokens` reads it back): new tokens at most.
+    min_tokens: EOS and the stop ids are masked (logit -inf) until this many tokens are out.
+    stop: strings that end the completion; the text is cut before the first one (kept when
+    include_stop_str_in_output). stop_token_ids: ids that end it (the id is kept in token_ids).
+    n: independent samples per prompt (`LLM.generate`; the Engine runs one per row).
+    logprobs: the top-N log-probabilities per generated token (0: only the chosen token's), of the target's
+    distribution after penalties and min_tokens, before temperature / top-k / top-p (runtime/logits_process.py).
+    presence_penalty / frequency_penalty (OpenAI: subtracted per generated occurrence) and repetition_penalty
+    (CTRL, Keskar et al. 2019: a seen token's positive logit divided by it, a negative one multiplied; prompt and
+    output) apply to the target's logits before verification, so speculation stays lossless.
+    seed: the request's own random stream (runtime/rng.py).
+    """
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
+    top_k: int = 0  # 0 (or -1, vLLM's spelling) disables top-k
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.max_new_tokens >= 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.max_new_tokens, bool) or not self.max_new_tokens >= 1:
+            raise ValueError(f"max_new_tokens (max_tokens) must be >= 1, got {self.max_new_tokens!r}")
         if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if not self.top_k >= 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+            raise ValueError(f"top_k must be >= 0 (or -1: off), got {self.top_k!r}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_new_tokens}], got {self.min_tokens!r}")
+        if not self.n >= 1:
+            raise ValueError(f"n must be >= 1, got {self.n!r}")
+        if self.logprobs is not None and not self.logprobs >= 0:
+            raise ValueError(f"logprobs must be >= 0 (or None: off), got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # OpenAI's range; also rejects NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        for name in ("top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    @property
+    def max_tokens(self) -> int:
+        """vLLM's name of max_new_tokens."""
+        return self.max_new_tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the target's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
     def warp(self) -> tuple[float, float, int]:
         """(temperature, top_p, top_k): what a row's logits go through (`warp_rows`)."""
         return (float(self.temperature), float(self.top_p), int(self.top_k))
+
+
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: SamplingParams, *args: Any, max_tokens: int | None = None, **kwargs: Any) -> None:
+    """The dataclass's __init__, also taking vLLM's `max_tokens` for max_new_tokens (one of the two, or equal)."""
+    if max_tokens is not None:
+        given = kwargs.get("max_new_tokens", args[0] if args else None)
+        if given is not None and given != max_tokens:
+            raise ValueError(f"max_tokens = {max_tokens!r} and max_new_tokens = {given!r}: give one of them")
+        if args:
+            args = (max_tokens, *args[1:])
+        else:
+            kwargs["max_new_tokens"] = max_tokens
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init  # type: ignore[method-assign]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

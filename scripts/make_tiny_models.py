@@ -159,6 +159,31 @@ def build(name: str, out_dir: Path) -> Path:
     return path
 
 
+#: a chat template of the usual shape (roles in tags, the assistant's turn opened at the end)
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def write_char_tokenizer(path: str | Path) -> Path:
+    """Give a tiny checkpoint a tokenizer: one character per token (<pad> 0, <s> 1, </s> 2, then printable ASCII, a
+    newline and Latin-1 / Latin Extended letters up to id 511) and CHAT_TEMPLATE. The tiny models ship none by
+    default (tests of prompts without a tokenizer rely on that)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"] + [chr(c) for c in range(0xC0, 0xC0 + VOCAB_SIZE)]
+    vocab = {"<pad>": 0, "<s>": BOS_ID, "</s>": EOS_ID}
+    vocab |= {c: 3 + i for i, c in enumerate(chars[: VOCAB_SIZE - 3])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+    return Path(path)
+
+
 def make_tiny_models(out_dir: str | Path, names: list[str] | None = None) -> dict[str, Path]:
     """Build the tiny models (all by default) under out_dir; returns name -> checkpoint directory.
 

@@ -152,7 +152,7 @@ def test_prepare_checks_limits_and_gives_each_row_its_parameters() -> None:
     own = prep(RowRequest(0, 1, "completions", prompt=(1,), overrides={"seed": 9, "temperature": 0.0,
                                                                        "max_new_tokens": 2, "stop": ("|", "bc")}))
     assert own.params.seed == 9 and own.params.greedy and own.params.max_new_tokens == 2
-    assert own.params.stop_token_ids == (30,) and own.stop == ("|", "bc")  # '|' is one token; 'bc' is not
+    assert own.params.stop == own.stop == ("|", "bc") and own.params.stop_token_ids == ()  # the engine stops on them
     chat = prep(RowRequest(1, 2, "chat", messages=({"role": "user", "content": "ab"},)))
     assert chat.token_ids == (0, 1, 25)
     errors = [prep(RowRequest(0, 1, prompt=p)) for p in ("", "abcdef", (40,))]

@@ -137,10 +137,13 @@ def _batch(rows: int) -> tuple[list[str], set[int]]:
 
 
 def _comparable(row: dict) -> dict:
-    """An output line without what differs between runs (the creation time)."""
+    """An output line without what differs between runs (the creation time and the random ids)."""
+    row = json.loads(json.dumps(row))
+    del row["id"]
     if row.get("response"):
-        row = json.loads(json.dumps(row))
-        del row["response"]["body"]["created"]
+        for key in ("created", "id"):
+            del row["response"]["body"][key]
+        del row["response"]["request_id"]
     return row
 
 
@@ -159,7 +162,7 @@ def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, t
            "48", "-k", "3", "--threads", "1", "--device-memory", "1GiB", "--chunk-size", "2", "--no-progress"]
     old = torch.get_num_threads()
     try:
-        assert main([*cli, "-o", str(ref)]) == 2  # the local backend: the reference rows (and three failed)
+        assert main([*cli, "-o", str(ref)]) == 0  # the local backend: the reference rows (and three failed)
     finally:
         torch.set_num_threads(old)
     # A local run was interrupted after two rows and half a third; the cluster resumes it (same manifest).
@@ -179,7 +182,7 @@ def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, t
         assert time.monotonic() < deadline + 120, "the job did not finish after the node was lost"
         time.sleep(1)
     logs = _ray(env, "job", "logs", f"--address={address}", job["submission_id"]).stdout
-    assert record["status"] == "FAILED", logs  # exit status 2: three rows failed; everything else is written
+    assert record["status"] == "SUCCEEDED", logs  # the job ran: three rows failed, each an error row
     assert "3 of 24 rows failed" in logs and "Traceback" not in logs, logs
     assert "2 of 24 prompts already done" in logs, logs
     assert "lost its lease on chunk" in logs and "goes back to the queue" in logs, logs

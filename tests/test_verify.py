@@ -276,7 +276,7 @@ def test_warp_top_k_and_top_p_literal() -> None:
         ("temperature", math.nan),
         ("top_p", 0.0),
         ("top_p", 1.5),
-        ("top_k", -1),
+        ("top_k", -2),  # (-1 is vLLM's "off", as 0)
     ],
 )
 def test_sampling_params_validation(field: str, value: float) -> None:

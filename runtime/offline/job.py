@@ -84,7 +84,7 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
         _say_resumed(spec, resumed, total)
         if resumed.rows == total:
             print("nothing to do: every prompt has a row", file=sys.stderr)
-            return 2 if resumed.failed else 0
+            return 0
         writer = _Writer(spec, fmt, out, preparer, model_name=Path(config.target).name)
         progress = Progress(total, resumed.rows, spec.progress, spec.progress_interval)
         rows = (preparer(fmt.parse(raw)) for raw in spec.source.rows(start=resumed.rows))
@@ -98,9 +98,10 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
             t = progress.tally
             record = {"rows": total, "resumed_rows": resumed.rows, "written_rows": t.rows, "failed_rows": failed,
                       "new_tokens": t.tokens, "chunks": t.chunks, "wall_s": wall, "tokens_per_s": t.tokens / wall,
+                      "load_s": progress.load_s, "total_s": time.monotonic() - progress.created,
                       "acceptance": t.acceptance, "write_s": writer.seconds, "backend": details}
             spec.summary.write_text(json.dumps(record, indent=2) + "\n")
-        return 2 if failed else 0
+        return 0  # the job ran: failed rows are error rows in the output, counted above (as `vllm run-batch`)
 
 
 def _scan(spec: JobSpec, config: EngineConfig, fmt: Format) -> tuple[EngineConfig, Preparer, str, int]:
@@ -126,6 +127,7 @@ def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[Engin
               ) -> tuple[float, dict[str, Any]]:
     """Hand the chunks to the backend and write what comes back in input order; returns (seconds, its summary)."""
     backend = open_backend(config)
+    progress.generating()
     start = time.perf_counter()
     try:
         order = InOrder(first=resumed.rows // spec.chunk_size)
@@ -134,7 +136,7 @@ def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[Engin
                 progress.update(*writer.write(ready))
         wall = time.perf_counter() - start
         progress.close()
-        _summary(progress, wall, config.drafter_class.proposes)
+        _summary(progress, wall, config.drafter_class.proposes, progress.load_s or 0.0)
         backend.report()
         return wall, backend.summary()
     finally:
@@ -231,11 +233,11 @@ def _say_resumed(spec: JobSpec, resumed: Resumed, total: int) -> None:
         print(f"resuming {spec.output}: {resumed.rows} of {total} prompts already done", file=sys.stderr)
 
 
-def _summary(progress: Progress, wall: float, drafting: bool) -> None:
+def _summary(progress: Progress, wall: float, drafting: bool, load_s: float = 0.0) -> None:
     t = progress.tally
     failed = f" ({t.failed} failed)" if t.failed else ""
-    line = (f"{t.rows - t.failed} prompts{failed}, {t.tokens} new tokens in {wall:.1f} s: "
-            f"{t.tokens / max(wall, 1e-9):.1f} tokens/s")
+    line = (f"{t.rows - t.failed} prompts{failed}, {t.tokens} new tokens in {wall:.1f} s of generation "
+            f"(+ {load_s:.1f} s loading): {t.tokens / max(wall, 1e-9):.1f} tokens/s")
     if drafting:
         line += f", acceptance {t.acceptance:.2f} ({t.accepted}/{t.drafted} draft tokens)"
     print(line, file=sys.stderr)

@@ -9,20 +9,28 @@ Input, one request per line:
      "body": {"messages": [{"role": "user", "content": "Write a sort."}], "max_tokens": 128}}
 
 `body.prompt` is a string or a list of token ids; `body.messages` goes through the target's chat template. The
-body's max_tokens (max_completion_tokens), temperature, top_p, top_k, seed and stop are the row's own; a field the
-body leaves out takes the command line's value. Output, one line per input line, in input order:
+body's max_tokens (max_completion_tokens), temperature, top_p, top_k, seed, stop, presence_penalty,
+frequency_penalty, repetition_penalty and min_tokens are the row's own; a field the body leaves out takes the
+command line's value. n > 1 and logprobs are refused per row (invalid_parameter) for now. Output, one line per
+input line, in input order:
 
-    {"id": "batch_req_0", "custom_id": "r1", "response": {"status_code": 200, "request_id": "req_0",
-     "body": {"object": "text_completion", "choices": [{"index": 0, "text": "...", "finish_reason": "stop"}],
+    {"id": "batch_req_5f0c...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "req_8e1d...",
+     "body": {"id": "cmpl-3b9a...", "object": "text_completion", "choices": [{"index": 0, "text": "...",
+              "finish_reason": "stop", "stop_reason": "\\n\\n"}],
               "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}, ...}}, "error": null}
-    {"id": "batch_req_1", "custom_id": "r2", "response": null,
-     "error": {"code": "unknown_url", "message": "line 2: unknown url '/v1/embeddings' ..."}}
+    {"id": "batch_req_9a7c...", "custom_id": "r2", "response": null,
+     "error": {"code": "unknown_url", "message": "line 2: unknown url '/v1/embeddings' ...", "line": 2}}
+
+Ids are random (unique across runs); a failed row is an error line in its place and the job still succeeds (exit
+status 0; the summary and stderr count failed rows), as `vllm run-batch` does.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import time
+import uuid
 from typing import Any
 
 from ..param_ranges import overrides_problem
@@ -35,7 +43,7 @@ URLS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: body fields accepted only at the value that means "nothing special" (what this engine does anyway)
 NEUTRAL = {"n": (1,), "best_of": (1,), "stream": (False,), "echo": (False,), "logprobs": (None, False, 0),
-           "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0)}
+           "top_logprobs": (None, 0)}
 IGNORED = ("user",)
 _SHOWN = {"max_new_tokens": "max_tokens"}  # SamplingParams name -> the body's name, in messages
 
@@ -95,6 +103,12 @@ class OpenAIBatchFormat:
             body.pop(key, None)
         if body.get("top_k") is not None:
             overrides["top_k"] = max(_integer("top_k", body.pop("top_k"), minimum=-1), 0)  # -1 / 0: off
+        for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if body.get(key) is not None:
+                overrides[key] = _number(key, body.pop(key))
+            body.pop(key, None)
+        if body.get("min_tokens") is not None:
+            overrides["min_tokens"] = _integer("min_tokens", body.pop("min_tokens"), minimum=0)
         if body.get("seed") is not None:
             overrides["seed"] = _integer("seed", body.pop("seed"))
         problem = overrides_problem(overrides, _SHOWN | {"max_new_tokens": max_keys[0]})
@@ -127,21 +141,26 @@ class OpenAIBatchFormat:
                  "total_tokens": len(job.token_ids) + len(result.token_ids)}
         if r.endpoint == "chat":
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                                      "logprobs": None, "finish_reason": result.finish_reason}
+                                      "logprobs": None, "finish_reason": result.finish_reason,
+                                      "stop_reason": result.stop_reason}
             kind, prefix = "chat.completion", "chatcmpl"
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason,
+                      "stop_reason": result.stop_reason}
             kind, prefix = "text_completion", "cmpl"
         if r.return_token_ids or result.text is None:  # no tokenizer: the tokens are the output
             choice["token_ids"] = list(result.token_ids)
-        body = {"id": f"{prefix}-{r.index}", "object": kind, "created": int(time.time()), "model": r.model or model,
-                "choices": [choice], "usage": usage}
-        return {"id": f"batch_req_{r.index}", "custom_id": r.custom_id,
-                "response": {"status_code": 200, "request_id": f"req_{r.index}", "body": body}, "error": None}
+        body = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": r.model or model, "choices": [choice], "usage": usage}
+        return {"id": _batch_request_id(), "custom_id": r.custom_id,
+                "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body}, "error": None}
 
     def error_row(self, error: RowError) -> dict[str, Any]:
-        return {"id": f"batch_req_{error.index}", "custom_id": error.custom_id, "response": None,
-                "error": {"code": error.code, "message": f"line {error.lineno}: {error.message}"}}
+        """A request that failed without a response: the Batch API's `error` object (code, message, and the input
+        line it came from)."""
+        return {"id": _batch_request_id(), "custom_id": error.custom_id, "response": None,
+                "error": {"code": error.code, "message": f"line {error.lineno}: {error.message}",
+                          "line": error.lineno}}
 
     def failed(self, row: dict[str, Any]) -> bool:
         return row.get("error") is not None
@@ -156,6 +175,11 @@ class OpenAIBatchFormat:
         if row["custom_id"] != expected.custom_id:
             raise OutputMismatch(f"custom_id {row['custom_id']!r} where the input's request {expected.index} has "
                                  f"{expected.custom_id!r} (another input, or lines missing or twice): cannot resume it")
+
+
+def _batch_request_id() -> str:
+    """A new output line's id, unique across runs as the Batch API's are (batch_req_ + 24 hex digits)."""
+    return f"batch_req_{secrets.token_hex(12)}"
 
 
 def _prompt(value: Any) -> str | tuple[int, ...]:

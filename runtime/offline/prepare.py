@@ -1,10 +1,6 @@
-"""From a parsed row to what the engine runs: token ids and the row's own SamplingParams; and, after the run,
-the row's stop strings.
-
-The engine stops on token ids. A stop string that is exactly one token becomes a stop id (the run ends there);
-every stop string is also looked for in the generated text afterwards, which is cut before the first one (a
-string spanning several tokens included): the same text as stopping in the run, at the cost of the tokens
-generated past it.
+"""From a parsed row to what the engine runs: token ids and the row's own SamplingParams (its stop strings
+included: the engine ends the row at the token that completes one and cuts the text before it, runtime/request.py);
+`finish` cuts again after the run, for results of engines that did not (it changes nothing otherwise).
 """
 
 from __future__ import annotations
@@ -16,6 +12,10 @@ from ..bounded_encode import TooLong, encode_bounded
 from ..param_ranges import check_sampling
 from ..sampling import SamplingParams
 from .rows import RowError, RowJob, RowRequest, RowResult
+
+#: SamplingParams fields a row may set for itself (OpenAI batch body fields, by SamplingParams name)
+ROW_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "presence_penalty",
+              "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,6 @@ class Preparer:
 
     def __init__(self, tokenizer: Any | None, limits: Limits, defaults: SamplingParams, chunk_size: int) -> None:
         self.tokenizer, self.limits, self.defaults, self.chunk_size = tokenizer, limits, defaults, chunk_size
-        self._stop_ids: dict[str, int | None] = {}
 
     def __call__(self, item: RowRequest | RowError) -> RowJob | RowError:
         if isinstance(item, RowError):
@@ -92,24 +91,13 @@ class Preparer:
 
     def _params(self, r: RowRequest) -> SamplingParams:
         d, o = self.defaults, r.overrides
-        seed = o.get("seed", d.seed)
-        stop_ids = d.stop_token_ids + tuple(t for s in o.get("stop", ()) if (t := self._stop_id(s)) is not None)
-        if "stop" in o and self.tokenizer is None:
+        stop = o.get("stop", d.stop)
+        if stop and self.tokenizer is None:
             raise ValueError("stop strings need the target's tokenizer (it has none)")
-        params = replace(d, max_new_tokens=o.get("max_new_tokens", d.max_new_tokens),
-                         temperature=o.get("temperature", d.temperature), top_p=o.get("top_p", d.top_p),
-                         top_k=o.get("top_k", d.top_k), seed=seed, stop_token_ids=stop_ids)
+        fields = {k: o[k] for k in ROW_FIELDS if k in o}
+        params = replace(d, stop=stop, **fields)  # the engine ends a row at its stop string and cuts the text
         check_sampling(params)  # ranges (param_ranges.py): a ValueError naming the field
         return params
-
-    def _stop_id(self, stop: str) -> int | None:
-        """The token id of a stop string that is exactly one token, else None."""
-        if stop not in self._stop_ids and self.tokenizer is not None:
-            ids = encode_bounded(self.tokenizer, stop, limit=1 << 30)
-            assert not isinstance(ids, TooLong)
-            one = len(ids) == 1 and self.tokenizer.decode(ids) == stop
-            self._stop_ids[stop] = ids[0] if one else None
-        return self._stop_ids.get(stop)
 
     def finish(self, job: RowJob, result: RowResult) -> RowResult:
         """Cut the text before the first stop string and the tokens after the one that completes it."""

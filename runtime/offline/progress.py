@@ -1,12 +1,15 @@
 """What a user watches while a job runs, and the summary it ends with.
 
 On a terminal: a tqdm bar over rows with tokens/s, acceptance and failed rows. Elsewhere (a Ray job's log, a file):
-one line every `interval` seconds: rows done of total, tokens/s, acceptance, ETA.
+one line every `interval` seconds, from a timer thread, however long a chunk takes: rows done of total, tokens/s,
+acceptance, ETA. Rates and the ETA count from `generating()` (the models loaded), not from the start: loading is
+reported apart (`load_s`).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -40,22 +43,48 @@ class Progress:
 
     def __post_init__(self) -> None:
         self.tally = Tally()
-        self.start = self.last = time.monotonic()
+        self.created = self.start = self.last = time.monotonic()
+        self.load_s: float | None = None
         tty = self.enabled and self.stream.isatty()
         self.bar = tqdm(total=self.total, initial=self.done_before, unit="row", desc="generate", file=self.stream,
                         disable=not tty, dynamic_ncols=True)
         self.lines = self.enabled and not tty
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if self.lines and self.interval > 0:
+            self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
+            self._ticker.start()
+
+    def generating(self) -> None:
+        """The models are loaded: rates count from now; the time until now is the load time."""
+        with self._lock:
+            self.start = self.last = time.monotonic()
+            self.load_s = self.start - self.created
+        if self.lines:
+            self._print(f"progress: models loaded in {self.load_s:.1f} s; generating")
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.interval):
+            with self._lock:
+                line = self.line()
+            self._print(f"progress: {line}")
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
 
     def update(self, rows: int, failed: int, tokens: int, drafted: int, accepted: int) -> None:
+        with self._lock:
+            self._update(rows, failed, tokens, drafted, accepted)
+
+    def _update(self, rows: int, failed: int, tokens: int, drafted: int, accepted: int) -> None:
         t = self.tally
         t.rows, t.failed, t.tokens = t.rows + rows, t.failed + failed, t.tokens + tokens
         t.drafted, t.accepted, t.chunks = t.drafted + drafted, t.accepted + accepted, t.chunks + 1
         self.bar.update(rows)
         self.bar.set_postfix_str(self._postfix(), refresh=False)
-        now = time.monotonic()
-        if self.lines and now - self.last >= self.interval:
-            self.last = now
-            print(f"progress: {self.line()}", file=self.stream, flush=True)
+        if self.lines and self._ticker is None:  # interval 0: a line per update (the timer thread does the rest)
+            self._print(f"progress: {self.line()}")
 
     def rate(self) -> float:
         return self.tally.tokens / max(time.monotonic() - self.start, 1e-9)
@@ -76,6 +105,9 @@ class Progress:
                 f"ETA {_duration(eta)}")
 
     def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None and self._ticker is not threading.current_thread():
+            self._ticker.join()
         self.bar.close()
 
 

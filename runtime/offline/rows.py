@@ -64,6 +64,7 @@ class RowResult:
     finish_reason: str
     num_drafted: int = 0
     num_accepted: int = 0
+    stop_reason: int | str | None = None  # the stop string or stop id that ended the row (None: EOS or length)
 
 
 Row = RowJob | RowError

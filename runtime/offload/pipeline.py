@@ -30,6 +30,7 @@ from tqdm import tqdm
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.plan import Plan
 
+from ..logits_process import process_rows, record_logprobs
 from ..request import Request, Waiting
 from ..sampling import SamplingParams
 from ..speculative import DRAFT, VERIFY, commit, draft_lengths, draw_seeds, kept_lengths, pad_right, row_warps
@@ -298,12 +299,15 @@ class Pipeline:
         drafts = b.drafts if b.drafts is not None else torch.zeros((len(b.rows), 0), dtype=torch.long)  # [rows, k]
         warps = row_warps(b.rows)
         seeds = None if warps is None else draw_seeds(b.rows, VERIFY)
-        accepted, emitted = self.workers.verifier.verify(b.logits, drafts, b.num_drafts, b.p, GREEDY, seeds, warps)
+        logits = process_rows(b.rows, b.logits, drafts)  # penalties, min_tokens: q is the processed target
+        accepted, emitted = self.workers.verifier.verify(logits, drafts, b.num_drafts, b.p, GREEDY, seeds, warps)
         ready = [n for n, ok in enumerate(b.ready) if ok]
         accepted = [a if ok else 0 for a, ok in zip(accepted, b.ready)]
-        before = sum(len(r.output) for r in b.rows)
+        outputs = [len(r.output) for r in b.rows]
+        before = sum(outputs)
         commit([b.rows[n] for n in ready], [accepted[n] for n in ready], [emitted[n] for n in ready],
                [b.num_drafts[n] for n in ready])
+        record_logprobs(b.rows, logits, outputs)
         now = time.perf_counter()
         assert b.num_new is not None and b.feed is not None
         decoding = all(ok for ok in b.ready) and all(f <= 1 for f in b.feed)  # (a prefill is not the steady state)
