@@ -59,6 +59,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="draft tokens per step, or 'auto' (planner; the default with --device-memory, else 4)")
     p.add_argument("--batch-size", type=_int_or_auto, default=None,
                    help="max rows decoded together, or 'auto' (the default with --device-memory, else 16)")
+    d = p.add_argument_group("model-free drafters (--drafter ngram / suffix)")
+    d.add_argument("--prompt-lookup-min", type=int, default=None,
+                   help="ngram: the shortest suffix n-gram looked up in the row's prompt and output (default 1)")
+    d.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: the longest (default 3)")
+    d.add_argument("--suffix-max-depth", type=int, default=None, help="suffix: the longest suffix matched (24)")
+    d.add_argument("--suffix-min-prob", type=float, default=None,
+                   help="suffix: a proposal stops before its estimated probability drops below this (0.1)")
+    d.add_argument("--suffix-spec-factor", type=float, default=None,
+                   help="suffix: a match of m tokens proposes at most factor * m (1.0)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -76,9 +85,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="prompt + output tokens per row the KV caches are sized for (default: the job's longest "
                         "prompt + --max-new-tokens, as `specoffload plan` sizes them)")
     o.add_argument("--expert-loading", default="auto", choices=["auto", "selected", "all"])
-    o.add_argument("--interleave", default="on", choices=["on", "off", "auto"],
+    o.add_argument("--interleave", default=None, choices=["on", "off", "auto"],
                    help="with a draft: on: two batches alternate; off: one batch drafts between its passes; "
-                        "auto: the planner chooses")
+                        "auto: the planner chooses (default: off for a model-free drafter, else on)")
     o.add_argument("--expert-group", type=int, default=None,
                    help="MoE: experts per ring slot of a streamed layer (default: the whole layer per slot)")
     o.add_argument("--resident-experts", type=int, default=None,
@@ -220,13 +229,14 @@ def _generate(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         expert_loading=args.expert_loading,
         expert_group=args.expert_group,
-        interleave={"on": True, "off": False}.get(args.interleave, "auto"),
+        interleave={"on": True, "off": False, None: None}.get(args.interleave, "auto"),
         resident_experts=args.resident_experts,
         migrate_interval=args.migrate_interval,
         refill=not args.no_refill,
         prefill_chunk=args.prefill_chunk,
         kv_block_size=args.kv_block_size,
         trace=args.trace is not None,
+        **lookup_settings(args),
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,
                    overwrite=args.overwrite, chunk_size=args.chunk_size, params=params, progress=not args.no_progress,
@@ -235,6 +245,12 @@ def _generate(args: argparse.Namespace) -> int:
                              ray_address=args.ray_address, replicas=args.replicas)
     backend = load_backend(args.backend)  # an unknown name fails before any file is touched
     return run_job(spec, config, lambda job_config: backend(job_config, options))
+
+
+def lookup_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The model-free drafters' settings given on the command line (the rest keep EngineConfig's defaults)."""
+    names = ("prompt_lookup_min", "prompt_lookup_max", "suffix_max_depth", "suffix_min_prob", "suffix_spec_factor")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
