@@ -154,7 +154,9 @@ def _walk(tokens: Sequence[int], occ: list[int], match: int, k: int, min_prob: f
 
 def suffix_reference(tokens: Sequence[int], query: Sequence[int], k: int, max_depth: int, min_prob: float,
                      spec_factor: float) -> Proposal:
-    """The suffix proposal by brute force: see the module docstring."""
+    """The suffix proposal by brute force: see the module docstring (k <= 0: nothing)."""
+    if k <= 0:
+        return NO_PROPOSAL
     size, best_m, best_occ = len(tokens), 0, []
     for m in range(1, min(max_depth, len(query)) + 1):
         suffix = list(query[len(query) - m:])
