@@ -29,6 +29,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompts", type=Path,
                      help=".jsonl ({'prompt': ...} or {'token_ids': [...]}, or OpenAI batch requests) or .txt file")
     src.add_argument("--humaneval", type=int, metavar="N", help="the first N HumanEval prompts (0: all 164)")
+    src.add_argument("--dataset", metavar="NAME[:start[:end]]",
+                     help="a pinned corpus (runtime/corpora.py): aclsum (paper summaries, 100) or sharegpt (chat "
+                          "first turns), prompts start..end-1, e.g. aclsum:0:16")
     p.add_argument("--input-format", default="auto", choices=["auto", "simple", "openai"],
                    help="simple: {'prompt'|'token_ids'} rows; openai: OpenAI Batch API requests (custom_id, url, "
                         "body); auto (default): openai when the first row has custom_id/url/body. Output follows it")
@@ -204,7 +207,12 @@ def _generate(args: argparse.Namespace) -> int:
     from .offline.job import JobSpec, run_job
     from .offline.source import InputSource
 
-    source = InputSource.file(args.prompts) if args.prompts else InputSource.humaneval(args.humaneval)
+    if args.prompts:
+        source = InputSource.file(args.prompts)
+    elif args.dataset:
+        source = InputSource.dataset(args.dataset)
+    else:
+        source = InputSource.humaneval(args.humaneval)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
