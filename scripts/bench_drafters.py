@@ -98,7 +98,7 @@ def main() -> int:
         prompts = sorted((p for p in encoded if len(p) <= args.max_prompt_tokens), key=len)[: args.prompts]
         print(f"\n{workload}: {len(prompts)} prompts (mean {statistics.fmean(map(len, prompts)):.0f} tokens), up to "
               f"{args.new_tokens} new, budget {format_bytes(budget)}, {args.reps} reps", flush=True)
-        base = dict(target=target, device_memory=budget, replan_interval=0, dtype="bfloat16",
+        base = dict(target=target, device_memory=budget, replan_interval=0, dtype="bfloat16", trace=True,
                     max_seq_len=max(map(len, prompts)) + args.new_tokens)
         for batch in map(int, args.batches.split(",")):
             runs: dict[str, list[dict]] = {s: [] for s in systems}

@@ -5,7 +5,8 @@
     NoDrafter             no speculation (k = 0): holds nothing, is never asked to propose
     ModelDrafter          an external draft model on the target's vocabulary, resident where compute happens
     ResidentExpertDrafter the MoE target drafts for itself with only its resident ("hot") routed experts
-    NgramDrafter, SuffixDrafter  model-free: prompt lookup and suffix matching (modelfree.py), "ngram" / "suffix"
+    NgramDrafter, SuffixDrafter  model-free: prompt lookup and suffix matching (modelfree.py, registered as "ngram"
+                          and "suffix" when it is imported: runtime/config.py imports it)
 
 The registry: `DRAFTERS` maps a name (EngineConfig.drafter: "none", "model", "self", ...) to a class, and
 `register_drafter(name, cls)` adds one: a new drafter is one class and one registry line. Each class declares on
@@ -525,5 +526,3 @@ def make_drafter(config: EngineConfig, plan: Plan, weights: WeightPlan, share: T
 register_drafter("none", NoDrafter)
 register_drafter("model", ModelDrafter)
 register_drafter("self", ResidentExpertDrafter)
-
-from . import modelfree  # noqa: E402, F401  (registers "ngram" and "suffix")
