@@ -36,7 +36,7 @@ from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.plan import Plan
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
-from specoffload.runtime.offload.drafters import Drafter, NoDrafter
+from specoffload.runtime.offload.drafters import Drafter, NoDrafter, make_drafter
 from specoffload.runtime.offload.workers import WeightPlan, Workers, worker_classes
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.arena import sweep_dead_arenas
@@ -149,7 +149,10 @@ class RoleWorkers:
         classes = worker_classes(config)
         self.proxies = {role: proxy_class(classes[role])(info, self.shm, self.lanes, timeout_s=self.call_timeout_s)
                         for role, info in self.group.setup(weights).items()}
-        drafter: Drafter = self.proxies["draft"] if plan.drafting else NoDrafter()  # type: ignore[assignment]
+        drafter: Drafter = NoDrafter()
+        if plan.drafting:  # a model-free drafter runs here, in the coordinator's process (no actor)
+            drafter = (make_drafter(config, plan, weights) if config.drafter_class.model_free
+                       else self.proxies["draft"])  # type: ignore[assignment]
         return Workers(self.proxies["prefetch"], self.proxies["attention"], self.proxies["verifier"],  # type: ignore[arg-type]
                        drafter)
 
@@ -184,6 +187,13 @@ class RoleWorkers:
             proxy.close()
         self.group.shutdown()
         self.shm.close()
+
+
+def draft_role(config: EngineConfig) -> bool:
+    """Whether the config's drafter runs in a role actor of its own: one with a model (a model-free drafter runs in
+    the coordinator's process)."""
+    cls = config.drafter_class
+    return bool(cls.proposes and not cls.model_free)
 
 
 def _lost_worker(error: BaseException | None) -> str | None:
@@ -223,7 +233,7 @@ class Coordinator:
 
     def _start(self) -> None:
         # The actors start (import torch, ...) while this process reads the checkpoints and places the model.
-        roles = ["prefetch", "attention", "verifier"] + (["draft"] if self.config.drafter_class.proposes else [])
+        roles = ["prefetch", "attention", "verifier"] + (["draft"] if draft_role(self.config) else [])
         group = RoleGroup(self.config, roles, self.resources, self.max_restarts, self.bundle)
         self.roles = RoleWorkers(group, self.max_restarts, self.call_timeout_s)
         try:

@@ -45,7 +45,7 @@ from specoffload.runtime.tokenizer import load_tokenizer
 from specoffload.runtime.transport.arena import sweep_dead_arenas
 from specoffload.runtime.transport.shm import ARENA_TAG
 
-from .coordinator import Coordinator
+from .coordinator import Coordinator, draft_role
 from .launcher import Bundle, bundle_resources, launch, plan_resources
 from .proxy import WorkerLost
 from .rayget import first_line, ray_get
@@ -111,7 +111,7 @@ class ReplicaPool:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         resources = plan_resources(config)
         roles = ["coordinator", "prefetch", "attention", "verifier"]
-        roles += ["draft"] if config.drafter_class.proposes else []
+        roles += ["draft"] if draft_role(config) else []
         marked = ray.cluster_resources().get(REPLICA_RESOURCE, 0) > 0
         self.bundle = bundle_resources(resources, roles, {REPLICA_RESOURCE: 1.0} if marked else None)
         count = _replica_count(replicas, self.bundle)

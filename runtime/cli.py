@@ -80,6 +80,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompts", type=Path,
                      help=".jsonl ({'prompt': ...} or {'token_ids': [...]}, or OpenAI batch requests) or .txt file")
     src.add_argument("--humaneval", type=int, metavar="N", help="the first N HumanEval prompts (0: all 164)")
+    src.add_argument("--dataset", metavar="NAME[:start[:end]]",
+                     help="a pinned corpus (runtime/corpora.py): aclsum (paper summaries, 100) or sharegpt (chat "
+                          "first turns), prompts start..end-1, e.g. aclsum:0:16")
     j.add_argument("--input-format", default="auto", choices=["auto", "simple", "openai"],
                    help="simple: {'prompt'|'token_ids'} rows; openai: OpenAI Batch API requests (custom_id, url, "
                         "body); auto (the default): openai when the first row has custom_id/url/body. Output follows "
@@ -95,6 +98,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="also write the final summary as JSON here (rows, failed rows, tokens/s, per replica)")
     j.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
+    d = p.add_argument_group("model-free drafters (--drafter ngram / suffix)")
+    d.add_argument("--prompt-lookup-min", type=int, default=None,
+                   help="ngram: the shortest suffix n-gram looked up in the row's prompt and output (default 1)")
+    d.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: the longest (default 3)")
+    d.add_argument("--suffix-max-depth", type=int, default=None, help="suffix: the longest suffix matched (24)")
+    d.add_argument("--suffix-min-prob", type=float, default=None,
+                   help="suffix: a proposal stops before its estimated probability drops below this (0.1)")
+    d.add_argument("--suffix-spec-factor", type=float, default=None,
+                   help="suffix: a match of m tokens proposes at most factor * m (1.0)")
+
     o = p.add_argument_group("memory and offload (set --device-memory to stream the target's weights)")
     o.add_argument("--device-memory", default=None, help="memory budget where compute runs, e.g. 3GiB")
     o.add_argument("--host-memory", default=None, help="host RAM for the target KV cache / ram tier")
@@ -102,9 +115,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--num-buffers", type=int, default=2, help="ring slots of streamed layer weights")
     o.add_argument("--expert-loading", default="auto", choices=["auto", "selected", "all"],
                    help="MoE: load only the experts the router picked, every expert, or choose")
-    o.add_argument("--interleave", default="on", choices=["on", "off", "auto"],
+    o.add_argument("--interleave", default=None, choices=["on", "off", "auto"],
                    help="with a draft: on: two batches alternate; off: one batch drafts between its passes; "
-                        "auto: the planner chooses")
+                        "auto: the planner chooses (default: off for a model-free drafter, else on)")
     o.add_argument("--expert-group", type=int, default=None,
                    help="MoE: experts per ring slot of a streamed layer (default: the whole layer per slot)")
     o.add_argument("--resident-experts", type=int, default=None,
@@ -247,7 +260,12 @@ def _generate(args: argparse.Namespace) -> int:
     if args.trace is not None and args.device_memory is None:
         raise ValueError("--trace records the offloaded pipeline: it needs --device-memory (a resident run has no "
                          "pipeline to trace)")
-    source = InputSource.file(args.prompts) if args.prompts else InputSource.humaneval(args.humaneval)
+    if args.prompts:
+        source = InputSource.file(args.prompts)
+    elif args.dataset:
+        source = InputSource.dataset(args.dataset)
+    else:
+        source = InputSource.humaneval(args.humaneval)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -277,13 +295,14 @@ def _generate(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         expert_loading=args.expert_loading,
         expert_group=args.expert_group,
-        interleave={"on": True, "off": False}.get(args.interleave, "auto"),
+        interleave={"on": True, "off": False, None: None}.get(args.interleave, "auto"),
         resident_experts=args.resident_experts,
         migrate_interval=args.migrate_interval,
         refill=not args.no_refill,
         prefill_chunk=args.prefill_chunk,
         kv_block_size=args.kv_block_size,
         trace=args.trace is not None,
+        **lookup_settings(args),
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,
                    overwrite=args.overwrite, chunk_size=args.chunk_size, params=params, progress=not args.no_progress,
@@ -301,6 +320,12 @@ def _version() -> str:
         return version("specoffload")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def lookup_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The model-free drafters' settings given on the command line (the rest keep EngineConfig's defaults)."""
+    names = ("prompt_lookup_min", "prompt_lookup_max", "suffix_max_depth", "suffix_min_prob", "suffix_spec_factor")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,13 @@ from specoffload.planner.units import MemorySizeError, machine_memory_bytes, par
 
 from .errors import ConfigError
 from .offload.drafters import drafter_named
+from .offload.modelfree import (
+    DEFAULT_LOOKUP_MAX,
+    DEFAULT_LOOKUP_MIN,
+    DEFAULT_SUFFIX_DEPTH,
+    DEFAULT_SUFFIX_MIN_PROB,
+    DEFAULT_SUFFIX_SPEC_FACTOR,
+)
 
 __all__ = ["ConfigError", "EngineConfig"]
 
@@ -93,7 +100,15 @@ class EngineConfig:
 
     interleave: with a drafter, True: two batches alternate, the drafter proposing for one while the target
         verifies the other (its steps hidden behind the pass); False: one batch drafts for itself between its own
-        passes (the KV caches of one batch instead of two); "auto": the planner chooses.
+        passes (the KV caches of one batch instead of two); "auto": the planner chooses. None (the default): False
+        for a model-free drafter (its proposals cost microseconds: nothing to hide), else True.
+
+    Model-free drafters (runtime/offload/modelfree.py; no weights, no KV cache):
+    prompt_lookup_min, prompt_lookup_max: "ngram": the shortest and longest suffix n-gram looked up in the row's
+        prompt and output (vLLM's names); defaults 1 and 3, from docs/perf/drafter_acceptance.json.
+    suffix_max_depth: "suffix": the longest suffix matched (tokens); suffix_min_prob: the probability (product of
+        the observed continuation frequencies) below which a proposal stops (its threshold); suffix_spec_factor:
+        a match of m tokens proposes at most ceil(factor * m) (vLLM's suffix_decoding_* names).
 
     Continuous batching (offloaded; runtime/offload/batches.py):
     refill: a finished row's slot takes a waiting prompt at once, prefilled inside its batch's next streamed pass
@@ -122,11 +137,16 @@ class EngineConfig:
     replan_interval: int = 8
     resident_experts: int | None = None
     migrate_interval: int = 8
-    interleave: bool | str = True
+    interleave: bool | str | None = None
     refill: bool = True
     prefill_chunk: int | None = None
     drafter: str | None = None
     kv_block_size: int = 0
+    prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
+    prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
+    suffix_max_depth: int = DEFAULT_SUFFIX_DEPTH
+    suffix_min_prob: float = DEFAULT_SUFFIX_MIN_PROB
+    suffix_spec_factor: float = DEFAULT_SUFFIX_SPEC_FACTOR
 
     def __post_init__(self) -> None:
         for name in ("target", "draft"):  # "~/models/x" as a shell would read it
@@ -180,6 +200,8 @@ class EngineConfig:
                 isinstance(self.resident_experts, bool) or not isinstance(self.resident_experts, int)
                 or self.resident_experts < 1):
             raise ConfigError(f"resident_experts must be an integer >= 1, got {self.resident_experts!r}")
+        if self.interleave is None:
+            object.__setattr__(self, "interleave", not self.drafter_class.model_free)
         if self.interleave not in (True, False, "auto"):
             raise ConfigError(f"interleave must be True, False or 'auto', got {self.interleave!r}")
         if not isinstance(self.migrate_interval, int) or self.migrate_interval < 0:
@@ -196,6 +218,7 @@ class EngineConfig:
         if isinstance(self.kv_block_size, bool) or not isinstance(self.kv_block_size, int) or self.kv_block_size < 0:
             raise ConfigError(f"kv_block_size must be an integer >= 0 (0: contiguous KV caches), "
                               f"got {self.kv_block_size!r}")
+        self._check_lookup()
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
 
@@ -217,6 +240,20 @@ class EngineConfig:
         if cls.offloaded_only and self.device_memory is None:
             raise ConfigError(f"drafter {name!r} ({cls.__name__}) runs in the offloaded pipeline only: it needs "
                               "device_memory (without a budget every weight is resident)")
+
+    def _check_lookup(self) -> None:
+        """The model-free drafters' settings."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (lo, hi)) or not 1 <= lo <= hi:
+            raise ConfigError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
+                              f"got {lo!r} and {hi!r}")
+        if isinstance(self.suffix_max_depth, bool) or not isinstance(self.suffix_max_depth, int) \
+                or self.suffix_max_depth < 1:
+            raise ConfigError(f"suffix_max_depth must be an integer >= 1, got {self.suffix_max_depth!r}")
+        if not isinstance(self.suffix_min_prob, (int, float)) or not 0.0 <= self.suffix_min_prob <= 1.0:
+            raise ConfigError(f"suffix_min_prob must be in [0, 1], got {self.suffix_min_prob!r}")
+        if not isinstance(self.suffix_spec_factor, (int, float)) or self.suffix_spec_factor <= 0:
+            raise ConfigError(f"suffix_spec_factor must be > 0, got {self.suffix_spec_factor!r}")
 
     @property
     def drafter_name(self) -> str:

@@ -103,7 +103,8 @@ class Engine:
         self.pipeline: Pipeline | None = None
         self.workers: Workers | None = None
         if not config.offloaded:
-            self.runner: Pipeline | ResidentRunner = ResidentRunner(self.target, draft_model, plan)
+            own = None if drafter.needs_checkpoint or not drafter.proposes else drafter(config)  # model-free
+            self.runner: Pipeline | ResidentRunner = ResidentRunner(self.target, draft_model, plan, own)
             return
         self.placement = place_plan(config, plan, self.models)  # PlacementError (with the minimum) if too small
         self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,

@@ -29,6 +29,7 @@ from .speculative import (
     VERIFY,
     StepTimes,
     commit,
+    cut_drafts,
     draft_lengths,
     draw_seeds,
     kept_lengths,
@@ -43,13 +44,19 @@ GREEDY = SamplingParams()  # the params beside per-row warps (a batch of greedy 
 
 
 class ResidentRunner:
-    """See the module docstring. `draft` is loaded only when the plan speculates."""
+    """See the module docstring. `draft` is loaded only when the plan speculates; drafter: a drafter without a model
+    of its own (a model-free one) to use instead."""
 
-    def __init__(self, target: Transformer, draft: Transformer | None, plan: Plan) -> None:
+    def __init__(self, target: Transformer, draft: Transformer | None, plan: Plan,
+                 drafter: Drafter | None = None) -> None:
         self.target, self.plan = target, plan
         # Everything is resident: load now, not inside the first timed step.
         self.target.preload()
-        self.drafter: Drafter = ModelDrafter(None, model=draft) if draft is not None and plan.drafting else NoDrafter()
+        if not plan.drafting:
+            drafter = NoDrafter()
+        elif drafter is None:
+            drafter = ModelDrafter(None, model=draft) if draft is not None else NoDrafter()
+        self.drafter: Drafter = drafter
         self.last_stats: GenerateStats | None = None
 
     def run(self, requests: list[Request], params: SamplingParams | None = None,
@@ -138,26 +145,32 @@ class ResidentRunner:
         t0 = time.perf_counter()
         num_drafts = draft_lengths(active, k, [len(r.output) > 0 for r in active])  # a row's first verify: no drafts
         warps = row_warps(active)  # None: every row greedy
-        calls = max(num_drafts)
-        drafts = torch.zeros((len(active), 0), dtype=torch.long)  # [rows, L]
+        calls = 0  # draft calls made (a drafter may end the round early: `cut_drafts`)
         p = None
-        if calls >= 1:
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        if max(num_drafts) >= 1:
             d_len = self.drafter.lengths(BATCH)
             ids, num_new = pad_right([r.tokens[d_len[n]:] for n, r in enumerate(active)])  # [rows, T]
-            tokens, probs = [], []
-            for t in range(calls):
-                seeds = None if warps is None else draw_seeds(active, DRAFT, t)
+            while calls < max(num_drafts):
+                seeds = None if warps is None else draw_seeds(active, DRAFT, calls)
                 token, prob = self.drafter.propose(BATCH, ids, num_new, GREEDY, seeds, warps)  # [rows], [rows, V]
-                tokens.append(token)
+                num_drafts = cut_drafts(num_drafts, token, calls)
+                tokens.append(token.clamp_min(0))
                 if prob is not None:
                     probs.append(prob)
                 ids, num_new = token[:, None], torch.ones(len(active), dtype=torch.long)
-            drafts = torch.stack(tokens, dim=1).cpu()  # [rows, L] (token ids live on the host)
-            p = torch.stack(probs, dim=1) if probs else None  # [rows, L, vocab]
+                calls += 1
+        width = max(num_drafts)  # <= calls (draft ids live on the host)
+        drafts = torch.stack(tokens, dim=1)[:, :width].cpu() if tokens else torch.zeros((len(active), 0), dtype=torch.long)
+        if probs:
+            p = torch.stack(probs, dim=1)[:, :width]  # [rows, L, vocab]
         t1 = time.perf_counter()
         pending = torch.tensor([r.tokens[-1] for r in active], dtype=torch.long)  # [rows]
         ids = torch.cat([pending[:, None], drafts], dim=1)  # [rows, L + 1]
-        logits = self.target.forward(ids, t_cache)  # [rows, L + 1, vocab]
+        # ragged: row r feeds its pending token and its n_r drafts (a row with none costs one token)
+        fed = torch.tensor([1 + n for n in num_drafts], dtype=torch.long)  # [rows]
+        logits = self.target.forward(ids, t_cache, num_new=fed)  # [rows, L + 1, vocab]
         t2 = time.perf_counter()
         seeds = None if warps is None else draw_seeds(active, VERIFY)
         logits = process_rows(active, logits, drafts)  # penalties, min_tokens: q is the processed target

@@ -1,4 +1,4 @@
-"""Where a job's rows come from: a prompt file read line by line, or the bundled HumanEval prompts.
+"""Where a job's rows come from: a prompt file read line by line, the bundled HumanEval prompts, or a corpus.
 
 Lines are split on b"\\n" only (a "\\r" before it is dropped): form feed, U+2028, U+2029, U+0085 and the other
 characters `str.splitlines()` also breaks on are text inside a row. A row is a line that is not blank (ASCII
@@ -36,8 +36,8 @@ class RawRow:
 
 @dataclass(frozen=True)
 class InputSource:
-    """A prompt file (`path`) or prompts held in memory (`lines`: HumanEval). `text`: each row is a prompt string
-    (a .txt file), not JSON."""
+    """A prompt file (`path`) or prompts held in memory (`lines`: HumanEval, a --dataset corpus). `text`: each row
+    is a prompt string (a .txt file), not JSON."""
 
     name: str
     path: Path | None = None
@@ -56,6 +56,14 @@ class InputSource:
         except OSError as err:
             raise PromptFileError(f"{p}: cannot read prompt file: {err}") from None
         return cls(name=str(p), path=p, text=p.suffix.lower() != ".jsonl", max_line_bytes=max_line_bytes)
+
+    @classmethod
+    def dataset(cls, spec: str) -> InputSource:
+        """A corpus of runtime/corpora.py: "NAME[:start[:end]]" (DatasetError, one line, when unavailable)."""
+        from ..corpora import dataset_prompts
+
+        prompts = dataset_prompts(spec)
+        return cls(name=spec, lines=tuple(json.dumps({"prompt": p}).encode() for p in prompts))
 
     @classmethod
     def humaneval(cls, n: int | None) -> InputSource:

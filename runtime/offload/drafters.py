@@ -5,6 +5,8 @@
     NoDrafter             no speculation (k = 0): holds nothing, is never asked to propose
     ModelDrafter          an external draft model on the target's vocabulary, resident where compute happens
     ResidentExpertDrafter the MoE target drafts for itself with only its resident ("hot") routed experts
+    NgramDrafter, SuffixDrafter  model-free: prompt lookup and suffix matching (modelfree.py, registered as "ngram"
+                          and "suffix" when it is imported: runtime/config.py imports it)
 
 The registry: `DRAFTERS` maps a name (EngineConfig.drafter: "none", "model", "self", ...) to a class, and
 `register_drafter(name, cls)` adds one: a new drafter is one class and one registry line. Each class declares on
@@ -14,7 +16,9 @@ for placement, its step for the profiler); config, planning, profiler and engine
 `drafter_class(config)` is the class the config names (every drafter is built as cls(config, weights, slots),
 like the workers, so a draft role can build it in its own process); `make_drafter(config, plan, weights)` builds
 it, or NoDrafter when the plan does not speculate. A drafter proposes one token per call, for every row of
-one batch: the schedule interleaves the k calls of a round with the target's layers (schedule.py). Its KV cache
+one batch: the schedule interleaves the k calls of a round with the target's layers (schedule.py); a negative
+token means the row proposes nothing more this round (runtime/speculative.py `cut_drafts`: its draft stops there,
+and a round stops early once no row has a draft left). Its KV cache
 holds a prefix of each row's committed tokens; the coordinator feeds it the rest at the round's first call and
 truncates it to what the target accepted after verification.
 """
@@ -68,7 +72,9 @@ class Drafter(Protocol):
         """Feed ids [rows, T] (row r: its first num_new[r] valid) and draw the next token per row: (token [rows],
         probs [rows, vocab] of the warped draft distribution, or None when greedy). seeds: one per row, the
         row's own draw (runtime/rng.py); None: torch's global generator. warps: each row's own (temperature,
-        top_p, top_k) instead of params' (runtime/sampling.py `warp_rows`)."""
+        top_p, top_k) instead of params' (runtime/sampling.py `warp_rows`). A token < 0: the row proposes nothing
+        more this round. probs None with sampled rows: the drafts are deterministic (a point mass on each token).
+        `lengths` is called at the start of every round, before its first `propose`."""
         ...
 
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:
@@ -101,6 +107,8 @@ class DrafterTraits:
                       it too, as a `ModelDrafter` on config.draft (runtime/resident.py)
     shares_target     in the target's process it drafts with the target's own parts and KV cache (`TargetShare`)
     adapts            its `adapt` re-chooses what it keeps: the pipeline calls it every config.migrate_interval rounds
+    model_free        it holds no model and proposes in microseconds (modelfree.py): a backend builds it in the
+                      coordinator's process (no draft actor), and one batch drafts between its passes by default
     footprint         (class method) its weights and KV cache as placement counts them
     profile_key       (class method) what the profiled draft step depends on (profiler.py `fingerprint`)
     step_model        (class method) the model one draft step runs, for the profiler to time
@@ -112,6 +120,7 @@ class DrafterTraits:
     offloaded_only: ClassVar[bool] = True
     shares_target: ClassVar[bool] = False
     adapts: ClassVar[bool] = False
+    model_free: ClassVar[bool] = False
 
     @classmethod
     def footprint(cls, config: EngineConfig, target: Transformer, shares_kv: bool) -> DraftFootprint:
@@ -457,7 +466,7 @@ def resident_expert_footprint(target: Transformer, experts: int, shares_kv: bool
 DRAFTER_METHODS = ("reset", "drop", "lengths", "truncate", "select_rows", "reset_rows", "propose", "adapt")
 #: the class attributes every registered class declares (`DrafterTraits`)
 DRAFTER_TRAITS = ("proposes", "needs_checkpoint", "needs_moe_target", "offloaded_only", "shares_target", "adapts",
-                  "footprint", "profile_key", "step_model")
+                  "model_free", "footprint", "profile_key", "step_model")
 
 #: drafter name (EngineConfig.drafter) -> class; add one with `register_drafter`
 DRAFTERS: dict[str, type] = {}

@@ -9,7 +9,8 @@ The life of a `run` (the engine has encoded the prompts into requests):
      new row: prefill is the same layer-streamed pass, beside the other rows' decode tokens) plus the row's draft
      tokens; a pass feeds at most `prefill_chunk` prompt tokens (a longer prefill continues in the batch's next
      passes, the row verifying once its prompt is in). Drafts are ragged: row r verifies n_r = min(k, its
-     remaining - 1) of them. Propose, verify, commit and truncate are runtime/speculative.py's, as in the resident
+     remaining - 1) of them, or fewer when the drafter proposes fewer (a model-free drafter without a match).
+     Propose, verify, commit and truncate are runtime/speculative.py's, as in the resident
      runner, so greedy outputs are identical token for token.
   4. A finished row's slot is refilled from the queue at its batch's verify op (`Batches.retire_finished`).
   5. If an op fails, the `Recovery` policy may restore the workers (the Ray backend restarts a lost actor); the
@@ -33,7 +34,17 @@ from specoffload.planner.plan import Plan
 from ..logits_process import process_rows, record_logprobs
 from ..request import Request, Waiting
 from ..sampling import SamplingParams
-from ..speculative import DRAFT, VERIFY, commit, draft_lengths, draw_seeds, kept_lengths, pad_right, row_warps
+from ..speculative import (
+    DRAFT,
+    VERIFY,
+    commit,
+    cut_drafts,
+    draft_lengths,
+    draw_seeds,
+    kept_lengths,
+    pad_right,
+    row_warps,
+)
 from ..stats import OffloadStats, request_totals
 from ..trace import Tracer
 from .batches import Batch, Batches
@@ -378,12 +389,14 @@ class Pipeline:
         warps = row_warps(b.rows)
         seeds = None if warps is None else draw_seeds(b.rows, DRAFT, op.token)
         token, probs = self.workers.drafter.propose(b.index, ids, num_new, GREEDY, seeds, warps)  # [rows], [rows, V]
-        b.draft_tokens.append(token)
+        b.draft_tokens.append(token.clamp_min(0))
         if probs is not None:
             b.draft_probs.append(probs)
-        if op.token == limit - 1:
-            b.drafts = torch.stack(b.draft_tokens, dim=1)  # [rows, L]
-            b.p = torch.stack(b.draft_probs, dim=1) if b.draft_probs else None  # [rows, L, vocab]
+        b.num_drafts = cut_drafts(b.num_drafts, token, op.token)  # a row may propose fewer (a model-free drafter)
+        width = max(b.num_drafts, default=0)
+        if op.token >= width - 1:  # the round is complete (its later draft ops find nothing to do)
+            b.drafts = torch.stack(b.draft_tokens, dim=1)[:, :width]  # [rows, L]
+            b.p = torch.stack(b.draft_probs, dim=1)[:, :width] if b.draft_probs else None  # [rows, L, vocab]
             b.draft_tokens, b.draft_probs = [], []
 
 

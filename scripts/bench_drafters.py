@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Drafters compared in one run (issue 22): none / ngram / suffix, and model / self where the target allows, on
+summaries (aclsum), code (HumanEval) and chat (sharegpt), the target streamed from disk under one budget.
+
+Per workload and system: each batch of --batches (the system's best is kept; every system measured under the same
+budget), --reps repetitions alternating the systems' order; EOS honoured. Reports tokens/s (median and spread),
+the acceptance rate, tokens committed per row per pass, row-tokens verified per row per pass (1 + drafts fed),
+the drafter's microseconds per row-round (its draft ops' wall time over the rows it proposed for), and whether the
+greedy outputs equal no-draft's (bf16 may flip near-ties: a pass over several tokens does not round like one per
+token). Writes docs/perf/<out>.json with a top-level "summary": ngram_over_nodraft_summarization,
+suffix_over_nodraft_summarization, best_modelfree_over_nodraft_code, best_modelfree_over_nodraft_chat.
+
+    python -m scripts.bench_drafters [--target moefied|dense|small|DIR] [--budget 2.5GiB] [--quick]
+
+--quick: the 0.5B dense target, 4 prompts per workload (aclsum and HumanEval, the shortest), 24 new tokens,
+batch 4, none / ngram / suffix, 1 rep: a smoke run of the whole path, not the issue's measurement (that is the
+default: moefied, 16 prompts, 96 new tokens, batches 4, 8, 16, 2 reps; about an hour per workload on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from scripts.common import PERF, median_spread, utc_now, write_json
+from scripts.get_models import model_dir
+from specoffload.planner.units import format_bytes, parse_bytes
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.corpora import dataset_prompts
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.prompts import humaneval_prompts
+from specoffload.runtime.sampling import SamplingParams
+
+TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied", "small": "qwen2.5-coder-0.5b-instruct"}
+WORKLOADS = {"summarization": lambda: dataset_prompts("aclsum"), "code": humaneval_prompts,
+             "chat": lambda: dataset_prompts("sharegpt:0:400")}
+
+
+def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
+    engine = Engine(config)
+    try:
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+        stats = engine.last_stats
+        log = engine.pipeline.verify_log if engine.pipeline is not None else []
+        row_passes = sum(rows for *_, rows in log) or 1
+        drafter = engine.workers.drafter if engine.workers is not None else None
+        asked = getattr(drafter, "proposed", 0)  # rows a model-free drafter proposed for (round-start calls)
+        return {"wall_s": wall, "tokens": stats.generated_tokens, "tok_s": stats.generated_tokens / wall,
+                "passes": stats.passes, "committed_per_row_pass": stats.generated_tokens / row_passes,
+                "verified_per_row_pass": 1 + stats.num_drafted / row_passes,
+                "acceptance": stats.acceptance_rate if stats.num_drafted else None,
+                "draft_s": stats.draft_s, "draft_us_per_row_round": 1e6 * stats.draft_s / asked if asked else None,
+                "matched_rate": getattr(drafter, "matched", 0) / asked if asked else None,
+                "token_ids": [r.token_ids for r in results]}
+    finally:
+        engine.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="moefied", help="moefied | dense | small | a checkpoint directory")
+    ap.add_argument("--budget", default="2.5GiB")
+    ap.add_argument("--workloads", default="summarization,code,chat")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per workload (the shortest of the corpus's "
+                                                               "first 4x as many)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=600)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--batches", default="4,8,16")
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--systems", default=None, help="default: none,ngram,suffix + model (dense) or self (MoE)")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="see the module docstring")
+    ap.add_argument("--out", default="drafters")
+    args = ap.parse_args()
+    if args.quick:
+        args.target, args.workloads, args.prompts, args.new_tokens = "small", "summarization,code", 4, 24
+        args.batches, args.reps, args.systems, args.budget = "4", 1, "none,ngram,suffix", "800MiB"
+        args.out = "drafters_quick"
+    target = model_dir(TARGETS[args.target]) if args.target in TARGETS else args.target
+    from transformers import AutoTokenizer
+
+    from specoffload.runtime.models.config import ModelConfig
+
+    moe = bool(ModelConfig.from_dir(target).num_experts)
+    systems = args.systems.split(",") if args.systems else ["none", "ngram", "suffix", "self" if moe else "model"]
+    extra = {"none": dict(num_draft_tokens=0), "ngram": dict(drafter="ngram"), "suffix": dict(drafter="suffix"),
+             "model": dict(draft=model_dir("draft")), "self": dict(drafter="self")}
+    tok = AutoTokenizer.from_pretrained(target)
+    budget = parse_bytes(args.budget)
+    params = SamplingParams(max_new_tokens=args.new_tokens)  # greedy, EOS honoured
+    rows: list[dict] = []
+    for workload in args.workloads.split(","):
+        encoded = [tok.encode(p) for p in WORKLOADS[workload]()[: 4 * args.prompts]]
+        prompts = sorted((p for p in encoded if len(p) <= args.max_prompt_tokens), key=len)[: args.prompts]
+        print(f"\n{workload}: {len(prompts)} prompts (mean {statistics.fmean(map(len, prompts)):.0f} tokens), up to "
+              f"{args.new_tokens} new, budget {format_bytes(budget)}, {args.reps} reps", flush=True)
+        base = dict(target=target, device_memory=budget, replan_interval=0, dtype="bfloat16", trace=True,
+                    max_seq_len=max(map(len, prompts)) + args.new_tokens)
+        for batch in map(int, args.batches.split(",")):
+            runs: dict[str, list[dict]] = {s: [] for s in systems}
+            for rep in range(args.reps):
+                for name in systems if rep % 2 == 0 else systems[::-1]:
+                    kw = {"num_draft_tokens": args.k, **extra[name]}
+                    r = run(EngineConfig(**base, max_batch_size=batch, **kw), prompts, params)
+                    runs[name].append(r)
+                    print(f"  batch {batch:2d} {name:7s} rep {rep}: {r['tok_s']:.2f} tok/s, {r['passes']} passes, "
+                          f"{r['committed_per_row_pass']:.2f} committed / {r['verified_per_row_pass']:.2f} verified "
+                          f"per row per pass", flush=True)
+            reference = runs[systems[0]][0]["token_ids"]
+            for name, rs in runs.items():
+                med, lo, hi = median_spread(r["tok_s"] for r in rs)
+                first = rs[0]
+                rows.append({"workload": workload, "system": name, "batch": batch, "tok_s_median": med,
+                             "tok_s_min": lo, "tok_s_max": hi, "passes": first["passes"],
+                             "acceptance": first["acceptance"],
+                             "committed_per_row_pass": first["committed_per_row_pass"],
+                             "verified_per_row_pass": first["verified_per_row_pass"],
+                             "draft_us_per_row_round": first["draft_us_per_row_round"],
+                             "matched_rate": first["matched_rate"], "tokens": first["tokens"],
+                             "equal_to_" + systems[0]: first["token_ids"] == reference})
+    best = {}
+    for r in rows:  # each system at its own best batch
+        key = (r["workload"], r["system"])
+        if key not in best or r["tok_s_median"] > best[key]["tok_s_median"]:
+            best[key] = r
+    print(f"\n{'workload':14s} {'system':7s} {'batch':>5s} {'tok/s (min-max)':20s} {'accept':>6s} {'commit':>6s} "
+          f"{'verify':>6s} {'us/row':>7s} equal")
+    for r in best.values():
+        acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        us = f"{r['draft_us_per_row_round']:.0f}" if r["draft_us_per_row_round"] is not None else "-"
+        print(f"{r['workload']:14s} {r['system']:7s} {r['batch']:5d} {r['tok_s_median']:6.2f} ({r['tok_s_min']:.2f}-"
+              f"{r['tok_s_max']:.2f})     {acc:>6s} {r['committed_per_row_pass']:6.2f} "
+              f"{r['verified_per_row_pass']:6.2f} {us:>7s} {r['equal_to_' + systems[0]]}")
+    summary: dict[str, float] = {}
+    tok_s = {key: r["tok_s_median"] for key, r in best.items()}
+    for workload, tag in (("summarization", "summarization"), ("code", "code"), ("chat", "chat")):
+        if (workload, "none") not in tok_s:
+            continue
+        for name in ("ngram", "suffix"):
+            if (workload, name) in tok_s:
+                summary[f"{name}_over_nodraft_{tag}"] = tok_s[(workload, name)] / tok_s[(workload, "none")]
+        free = [tok_s[(workload, n)] for n in ("ngram", "suffix") if (workload, n) in tok_s]
+        if free:
+            summary[f"best_modelfree_over_nodraft_{tag}"] = max(free) / tok_s[(workload, "none")]
+    print("summary:", {k: round(v, 3) for k, v in summary.items()})
+    path = write_json(PERF / f"{args.out}.json", {
+        "date": utc_now(), "argv": sys.argv[1:], "target": str(target), "budget": budget, "quick": args.quick,
+        "note": "quick: a smoke run (0.5B dense, 4 short prompts, 24 new tokens, 1 rep), not the issue's measurement"
+        if args.quick else "", "summary": summary, "best": list(best.values()), "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
