@@ -162,7 +162,8 @@ class ResidentRunner:
                 ids, num_new = token[:, None], torch.ones(len(active), dtype=torch.long)
                 calls += 1
         width = max(num_drafts)  # <= calls (draft ids live on the host)
-        drafts = torch.stack(tokens, dim=1)[:, :width].cpu() if tokens else torch.zeros((len(active), 0), dtype=torch.long)
+        drafts = (torch.stack(tokens, dim=1)[:, :width].cpu() if tokens  # [rows, L]
+                  else torch.zeros((len(active), 0), dtype=torch.long))
         if probs:
             p = torch.stack(probs, dim=1)[:, :width]  # [rows, L, vocab]
         t1 = time.perf_counter()
