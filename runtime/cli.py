@@ -42,6 +42,9 @@ def _add_model_flags(g: argparse._ArgumentGroup, *, budget_required: bool = Fals
                         "experts (needs --device-memory); omit for none")
     g.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     g.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    g.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]|auto",
+                   help="where the target's FFN / experts, its resident parts and the draft compute; offloaded on "
+                        "cuda, attention and the KV cache stay on the CPU (auto: cuda when torch sees a GPU)")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -205,7 +208,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     prompts = read_prompts_file(args.prompts) if args.prompts else []
     base = EngineConfig(target=args.target, draft=args.draft, drafter=args.drafter, dtype=args.dtype,
-                        device_memory=args.device_memory,
+                        device=args.device, device_memory=args.device_memory,
                         host_memory=args.host_memory, weights_tier=args.weights_tier, max_seq_len=args.max_seq_len,
                         num_draft_tokens=args.num_draft_tokens, max_batch_size=args.batch_size)
     max_seq_len = job_max_seq_len(base, prompts, args.max_new_tokens)
@@ -282,6 +285,7 @@ def _generate(args: argparse.Namespace) -> int:
     config = EngineConfig(
         target=args.target,
         draft=args.draft,
+        device=args.device,
         drafter=args.drafter,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,

@@ -68,6 +68,10 @@ class EngineConfig:
     max_batch_size: rows decoded together; finished rows are refilled from waiting prompts; "auto" (offloaded
         only, and its default): the planner picks it under the memory budget. Resident default: 16.
     num_threads: torch intra-op threads (None: leave torch's default, one per core).
+    device: "cpu" (default), "cuda[:N]" or "auto" (cuda when torch sees a GPU). On CUDA every weight is resident
+        on the GPU, or, offloaded, the target's FFN / experts, head and resident parts and the draft run on the GPU
+        while its embedding, attention and KV cache stay on the CPU (the paper's design; `host_attention`), the
+        streamed weights crossing PCIe on a copy stream (runtime/offload/slot_sync.py).
 
     Offloading (the target streams its weights; see runtime/offload/). Setting `device_memory` turns it on:
     device_memory: bytes (or "4GiB", "512MiB", ...) the engine may keep resident where compute happens: the draft
@@ -149,6 +153,14 @@ class EngineConfig:
     suffix_spec_factor: float = DEFAULT_SUFFIX_SPEC_FACTOR
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, TypeError):
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}")
         for name in ("target", "draft"):  # "~/models/x" as a shell would read it
             value = getattr(self, name)
             if isinstance(value, (str, Path)) and str(value).startswith("~"):
@@ -180,8 +192,6 @@ class EngineConfig:
             raise ConfigError(f"replan_interval must be an integer >= 0, got {self.replan_interval!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads!r}")
-        if self.device != "cpu" and not torch.device(self.device).type == "cuda":
-            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("device_memory", "host_memory"):
             value = getattr(self, name)
             if value is not None:

@@ -73,6 +73,10 @@ class Engine:
         if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {config.device!r}: this torch ({torch.__version__}) sees no CUDA GPU; "
                               "use device='cpu'")
+        if config.host_attention and config.drafter_class.shares_target:
+            raise ConfigError(f"drafter {config.drafter_name!r} drafts with the target's own attention and KV cache, "
+                              "which stay on the CPU beside a GPU: it runs offloaded on device 'cpu' only so far; on "
+                              "CUDA use a draft model or a model-free drafter")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = config.torch_dtype

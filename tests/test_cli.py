@@ -331,3 +331,23 @@ def test_progress_lines_on_a_timer_whatever_the_chunking(tiny_models, tmp_path, 
     assert "models loaded in" in err and "s loading)" in err
     record = json.loads(summary.read_text())
     assert record["load_s"] >= 0 and record["total_s"] >= record["wall_s"] + record["load_s"] - 1e-6
+
+
+def test_device_flag_errors_are_one_line(tiny_models, tmp_path, capsys):
+    """--device takes cpu, cuda[:N] or auto; a name torch does not know, or cuda on a machine without a GPU, is
+    one line (never a traceback, never read as an abbreviation of --device-memory)."""
+    import torch
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [5, 6]}) + "\n")
+    base = ["generate", "--model", str(tiny_models["llama"]), "--prompts", str(prompts), "--no-progress",
+            "--max-tokens", "2", "-o", str(tmp_path / "o.jsonl")]
+    assert main([*base, "--device", "gpu"]) == 2
+    err = capsys.readouterr().err
+    assert "device must be 'cpu', 'cuda[:N]' or 'auto', got 'gpu'" in err and "Traceback" not in err
+    assert main([*base, "--device", "auto", "--overwrite"]) == 0  # the CPU here (or the GPU where there is one)
+    capsys.readouterr()
+    if not torch.cuda.is_available():
+        assert main([*base, "--device", "cuda", "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert "sees no CUDA GPU" in err and "Traceback" not in err
