@@ -260,7 +260,7 @@ def test_a_10_mb_line_costs_no_more_than_100_mb(llama_tok, tmp_path, line_kind) 
         run = subprocess.run([sys.executable, "-c", _RSS_JOB, str(llama_tok), str(path), str(tmp_path / f"{name}.out")],
                              capture_output=True, text=True, timeout=300)
         rc, kib = run.stdout.split()[-2:]
-        assert rc == ("2" if name == "with" else "0"), run.stderr[-2000:]
+        assert rc == "0", run.stderr[-2000:]  # the job ran (its failed row is an error row)
         peaks[name] = int(kib) / 1024
     print(line_kind, peaks)
     assert peaks["with"] - peaks["without"] < 100, peaks
