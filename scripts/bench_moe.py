@@ -454,7 +454,11 @@ def plot_sweep(args: argparse.Namespace, per_budget: list[dict]) -> Path | None:
         ax.set_xlabel("memory budget (GiB, everything the engine holds)")
         ax.set_ylabel("steady decode tokens/s (best batch)")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{args.target}: where speculation pays")
+        leaders = {max(((e[f"best_{n}"]["tok_s"], label) for n, label in SYSTEMS.items() if e.get(f"best_{n}")),
+                       default=(0, "-"))[1] for e in per_budget}
+        lead = (f"{next(iter(leaders))} leads at every budget" if len(leaders) == 1
+                else "the lead changes with the budget")
+        ax.set_title(f"{args.target}\nbest steady tok/s per system vs budget: {lead}", fontsize=9)
         ax.legend(fontsize=7)
     return path
 
