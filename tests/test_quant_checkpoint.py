@@ -193,3 +193,14 @@ def test_part_keys_of_the_router_stay_uncompressed(quantized):
     ckpt = loader.checkpoint
     refs = loader.refs(PartKey("router", 0))
     assert ckpt.quantized(refs["gate"].name) is None and ckpt.quantized(refs["shared_gate_proj"].name) is not None
+
+
+def test_cli_user_mistakes_are_one_line_errors(tiny_models, tmp_path, capsys):
+    model = str(tiny_models["llama"])
+    assert main(["quantize", "--model", model, "--to", "int4", "--group", "63", "-o", str(tmp_path / "a")]) == 2
+    assert main(["quantize", "--model", model, "--to", "int8", "--group", "64", "-o", str(tmp_path / "b")]) == 2
+    assert main(["quantize", "--model", str(tmp_path / "missing"), "--to", "int8", "-o", str(tmp_path / "c")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("specoffload: error: ") for line in lines)
+    assert "even group" in lines[0] and "int4 only" in lines[1]
+    assert not any(p.exists() for p in (tmp_path / "a", tmp_path / "b", tmp_path / "c"))
