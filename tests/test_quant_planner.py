@@ -87,3 +87,21 @@ def test_runtime_shape_of_a_compressed_checkpoint(tiny_models, tmp_path) -> None
     assert {k.kind for k in stored} == {k.kind for k in nbytes if k.kind in ("expert", "router", "dense_mlp")}
     # fp32 compute: int4 at group 32 is 5 bits of 32 per weight, plus the uncompressed norms and gates
     assert all(stored[k] < nbytes[k] / 4 for k in stored if k.kind == "expert")
+
+
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_profiler_measures_the_loader_rates_of_a_compressed_checkpoint(tiny_models, tmp_path, tier) -> None:  # noqa: ANN001
+    from specoffload.runtime.config import EngineConfig
+    from specoffload.runtime.models.model import Transformer
+    from specoffload.runtime.offload.profiler import _stream_rate
+    from specoffload.runtime.quant import QuantSpec
+    from specoffload.runtime.quantize import quantize_checkpoint
+
+    out = tmp_path / "q"
+    quantize_checkpoint(tiny_models["llama"], out, QuantSpec("int8"))
+    config = EngineConfig(out, device_memory="1GiB", weights_tier=tier, host_memory="1GiB")
+    stream, read, decompress = _stream_rate(config, Transformer(out), layers_to_load=2)
+    assert stream > 0 and decompress is not None and decompress > 0
+    assert (read is not None and read > 0) if tier == "disk" else read is None
+    plain = _stream_rate(replace(config, target=tiny_models["llama"]), Transformer(tiny_models["llama"]), 2)
+    assert plain[1:] == (None, None)  # nothing compressed: priced at the stream rate alone
