@@ -5,6 +5,8 @@ B = `batch` rows, each fed k + 1 tokens (its last committed token and k drafts),
 tokens for the other batch. L layers; the head is pseudo-layer L. Per pass, with n = B * (k + 1) tokens fed:
 
     load_j  = streamed bytes of slot group j / stream_bytes_per_s           (0 when layer j is resident)
+              (a compressed part: stored bytes / read_bytes_per_s + its compute-dtype bytes / decompress rate,
+              read and decompression one after the other on the loader's thread: `stream_seconds`)
     attn_j  = attention_seconds(n, attended_len)                             [cpu]
     ffn_j   = F_dense_j * n / rate(n) + F_exp_j * n / rate(max(1, n * top_k / E))    [device]
               (rate: the resident, packed-layout GEMM rate when layer j is resident and the profile has one)
@@ -281,6 +283,20 @@ def stream_bytes(placement: Placement, target: ModelShape, expert_share: float =
     return groups
 
 
+def stream_seconds(profile: HardwareProfile, placement: Placement, target: ModelShape,
+                   expert_share: float = 1.0) -> dict:
+    """Load unit -> the loader's seconds per pass (`HardwareProfile.load_seconds` of each streamed part: compressed
+    parts at the read + decompression rates, others at the stream rate); resident units absent."""
+    stored = target.stored_bytes()
+    loads: dict = {}
+    for key, nbytes in target.parts:
+        if placement.is_streamed(key):
+            unit = slot_unit(key, target.num_layers, placement.policy.expert_group)
+            share = expert_share if key.kind == "expert" else 1.0
+            loads[unit] = loads.get(unit, 0.0) + share * profile.load_seconds(nbytes, stored.get(key))
+    return loads
+
+
 def _expert_share(costs: ModelCosts, placement: Placement, expert_loading: str, plan_tokens: int, fed: int) -> float:
     """The share of a streamed MoE layer's experts one pass of `fed` tokens reads: all of them, unless the engine
     loads only routed experts (decided once for its plan's batch x (k + 1) tokens, as runtime/engine.py does),
@@ -502,8 +518,7 @@ def _pass(
 ) -> StepEstimate:
     """attention_s: one layer's attention seconds, when the caller prices it (a steady pass: `steady_pass`)."""
     target = costs.target
-    streamed = stream_bytes(placement, target, expert_share, units=True)
-    loads = {unit: nbytes / profile.stream_bytes_per_s for unit, nbytes in streamed.items()}
+    loads = stream_seconds(profile, placement, target, expert_share)
     expert_rows = max(1.0, fed * costs.expert_fraction)
     attn = (attention_s if attention_s is not None
             else profile.attention_seconds(attention_tokens or fed, attended_len))  # padded queries (prefill)

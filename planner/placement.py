@@ -318,6 +318,8 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     Incremental, O(steps * layers); the items `_layout` builds for a resident set add up to the same numbers.
     """
     nbytes = dict(target.parts)
+    stored = target.stored_bytes()  # the RAM tier holds compressed parts compressed
+    tier_total = sum(stored.get(key, n) for key, n in target.parts)
     draft_bytes = draft.total_bytes + policy.kv_cache_bytes(draft) if draft is not None else 0
     on_host = _host_parts(target, policy)
     kv = policy.target_kv_cache_bytes(target) + sum(nbytes[key] for key in on_host)
@@ -328,17 +330,21 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
             slots[group] = slots.get(group, 0) + n
     resident = sum(nbytes[key] for key in on_host)  # target weight bytes not streamed (on the device, or on_host)
     on_device = -resident  # ... of which on the device
+    resident_stored = sum(stored.get(key, nbytes[key]) for key in on_host)  # the same parts' bytes as stored
+    scratch = packed_scratch_bytes(target, policy)
 
     def footprint() -> tuple[int, int]:
-        host = kv + (target.total_bytes - resident if policy.weights_tier == "ram" else 0)
+        host = kv + (tier_total - resident_stored if policy.weights_tier == "ram" else 0)
         ring = policy.num_buffers * max(slots.values(), default=0)
-        return draft_bytes + resident + on_device + ring + (host if policy.unified_memory else 0), host
+        loading = scratch if ring else 0  # nothing streamed: no load, no scratch
+        return draft_bytes + resident + on_device + ring + loading + (host if policy.unified_memory else 0), host
 
     steps = priority_order(target, policy.pinned | on_host)
     chain = []
     for step in [tuple(policy.pinned), *steps]:
         for key in step:
             resident += nbytes[key]
+            resident_stored += stored.get(key, nbytes[key])
             group = slot_unit(key, target.num_layers, policy.expert_group)
             if group is not None:
                 slots[group] -= nbytes[key]
@@ -373,11 +379,25 @@ class _Layout:
     items: tuple[PlacementItem, ...]
 
 
+def packed_scratch_bytes(target: ModelShape, policy: PlacementPolicy) -> int:
+    """The loader's scratch for the compressed bytes of one load read from disk (runtime/offload/streamer.py): the
+    largest load unit's stored bytes of compressed parts (counted whatever is resident: an upper bound)."""
+    if policy.weights_tier != "disk" or not target.stored:
+        return 0
+    units: dict[tuple[int, int], int] = {}
+    for key, n in target.stored:
+        unit = slot_unit(key, target.num_layers, policy.expert_group)
+        if unit is not None:
+            units[unit] = units.get(unit, 0) + n
+    return max(units.values(), default=0)
+
+
 def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy, resident: set[PartKey]) -> _Layout:
     tiers: list[tuple[PartKey, str]] = []
     slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
     buckets: dict[tuple[str, str], list[Any]] = {}  # (category, tier) -> [bytes, set of layers]
     on_host = _host_parts(target, policy)
+    stored = target.stored_bytes()
     for key, nbytes in target.parts:
         tier = "host" if key in on_host else "device" if key in resident else policy.streamed_tier
         tiers.append((key, tier))
@@ -385,7 +405,7 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
         if tier != "device" and group is not None and key not in on_host:
             slots[group] = slots.get(group, 0) + nbytes
         bucket = buckets.setdefault((_CATEGORY[key.kind], tier), [0, set(), 0])
-        bucket[0] += nbytes
+        bucket[0] += nbytes if tier == "device" else stored.get(key, nbytes)  # off the device: as stored
         bucket[1].add(key.layer)
         bucket[2] += 1
     slot_bytes = max(slots.values(), default=0)
@@ -402,6 +422,9 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
         unit = f" (units of {policy.expert_group} experts)" if policy.expert_group else ""
         ring = f"ring buffers {policy.num_buffers} x {format_bytes(slot_bytes)}{unit}"
         items.append(PlacementItem(ring, "device", policy.num_buffers * slot_bytes))
+        scratch = packed_scratch_bytes(target, policy)
+        if scratch:
+            items.append(PlacementItem("compressed bytes of one load (read before decompression)", "device", scratch))
     host_categories = {_CATEGORY[kind] for kind in policy.host_kinds}
     for category in _CATEGORY_ORDER:
         if (category, policy.streamed_tier) in buckets and category not in host_categories:

@@ -21,7 +21,7 @@ import bisect
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -59,6 +59,12 @@ class HardwareProfile:
     position_overhead_s: float = 0.0
     # the measured passes the two overheads (and the in-pass stream rate) were fitted on, for the record
     calibration: tuple[Mapping[str, float], ...] = field(default=(), hash=False, compare=False)
+    # Compressed weights (a `specoffload quantize` checkpoint): the loader reads a compressed part's stored bytes
+    # at `read_bytes_per_s` (None: from host RAM, no read) and writes its compute-dtype bytes by dequantizing at
+    # `decompress_bytes_per_s`, one after the other on its thread (load_seconds). None: not measured (the part
+    # is priced at stream_bytes_per_s like any other).
+    read_bytes_per_s: float | None = None
+    decompress_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -84,6 +90,9 @@ class HardwareProfile:
         object.__setattr__(self, "attention_fit", fit)
         if self.head_flops_per_s is not None:
             _positive("head_flops_per_s", self.head_flops_per_s)
+        for name in ("read_bytes_per_s", "decompress_bytes_per_s"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         for name in ("pass_overhead_s", "position_overhead_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -124,6 +133,24 @@ class HardwareProfile:
         c0, c1, c2 = self.attention_fit
         return c0 + c1 * new_tokens + c2 * new_tokens * attended_len
 
+    def load_seconds(self, nbytes: float, stored: float | None = None) -> float:
+        """Seconds the loader takes to deliver a part of `nbytes` compute-dtype bytes into a slot: nbytes /
+        stream_bytes_per_s, or for a compressed part stored as `stored` bytes (with a measured decompression rate)
+        stored / read_bytes_per_s (0 from RAM) + nbytes / decompress_bytes_per_s."""
+        if stored is None or self.decompress_bytes_per_s is None:
+            return nbytes / self.stream_bytes_per_s
+        read = stored / self.read_bytes_per_s if self.read_bytes_per_s is not None else 0.0
+        return read + nbytes / self.decompress_bytes_per_s
+
+    def scaled_io(self, factor: float) -> HardwareProfile:
+        """This profile with every loader rate (stream, read, decompress) times `factor`: what a measured in-pass
+        loader rate over the modelled one says (runtime/offload/calibrate.py, replan.py)."""
+        _positive("io scale factor", factor)
+        return replace(self, stream_bytes_per_s=self.stream_bytes_per_s * factor,
+                       read_bytes_per_s=None if self.read_bytes_per_s is None else self.read_bytes_per_s * factor,
+                       decompress_bytes_per_s=(None if self.decompress_bytes_per_s is None
+                                               else self.decompress_bytes_per_s * factor))
+
     def overhead_seconds(self, positions: int) -> float:
         """Per target pass outside the modelled ops: pass_overhead_s + position_overhead_s * positions verified."""
         return self.pass_overhead_s + self.position_overhead_s * positions
@@ -157,6 +184,8 @@ class HardwareProfile:
             "pass_overhead_s": self.pass_overhead_s,
             "position_overhead_s": self.position_overhead_s,
             "calibration": [dict(c) for c in self.calibration],
+            "read_bytes_per_s": self.read_bytes_per_s,
+            "decompress_bytes_per_s": self.decompress_bytes_per_s,
         }
 
     @classmethod
@@ -179,6 +208,8 @@ class HardwareProfile:
                 pass_overhead_s=float(data.get("pass_overhead_s", 0.0)),
                 position_overhead_s=float(data.get("position_overhead_s", 0.0)),
                 calibration=tuple(data.get("calibration", ())),
+                read_bytes_per_s=data.get("read_bytes_per_s"),
+                decompress_bytes_per_s=data.get("decompress_bytes_per_s"),
             )
         except (TypeError, ValueError) as exc:  # ProfileError is a ValueError: re-raised with the same message
             raise ProfileError(f"invalid hardware profile: {exc}") from exc

@@ -4,7 +4,8 @@ A model is cut into independently loadable *parts*, named by `PartKey`, in execu
 
     embedding -> for each layer j: attention(j), then dense_mlp(j) or [router(j), expert(j, e) for each e] -> head
 
-`ModelShape` is all that placement and the cost model need: every part with its bytes in the compute dtype.
+`ModelShape` is all that placement and the cost model need: every part with its bytes in the compute dtype, and,
+for a compressed checkpoint (runtime/quant.py), the bytes each compressed part is stored and streamed as.
 The runtime builds one from a checkpoint's tensor headers (`WeightLoader.shape`); the planner builds them from
 published configs (planner/paper_scale/). No torch here.
 """
@@ -33,6 +34,9 @@ class ModelShape:
     parts: tuple[tuple[PartKey, int], ...]  # every part with its bytes, in execution order
     num_layers: int
     kv_bytes_per_token: int  # K + V bytes of one token over all layers
+    # parts stored compressed, with their stored bytes (read from disk, held in the RAM tier); the rest are
+    # stored as they are computed with (their bytes in `parts`)
+    stored: tuple[tuple[PartKey, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_layers < 0 or self.kv_bytes_per_token < 0:
@@ -47,10 +51,21 @@ class ModelShape:
             if nbytes < 0 or key in seen:
                 raise ValueError(f"{self.name}: {key} has negative bytes or appears twice")
             seen.add(key)
+        for key, nbytes in self.stored:
+            if key not in seen or nbytes < 0:
+                raise ValueError(f"{self.name}: stored bytes for {key}, which is not a part or has negative bytes")
 
     @property
     def total_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self.parts)
+
+    def stored_bytes(self) -> dict[PartKey, int]:
+        """Compressed part -> its stored bytes (absent: stored as computed with)."""
+        return dict(self.stored)
+
+    def tier_bytes(self, key: PartKey, nbytes: int) -> int:
+        """What a part of `nbytes` compute-dtype bytes takes in the RAM tier: its stored bytes if compressed."""
+        return next((n for k, n in self.stored if k == key), nbytes)
 
     def kv_cache_bytes(self, rows: int, kv_capacity: int) -> int:
         """Bytes of this model's KV cache for `rows` rows of `kv_capacity` positions each."""
@@ -71,4 +86,6 @@ def self_draft_shape(target: ModelShape, experts_per_layer: int, name: str = "se
         raise ValueError(f"{target.name} has no routed experts: it cannot draft with a subset of them")
     parts = tuple((key, n) for key, n in target.parts
                   if (key.expert < experts_per_layer if key.kind == "expert" else not shares_kv))
-    return ModelShape(name, parts, target.num_layers, 0 if shares_kv else target.kv_bytes_per_token)
+    kept = {key for key, _ in parts}
+    return ModelShape(name, parts, target.num_layers, 0 if shares_kv else target.kv_bytes_per_token,
+                      tuple((key, n) for key, n in target.stored if key in kept))

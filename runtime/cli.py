@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specoffload.planner.errors import SpecOffloadError
 
+from . import quantize
 from .config import EngineConfig
 from .offload.drafters import DRAFTERS
 from .prompts import PromptFileError
@@ -338,8 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_plan(sub)
+    quantize.add_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "quantize":
+            return quantize.run(args, lambda m: print(m, file=sys.stderr))
         if args.command == "generate":
             return _generate(args)
         if args.command == "plan":

@@ -149,7 +149,7 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
         profile = profile or load_or_measure(config, open_engine=Engine)
         warmup = measure_acceptance(config, prompts, params, profile=profile)
         if warmup.stream_rate is not None:  # the disk's rate now (it drifts: runtime/offload/replan.py)
-            profile = replace(profile, stream_bytes_per_s=warmup.stream_rate)
+            profile = profile.scaled_io(warmup.stream_rate / profile.stream_bytes_per_s)
         if warmup.mean_new_tokens is not None:  # rows stopping at EOS: the steady state's row length
             workload = replace(workload, mean_new_tokens=min(workload.new_tokens, warmup.mean_new_tokens))
     plan = make_plan(config, models, max_seq_len, workload=workload, profile=profile,

@@ -112,6 +112,21 @@ def build_moe_models(dense: Path, kinds: Sequence[str], cache: Path | None = Non
     return built
 
 
+def write_compressed(moe: Path, scheme: str) -> Path:
+    """A compressed copy of a built MoE checkpoint beside it (runtime/quantize.py), unless it exists."""
+    from specoffload.runtime.quant import QuantSpec
+    from specoffload.runtime.quantize import quantize_checkpoint
+
+    try:
+        spec = QuantSpec.of(scheme)
+    except ValueError as exc:
+        raise MoEBuildError(f"--compress: {exc}") from None
+    out = moe.with_name(f"{moe.name}-{'int8' if spec.scheme == 'int8' else f'int4g{spec.group}'}")
+    if not out.exists():
+        quantize_checkpoint(moe, out, spec)
+    return out
+
+
 def _write_report(out: Path, report: dict[str, object]) -> None:
     (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     short = {k: v for k, v in report.items() if k != "load_per_layer"}
@@ -130,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--calibration", nargs="+", metavar="FILE", help="calibration text files (default: stdlib)")
         p.add_argument("--seq-len", type=int, default=SEQ_LEN[kind], help="calibration tokens taken from each file")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--compress", default="", metavar="int8,int4",
+                       help="also write compressed copies of the built model (`specoffload quantize`; int4 at group "
+                            "64) beside it, named OUT-int8 / OUT-int4g64")
         if kind == "moefy":
             p.add_argument("--shared", type=int, default=params.shared, help="neurons of the shared expert")
             p.add_argument("--active-fraction", type=float, default=params.active_fraction)
@@ -174,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.command}: {out} ({record['checkpoint_bytes'] / 2**30:.2f} GiB, {record['build_seconds']:.0f} s)")
         if args.command == "moefy" and not args.no_report:
             _write_report(out, measure(dense, out, args.report_prompts))
+        for scheme in filter(None, args.compress.split(",")):
+            compressed = write_compressed(out, scheme)
+            print(f"{scheme}: {compressed}")
     except (MoEBuildError, CheckpointError, UnsupportedModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

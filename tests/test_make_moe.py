@@ -223,3 +223,17 @@ def test_get_models_moe_option():
     assert _moe_kinds("upcycle, moefy,upcycle") == ["upcycle", "moefy"]
     with pytest.raises(argparse.ArgumentTypeError, match="expected upcycle, moefy"):
         _moe_kinds("upcycle,mixtral")
+
+
+def test_a_built_moe_gets_its_compressed_copy_beside_it(qwen2_biased, calibration, tmp_path, single_thread):
+    from scripts.make_moe import write_compressed
+
+    out = tmp_path / "upcycled"
+    upcycle(qwen2_biased, out, calibration, UpcycleParams(experts=4, top_k=2))
+    compressed = write_compressed(out, "int8")
+    assert compressed == tmp_path / "upcycled-int8" and write_compressed(out, "int8") == compressed  # reused
+    ckpt = Checkpoint(compressed)
+    experts = [n for n in ckpt.names() if ".experts." in n]
+    assert experts and all(ckpt.quantized(n) is not None for n in experts)
+    provenance = json.loads((compressed / "provenance.json").read_text())
+    assert provenance["scheme"] == "int8" and "upcycled" in provenance["source"]["dir"]

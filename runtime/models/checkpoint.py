@@ -20,7 +20,9 @@ import torch
 from safetensors import safe_open
 
 from ..json_bounds import JsonBounds, loads_bounded
+from ..quant import COMPONENTS, QuantSpec, dequantize_into
 from .errors import CheckpointError
+from .quantized import QUANT_FILE, QuantManifest, check_components, read_manifest
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -60,6 +62,28 @@ class _Entry:
     length: int
 
 
+@dataclass(frozen=True)
+class QuantComponent:
+    """One stored component of a compressed weight (or of its row `index`): where it lies, its dtype and shape."""
+
+    suffix: str  # "qweight" | "scale" | "zero"
+    location: TensorLocation
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class QuantRef:
+    """A compressed weight as the streamer reads it: its scheme and its components, in file order."""
+
+    spec: QuantSpec
+    components: tuple[QuantComponent, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.location.length for c in self.components)
+
+
 class Checkpoint:
     """Read-only view of the safetensors tensors in an HF checkpoint directory (single file or sharded)."""
 
@@ -72,12 +96,40 @@ class Checkpoint:
             for name, entry in _read_header(file).items():
                 self._entries.setdefault(name, entry)
         self._handles: dict[Path, Any] = {}
+        #: the compression manifest of a `specoffload quantize` checkpoint (models/quantized.py), else None
+        self.quantization: QuantManifest | None = read_manifest(self.path)
+        self._quant: dict[str, dict[str, _Entry]] = self._open_quantized()
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        """Every weight's name; a compressed weight under its own name (its components are not listed)."""
+        hidden = {f"{n}.{c}" for n in self._quant for c in COMPONENTS}
+        return sorted((set(self._entries) - hidden) | set(self._quant))
 
     def has(self, name: str) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self._quant
+
+    def quantized(self, name: str, index: int | None = None) -> QuantRef | None:
+        """A compressed weight's scheme and components (of its row `index` of the first dimension if given), or
+        None for a weight stored as is."""
+        parts = self._quant.get(name)
+        if parts is None:
+            return None
+        assert self.quantization is not None
+        if index is not None:
+            self._check_index(name, self._entry(name), index)
+        components = []
+        for suffix in COMPONENTS:
+            entry = parts.get(suffix)
+            if entry is None:
+                continue
+            location = TensorLocation(str(entry.file), entry.offset, entry.length)
+            shape = entry.shape
+            if index is not None:
+                row = entry.length // entry.shape[0]
+                location = TensorLocation(location.path, entry.offset + index * row, row)
+                shape = shape[1:]
+            components.append(QuantComponent(suffix, location, _TORCH_DTYPE[entry.dtype], shape))
+        return QuantRef(self.quantization.spec, tuple(components))
 
     __contains__ = has
 
@@ -104,8 +156,10 @@ class Checkpoint:
             ) from None
 
     def nbytes(self, name: str, index: int | None = None) -> int:
-        """Bytes of the tensor in the file (of row `index` of its first dimension if given)."""
-        return self.file_of(name, index).length
+        """Bytes of the tensor in the file (of row `index` of its first dimension if given); a compressed weight's
+        stored bytes (codes, scales and zero points)."""
+        ref = self.quantized(name, index)
+        return ref.nbytes if ref is not None else self.file_of(name, index).length
 
     def numel(self, name: str, index: int | None = None) -> int:
         shape = self._entry(name).shape
@@ -114,6 +168,8 @@ class Checkpoint:
     def file_of(self, name: str, index: int | None = None) -> TensorLocation:
         """Byte range of the tensor's data, or of its row `index` along the first (outermost) dimension."""
         entry = self._entry(name)
+        if name in self._quant:
+            raise CheckpointError(f"tensor {name!r} of {self.path} is compressed: read it with `quantized` or `get`")
         if index is None:
             return TensorLocation(str(entry.file), entry.offset, entry.length)
         rows = self._check_index(name, entry, index)
@@ -127,8 +183,16 @@ class Checkpoint:
         device: str | torch.device = "cpu",
         index: int | None = None,
     ) -> torch.Tensor:
-        """Read a tensor (only its row `index` of the first dimension if given), cast to `dtype`, on `device`."""
+        """Read a tensor (only its row `index` of the first dimension if given), cast to `dtype`, on `device`.
+        A compressed weight is dequantized (into `dtype`; float32 if None)."""
         entry = self._entry(name)
+        if name in self._quant:
+            ref = self.quantized(name, index)
+            assert ref is not None
+            parts = {c.suffix: self.get(f"{name}.{c.suffix}", None, device, index) for c in ref.components}
+            shape = self.shape_of(name, index)
+            dest = torch.empty(shape, dtype=dtype or torch.float32, device=device)
+            return dequantize_into(dest, parts, ref.spec)
         try:
             handle = self._handle(entry.file)
             if index is None:
@@ -149,10 +213,42 @@ class Checkpoint:
         return sum(e.length for e in self._entries.values())
 
     def _entry(self, name: str) -> _Entry:
+        """The header entry of a stored tensor; of a compressed weight, its logical entry (shape and dtype as
+        before compression, located at its codes)."""
+        parts = self._quant.get(name)
+        if parts is not None:
+            assert self.quantization is not None
+            shape, dtype = self.quantization.tensors[name]
+            q = parts["qweight"]
+            return _Entry(q.file, dtype, shape, q.offset, sum(e.length for e in parts.values()))
         try:
             return self._entries[name]
         except KeyError:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}") from None
+
+    def _open_quantized(self) -> dict[str, dict[str, _Entry]]:
+        """Each compressed weight's component entries, checked against the manifest's scheme (models/quantized.py).
+        A checkpoint with compressed components and no manifest is refused."""
+        manifest = self.quantization
+        if manifest is None:
+            orphan = next((n for n in self._entries if n.endswith(".qweight")), None)
+            if orphan is not None:
+                raise CheckpointError(f"{self.path} holds compressed tensors ({orphan}) but no {QUANT_FILE}; "
+                                      "re-run `specoffload quantize`")
+            return {}
+        out: dict[str, dict[str, _Entry]] = {}
+        for name in manifest.tensors:
+            if name in self._entries:
+                raise CheckpointError(f"compressed checkpoint {self.path}: {name} is stored both as is and compressed")
+            parts = {c: self._entries[f"{name}.{c}"] for c in COMPONENTS if f"{name}.{c}" in self._entries}
+            check_components(manifest, name, {c: (e.dtype, e.shape) for c, e in parts.items()} |
+                             {c: None for c in COMPONENTS if c not in parts}, self.path)
+            files = {e.file for e in parts.values()}
+            if len(files) > 1:
+                raise CheckpointError(f"compressed checkpoint {self.path}: the components of {name} are split over "
+                                      f"{len(files)} files")
+            out[name] = parts
+        return out
 
     def _check_index(self, name: str, entry: _Entry, index: int) -> int:
         rows = entry.shape[0] if entry.shape else 0

@@ -170,8 +170,20 @@ class WeightLoader:
         """The base layer's view of this model (parts and bytes in the loader's dtype). Reads tensor headers only."""
         cfg = self.config
         kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        return ModelShape(name=name, parts=tuple((key, self.nbytes(key)) for key in self.parts()),
-                          num_layers=cfg.num_layers, kv_bytes_per_token=kv)
+        keys = self.parts()
+        stored = tuple((key, n) for key in keys if (n := self.stored_nbytes(key)) is not None)
+        return ModelShape(name=name, parts=tuple((key, self.nbytes(key)) for key in keys),
+                          num_layers=cfg.num_layers, kv_bytes_per_token=kv, stored=stored)
+
+    def stored_nbytes(self, key: PartKey) -> int | None:
+        """Bytes a part with compressed weights (a `specoffload quantize` checkpoint) is stored and streamed as:
+        its compressed weights' stored bytes plus its other tensors in the loader's dtype; None for a part
+        without compressed weights."""
+        ckpt, refs = self.checkpoint, self.refs(key).values()
+        if not any(ckpt.quantized(ref.name) is not None for ref in refs):
+            return None
+        return sum(ckpt.nbytes(ref.name, ref.index) if ckpt.quantized(ref.name) is not None
+                   else ckpt.numel(ref.name, ref.index) * self.dtype.itemsize for ref in refs)
 
     def refs(self, key: PartKey) -> dict[str, TensorRef]:
         """The checkpoint tensors of a part, by field name."""

@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from specoffload.planner import HardwareProfile
-from specoffload.planner.cost import estimate_step, stream_bytes
+from specoffload.planner.cost import estimate_step, stream_bytes, stream_seconds
 from specoffload.planner.placement import PlacementError
 
 from ..config import EngineConfig
@@ -64,9 +64,13 @@ def calibrate(config: EngineConfig, profile: HardwareProfile, open_engine: Engin
         points += _run(config, open_engine, draft_rows, CALIBRATION_K, ks=(CALIBRATION_K, 0), quick=quick)
     loaded = sum(p["streamed_bytes"] for p in points)
     busy = sum(p["load_s"] for p in points)
+    # the loader's seconds the isolated rates predict for the same loads (compressed parts: read + decompression)
+    modelled = sum(sum(stream_seconds(profile, p["placement"], p["costs"].target).values()) * p["loads"]
+                   for p in points)
     dense = all(p["costs"].num_experts == 0 for p in points)  # (selected expert loading reads fewer bytes)
-    stream = loaded / busy if dense and loaded > 0 and busy > 0 else profile.stream_bytes_per_s
-    calibrated = replace(profile, stream_bytes_per_s=stream)
+    factor = modelled / busy if dense and loaded > 0 and busy > 0 and modelled > 0 else 1.0
+    calibrated = profile.scaled_io(factor)  # every loader rate (stream, read, decompress) by what passes show
+    stream = calibrated.stream_bytes_per_s
     needed = [_overhead_needed(calibrated, p) for p in points]
     o, r = _fit_line([p["positions"] for p in points], needed)
     calibrated = replace(calibrated, pass_overhead_s=o, position_overhead_s=r)
@@ -119,7 +123,7 @@ def _run(config: EngineConfig, open_engine: EngineFactory, rows: int, k_max: int
             out.append({
                 "rows": rows, "k": k, "positions": rows * (k + 1), "attended_len": PROMPT_TOKENS + NEW_TOKENS // 2,
                 "measured_s": statistics.median(periods), "passes": len(periods),
-                "streamed_bytes": streamed * len(steps), "load_s": busy["load"],
+                "streamed_bytes": streamed * len(steps), "loads": len(steps), "load_s": busy["load"],
                 **{f"{kind}_s": busy[kind] / timed for kind in ("attention", "ffn", "head", "verify", "embed",
                                                               "draft")},
                 "costs": costs, "placement": engine.placement,

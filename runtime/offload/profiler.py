@@ -119,7 +119,7 @@ def measure(config: EngineConfig, quick: bool = False, open_engine: EngineFactor
     target.pack = False  # streamed weights are used unpacked
     cfg = target.config
     with torch.inference_mode():
-        stream = _stream_rate(config, target, layers_to_load=2 if quick else 6)
+        stream, read_rate, decompress_rate = _stream_rate(config, target, layers_to_load=2 if quick else 6)
         ffn_key = PartKey("expert", 0, 0) if cfg.is_moe_layer(0) else PartKey("dense_mlp", 0)
         ffn_w = target.loader.load(ffn_key)
         mlp = ffn_w if ffn_key.kind == "expert" else ffn_w.mlp
@@ -161,6 +161,8 @@ def measure(config: EngineConfig, quick: bool = False, open_engine: EngineFactor
         head_flops_per_s=head_rate,
         resident_ffn_flops_per_s=tuple(resident_rates) or None,
         pass_overhead_s=0.0,
+        read_bytes_per_s=read_rate,
+        decompress_bytes_per_s=decompress_rate,
     ), open_engine or _default_engine, quick=quick)
 
 
@@ -174,8 +176,11 @@ def _default_engine(config: EngineConfig) -> Engine:
     return Engine(config)
 
 
-def _stream_rate(config: EngineConfig, target: Transformer, layers_to_load: int) -> float:
-    """Bytes per second delivered into two ring slots, loading FFN layers as the pipeline does."""
+def _stream_rate(config: EngineConfig, target: Transformer,
+                 layers_to_load: int) -> tuple[float, float | None, float | None]:
+    """Bytes per second delivered into two ring slots, loading FFN layers as the pipeline does; for a compressed
+    checkpoint also the loader's raw read rate (stored bytes per second of reading; None from the RAM tier) and
+    its decompression rate (compute-dtype bytes written per second of dequantizing)."""
     cfg = target.config
     groups = []
     for layer in range(min(layers_to_load, cfg.num_layers)):
@@ -196,7 +201,14 @@ def _stream_rate(config: EngineConfig, target: Transformer, layers_to_load: int)
             streamer.load(n % 2, group)
             moved += streamer.nbytes(group)
         _sync()  # (on CUDA a load only queues its copies)
-        return moved / (time.perf_counter() - t)
+        stream = moved / (time.perf_counter() - t)
+        decompressed = sum(f.nbytes for key in parts for f in streamer.layout(key).fields if f.quant is not None)
+        if not decompressed or streamer.decompress_seconds <= 0:
+            return stream, None, None
+        read = None
+        if config.weights_tier == "disk" and streamer.read_seconds > 0:
+            read = streamer.bytes_read / streamer.read_seconds
+        return stream, read, decompressed / streamer.decompress_seconds
     finally:
         streamer.close()
 

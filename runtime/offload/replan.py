@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Hashable, Sequence
-from dataclasses import replace
 
 from specoffload.planner import AcceptanceTracker, HardwareProfile, ModelCosts, estimate_step, replan
 from specoffload.planner.placement import Placement
@@ -95,7 +94,7 @@ class Replanner:
         if rate is None:
             return self.profile
         self.stream_rate = rate
-        return replace(self.profile, stream_bytes_per_s=rate)
+        return self.profile.scaled_io(rate / self.profile.stream_bytes_per_s)  # (compressed parts' rates too)
 
     def record(self, accepted: Sequence[int], k: int | Sequence[int],
                prompts: Sequence[Hashable] | None = None) -> None:
@@ -145,8 +144,8 @@ def observed_stream_rate(profile: HardwareProfile, costs: ModelCosts, placement:
     if profile.device == "cpu" and sum(loads) > 0:  # (a pass may see 0 loads, the next two passes' worth)
         return streamed / statistics.fmean(loads)  # what the loader delivered per second of its own work
     period = statistics.median(s for s, _ in chosen)
-    fast = estimate_step(replace(profile, stream_bytes_per_s=UNBOUNDED), costs, placement, rows, k, 0.0, attended_len,
-                         expert_loading)
+    unbounded = profile.scaled_io(UNBOUNDED / profile.stream_bytes_per_s)  # every loader rate
+    fast = estimate_step(unbounded, costs, placement, rows, k, 0.0, attended_len, expert_loading)
     if period <= fast.t_step and model.bound != "io":
         return None  # the pass did not wait on the io: its period says nothing about the rate
     return streamed / period

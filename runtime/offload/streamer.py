@@ -19,6 +19,13 @@ e.g. float16: half the PCIe bytes of float32) into a device scratch buffer, and 
 pinned staging buffers let the read of one chunk overlap the transfer of the previous one. On CPU every copy is
 synchronous in the calling thread, and the conversion reads straight from the staging buffer.
 
+Compressed checkpoints (`specoffload quantize`, runtime/quant.py): a compressed weight's stored bytes (codes,
+scales, zero points) are read from disk into a packed scratch buffer, or kept as such in the host tier, and
+`dequantize_into` writes the weight into its place in the slot in the compute dtype, on the loading thread (a
+"decompress" span; `decompress_seconds`). Only the streamed bytes shrink: a slot holds the same compute-dtype
+weights either way. In the host tier a part is laid out by `FieldLayout.host_offset` (compute-dtype fields as in a
+slot, compressed ones as their components); a part without compressed fields is laid out exactly as in a slot.
+
 Threading: `load` may run in a dedicated io thread (calls are serialised by a lock); the caller guarantees that a
 slot being reloaded is no longer in use (on CUDA: calls `sync.after_use(slot)` after queueing its last use).
 """
@@ -34,9 +41,10 @@ from typing import Any
 
 import torch
 
-from ..models.checkpoint import TensorLocation
+from ..models.checkpoint import QuantRef, TensorLocation
 from ..models.errors import CheckpointError
 from ..models.weights import PartKey, TensorRef, WeightLoader, Weights
+from ..quant import dequantize_into
 from .direct_io import ALIGN, AlignedBuffer, DirectReader, align_up
 from .slot_sync import SlotSync, slot_sync
 
@@ -55,12 +63,29 @@ class FieldLayout:
     shape: tuple[int, ...]
     offset: int  # byte offset in the part's region, TENSOR_ALIGN-aligned
     nbytes: int  # bytes in the compute dtype
+    quant: QuantRef | None = None  # a compressed weight: its components (location unused)
+    host_offset: int = 0  # byte offset in the part's region of the host tier / packed scratch, TENSOR_ALIGN-aligned
+    host_nbytes: int = 0  # bytes there: nbytes, or the compressed components' (each TENSOR_ALIGN-aligned)
+
+    def component_offsets(self) -> list[int]:
+        """Byte offset of each compressed component relative to `host_offset`."""
+        out, at = [], 0
+        for c in self.quant.components if self.quant is not None else ():
+            out.append(at)
+            at = align_up(at + c.location.length, TENSOR_ALIGN)
+        return out
 
 
 @dataclass(frozen=True)
 class PartLayout:
     fields: tuple[FieldLayout, ...]
     nbytes: int  # bytes the part takes in a slot, a multiple of TENSOR_ALIGN
+    host_nbytes: int = 0  # bytes the part takes in the host tier (its compressed fields compressed)
+    stored_nbytes: int = 0  # bytes of its compressed fields' components (0: none compressed)
+
+    @property
+    def compressed(self) -> bool:
+        return any(f.quant is not None for f in self.fields)
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,11 +124,17 @@ def coalesce(pieces: Sequence[Piece], max_span: int, max_gap: int) -> list[list[
 def split_pieces(field: FieldLayout, dest: torch.Tensor, max_piece: int) -> Iterator[Piece]:
     """Cut a tensor's file bytes into pieces of at most `max_piece` bytes (a multiple of TENSOR_ALIGN, hence of
     the item size) with the matching ranges of `dest` (flat, compute dtype)."""
-    loc, itemsize = field.location, field.file_dtype.itemsize
+    return split_range(field.location, field.file_dtype, dest, max_piece, field.ref.name)
+
+
+def split_range(loc: TensorLocation, file_dtype: torch.dtype, dest: torch.Tensor, max_piece: int,
+                tensor: str = "") -> Iterator[Piece]:
+    """`split_pieces` for any byte range: of a tensor, or of a compressed weight's component (uint8 into uint8)."""
+    itemsize = file_dtype.itemsize
     for begin in range(0, loc.length, max_piece):
         length = min(max_piece, loc.length - begin)
         elems = dest[begin // itemsize : (begin + length) // itemsize]
-        yield Piece(loc.path, loc.offset + begin, length, field.file_dtype, elems, field.ref.name)
+        yield Piece(loc.path, loc.offset + begin, length, file_dtype, elems, tensor)
 
 
 class WeightStreamer:
@@ -149,6 +180,8 @@ class WeightStreamer:
         self.bytes_read = 0
         self.read_seconds = 0.0
         self.copy_seconds = 0.0
+        self.decompress_seconds = 0.0  # of compressed weights, included in copy_seconds
+        self._packed: torch.Tensor | None = None  # scratch for compressed bytes read from disk (grown on demand)
         self._cuda = self.device.type == "cuda"
         self._lock = threading.Lock()
         self._layouts: dict[PartKey, PartLayout] = {}
@@ -180,6 +213,10 @@ class WeightStreamer:
         """Bytes the parts take in a slot, in the compute dtype, with per-tensor alignment."""
         return sum(self.layout(key).nbytes for key in dict.fromkeys(keys))
 
+    def stored_nbytes(self, keys: Sequence[PartKey]) -> int:
+        """Bytes the parts take in the host tier: in a slot's layout, compressed weights compressed."""
+        return sum(self.layout(key).host_nbytes for key in dict.fromkeys(keys))
+
     def layout(self, key: PartKey) -> PartLayout:
         """Where each tensor of the part lies in the file and in the part's region of a slot (cached)."""
         if key not in self._layouts:
@@ -209,8 +246,11 @@ class WeightStreamer:
             self.sync.before_load(slot, self._stream)
             if self.source == "disk":
                 before = self.reader.bytes_read
-                self._fill_from_disk(self._pieces(self._slots[slot], bases), on_device=self._cuda)
+                packed, packed_bases = self._packed_scratch(keys)
+                self._fill_from_disk(self._pieces(self._slots[slot], bases, packed, packed_bases), on_device=self._cuda)
                 self.bytes_read += self.reader.bytes_read - before
+                if packed is not None:
+                    self._decompress(self._slots[slot], bases, packed, packed_bases)
             else:
                 self._fill_from_host(self._slots[slot], bases)
             self.sync.after_load(slot, self._stream)
@@ -243,15 +283,23 @@ class WeightStreamer:
     # --- layout --------------------------------------------------------------------------------------------
 
     def _make_layout(self, key: PartKey) -> PartLayout:
-        ckpt, fields, offset = self.loader.checkpoint, [], 0
+        ckpt, fields, offset, host, stored = self.loader.checkpoint, [], 0, 0, 0
         for field, ref in self.loader.refs(key).items():
             shape = ckpt.shape_of(ref.name, ref.index)
             numel = ckpt.numel(ref.name, ref.index)
-            location = ckpt.file_of(ref.name, ref.index)
+            quant = ckpt.quantized(ref.name, ref.index)
             nbytes = numel * self.dtype.itemsize
-            fields.append(FieldLayout(field, ref, location, ckpt.torch_dtype(ref.name), shape, offset, nbytes))
+            if quant is None:
+                location, host_nbytes = ckpt.file_of(ref.name, ref.index), nbytes
+            else:  # the codes' range stands in for the location; the components are read one by one
+                location = quant.components[0].location
+                host_nbytes = sum(align_up(c.location.length, TENSOR_ALIGN) for c in quant.components)
+                stored += host_nbytes
+            fields.append(FieldLayout(field, ref, location, ckpt.torch_dtype(ref.name), shape, offset, nbytes,
+                                      quant, host, host_nbytes))
             offset = align_up(offset + nbytes, TENSOR_ALIGN)
-        return PartLayout(tuple(fields), offset)
+            host = align_up(host + host_nbytes, TENSOR_ALIGN)
+        return PartLayout(tuple(fields), offset, host, stored)
 
     def _bases(self, keys: Sequence[PartKey]) -> list[tuple[PartKey, int]]:
         """Byte offset of each part's region in a slot: back to back, in the given order."""
@@ -268,13 +316,85 @@ class WeightStreamer:
     def _views(self, buffer: torch.Tensor, key: PartKey, base: int) -> dict[str, torch.Tensor]:
         return {f.field: self._flat(buffer, base, f).view(f.shape) for f in self.layout(key).fields}
 
-    def _pieces(self, buffer: torch.Tensor, bases: Sequence[tuple[PartKey, int]]) -> list[Piece]:
-        return [
-            piece
-            for key, base in bases
-            for field in self.layout(key).fields
-            for piece in split_pieces(field, self._flat(buffer, base, field), self._max_piece)
-        ]
+    def _pieces(self, buffer: torch.Tensor, bases: Sequence[tuple[PartKey, int]], packed: torch.Tensor | None = None,
+                packed_bases: Sequence[tuple[PartKey, int]] = ()) -> list[Piece]:
+        """What to read for the parts: each stored field converted into `buffer` at its slot offset, each compressed
+        field's components copied raw into `packed` (scratch or host tier) at its host layout offsets."""
+        pieces = []
+        packed_at = dict(packed_bases)
+        for key, base in bases:
+            for field in self.layout(key).fields:
+                if field.quant is None:
+                    pieces += split_pieces(field, self._flat(buffer, base, field), self._max_piece)
+                    continue
+                assert packed is not None
+                pieces += self._component_pieces(field, packed, packed_at[key])
+        return pieces
+
+    def _host_pieces(self, host: torch.Tensor, bases: Sequence[tuple[PartKey, int]]) -> list[Piece]:
+        """The host tier's reads: stored fields converted at their host offsets, compressed ones kept raw."""
+        pieces = []
+        for key, base in bases:
+            for field in self.layout(key).fields:
+                if field.quant is None:
+                    dest = host[base + field.host_offset : base + field.host_offset + field.nbytes].view(self.dtype)
+                    pieces += split_pieces(field, dest, self._max_piece)
+                else:
+                    pieces += self._component_pieces(field, host, base)
+        return pieces
+
+    def _component_pieces(self, field: FieldLayout, packed: torch.Tensor, base: int) -> list[Piece]:
+        """A compressed field's components, read raw into `packed` at the part's `base` + their host offsets."""
+        assert field.quant is not None
+        start, pieces = base + field.host_offset, []
+        for c, at in zip(field.quant.components, field.component_offsets()):
+            dest = packed[start + at : start + at + c.location.length]  # [bytes] uint8
+            pieces += split_range(c.location, torch.uint8, dest, self._max_piece, field.ref.name)
+        return pieces
+
+    # --- compressed weights --------------------------------------------------------------------------------
+
+    def _packed_scratch(self, keys: Sequence[PartKey]) -> tuple[torch.Tensor | None, list[tuple[PartKey, int]]]:
+        """The scratch buffer for the compressed bytes of `keys` (None if none is compressed), and each part's
+        base in it (host layout). Grown when a load needs more than any before."""
+        bases, at = [], 0
+        for key in keys:
+            if self.layout(key).compressed:
+                bases.append((key, at))
+                at += self.layout(key).host_nbytes
+        if not bases:
+            return None, []
+        if self._packed is None or self._packed.numel() < at:
+            self._packed = torch.empty(at, dtype=torch.uint8, device=self.device)
+        return self._packed, bases
+
+    def _components(self, packed: torch.Tensor, base: int, field: FieldLayout) -> dict[str, torch.Tensor]:
+        """Views of a compressed field's components in `packed` (scratch or host tier), in their dtypes."""
+        assert field.quant is not None
+        out, start = {}, base + field.host_offset
+        for c, at in zip(field.quant.components, field.component_offsets()):
+            raw = packed[start + at : start + at + c.location.length]  # [bytes] uint8
+            out[c.suffix] = raw.view(c.dtype).view(c.shape)
+        return out
+
+    def _decompress(self, slot: torch.Tensor, bases: Sequence[tuple[PartKey, int]], packed: torch.Tensor,
+                    packed_bases: Sequence[tuple[PartKey, int]]) -> None:
+        """Dequantize every compressed field of the parts from `packed` into its place in the slot."""
+        t0 = time.perf_counter()
+        packed_at = dict(packed_bases)
+        with self._span("decompress", "copy", parts=len(packed_at)), contextlib.ExitStack() as stack:
+            if self._stream is not None:
+                stack.enter_context(torch.cuda.stream(self._stream))
+            for key, base in bases:
+                if key not in packed_at:
+                    continue
+                for field in self.layout(key).fields:
+                    if field.quant is not None:
+                        dest = self._flat(slot, base, field).view(field.shape)
+                        dequantize_into(dest, self._components(packed, packed_at[key], field), field.quant.spec)
+        elapsed = time.perf_counter() - t0
+        self.decompress_seconds += elapsed
+        self.copy_seconds += elapsed
 
     # --- copies --------------------------------------------------------------------------------------------
 
@@ -306,27 +426,51 @@ class WeightStreamer:
             self.copy_seconds += time.perf_counter() - t1
 
     def _fill_from_host(self, slot: torch.Tensor, bases: Sequence[tuple[PartKey, int]]) -> None:
-        """Copy each part's region from the host tier: the layouts match, so one copy per part."""
+        """Copy each part's region from the host tier: the layouts match, so one copy per part; a part with
+        compressed fields is copied field by field, its compressed ones decompressed (on CUDA: from a device copy of
+        their bytes)."""
         assert self._host is not None
         t0 = time.perf_counter()
+        compressed = []
         with self._span("copy", "copy", parts=len(bases)), contextlib.ExitStack() as stack:
             if self._stream is not None:
                 stack.enter_context(torch.cuda.stream(self._stream))
             for key, base in bases:
-                host, n = self._host_offset[key], self.layout(key).nbytes
-                slot[base : base + n].copy_(self._host[host : host + n], non_blocking=self._cuda)
-                self.bytes_read += n
+                host, layout = self._host_offset[key], self.layout(key)
+                if not layout.compressed:
+                    n = layout.nbytes
+                    slot[base : base + n].copy_(self._host[host : host + n], non_blocking=self._cuda)
+                    self.bytes_read += n
+                    continue
+                compressed.append(key)
+                for field in layout.fields:
+                    if field.quant is None:
+                        src = self._host[host + field.host_offset : host + field.host_offset + field.nbytes]
+                        self._flat(slot, base, field).view(torch.uint8).copy_(src, non_blocking=self._cuda)
+                self.bytes_read += layout.host_nbytes
         self.copy_seconds += time.perf_counter() - t0
+        if compressed:
+            host_bases = [(key, self._host_offset[key]) for key in compressed]
+            packed = self._host
+            if self._cuda:  # the compressed bytes cross the link, and are decompressed on the device
+                packed, device_bases = self._packed_scratch(compressed)
+                assert packed is not None
+                with torch.cuda.stream(self._stream):
+                    for (key, src), (_, dst) in zip(host_bases, device_bases):
+                        n = self.layout(key).host_nbytes
+                        packed[dst : dst + n].copy_(self._host[src : src + n], non_blocking=True)
+                host_bases = device_bases
+            self._decompress(slot, bases, packed, host_bases)
 
     def _preload(self, parts: Sequence[PartKey]) -> None:
         """Read `parts` into the host RAM tier (compute dtype, pinned on CUDA), through the disk path."""
         offset = 0
         for key in parts:
             self._host_offset[key] = offset
-            offset += self.layout(key).nbytes
+            offset += self.layout(key).host_nbytes
         self._host = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=self._cuda)
         with self._span("preload", "io", parts=len(parts), bytes=offset):
-            self._fill_from_disk(self._pieces(self._host, list(self._host_offset.items())), on_device=False)
+            self._fill_from_disk(self._host_pieces(self._host, list(self._host_offset.items())), on_device=False)
         self.read_seconds = self.copy_seconds = 0.0
 
     def _span(self, name: str, resource: str, **args: Any) -> contextlib.AbstractContextManager[Any]:

@@ -1,0 +1,220 @@
+"""`specoffload quantize`: write a compressed copy of a checkpoint (int8 per output channel, or int4 per group).
+
+The streamed parts' matrices are compressed (runtime/quant.py): every dense MLP, routed expert and shared expert,
+plus, with `--attention`, the attention projections. Everything else (embedding, norms, routers, the head) is
+copied as stored. The output mirrors the source's files (same shard names, an index if the source has one), each
+compressed weight's components written next to each other so that one read fetches them, plus
+`quantization.json` (models/quantized.py) and `provenance.json` (the source's hashes and provenance, the scheme,
+the date, and the SHA-256 of the written safetensors files under the key scripts/get_models.py checks).
+Files are written tensor by tensor under a temporary name and renamed when whole; memory stays at one tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from .models.checkpoint import INDEX_FILE, Checkpoint
+from .models.config import ModelConfig
+from .models.errors import CheckpointError
+from .models.quantized import QUANT_FILE, QuantManifest
+from .models.weights import WeightLoader
+from .quant import QuantSpec, quantize
+
+PROVENANCE = "provenance.json"
+HASHES = "safetensors_sha256"  # the key scripts/get_models.py and runtime/offline/manifest.py read
+_DTYPE_NAME = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int8: "I8",
+               torch.uint8: "U8"}  # fmt: skip
+_TORCH = {v: k for k, v in _DTYPE_NAME.items()}
+_CHUNK = 1 << 20
+
+
+def compressed_names(checkpoint: Checkpoint, config: ModelConfig, attention: bool = False) -> list[str]:
+    """The matrices `quantize` compresses: those of the streamed FFN parts (dense MLPs, routed experts, shared
+    experts), and with `attention` the attention projections; never norms, routers, embedding or head."""
+    loader = WeightLoader(checkpoint, config, torch.float32, "cpu")
+    names: dict[str, None] = {}
+    for key in loader.parts():
+        refs = loader.refs(key)
+        if key.kind in ("dense_mlp", "expert"):
+            chosen = [r for f, r in refs.items() if f != "post_norm"]
+        elif key.kind == "router":
+            chosen = [r for f, r in refs.items() if f.startswith("shared_") and f.endswith("_proj")]
+        elif key.kind == "attention" and attention:
+            chosen = [refs[x] for x in "qkvo"]
+        else:
+            chosen = []
+        names.update((r.name, None) for r in chosen)
+    return list(names)
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, spec: QuantSpec, attention: bool = False,
+                        log: Callable[[str], None] | None = None) -> dict[str, object]:
+    """Write the compressed checkpoint of `src` to `out` (a new directory); return its provenance record."""
+    src, out = Path(src), Path(out)
+    config = ModelConfig.from_dir(src)
+    ckpt = Checkpoint(src)
+    if ckpt.quantization is not None:
+        raise CheckpointError(f"{src} is already compressed ({ckpt.quantization.spec.scheme}); quantize the original")
+    if out.exists():
+        raise FileExistsError(f"output {out} exists; remove it or choose another -o")
+    chosen = set(compressed_names(ckpt, config, attention))
+    for name in chosen:
+        dtype = ckpt.torch_dtype(name)
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise CheckpointError(f"{src}: {name} is {dtype}, not a float weight; cannot compress it")
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    shards = _shards(ckpt)
+    weight_map: dict[str, str] = {}
+    manifest = QuantManifest(spec, {n: (ckpt.shape(n), _DTYPE_NAME[ckpt.torch_dtype(n)]) for n in sorted(chosen)})
+    stored = original = 0
+    for file, names in shards.items():
+        groups: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]] = []
+        for name in names:
+            original += ckpt.nbytes(name)
+            if name in chosen:
+                comps = spec.components(ckpt.shape(name))
+                groups.append((name, [(f"{name}.{c}", d, s) for c, (d, s) in comps.items()]))
+            else:
+                dtype = _DTYPE_NAME.get(ckpt.torch_dtype(name))
+                if dtype is None:
+                    raise CheckpointError(f"{src}: {name} is {ckpt.torch_dtype(name)}, which `quantize` cannot copy")
+                groups.append((name, [(name, dtype, ckpt.shape(name))]))
+        stored += _write_file(tmp / file, groups, lambda name: _produce(ckpt, name, chosen, spec))
+        weight_map.update((n, file) for _, stored_as in groups for n, _, _ in stored_as)
+        if log:
+            log(f"wrote {file}")
+    if (src / INDEX_FILE).is_file():
+        index = {"metadata": {"total_size": stored}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (tmp / QUANT_FILE).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+    for side in src.iterdir():
+        if side.is_file() and side.suffix != ".safetensors" and side.name not in (INDEX_FILE, PROVENANCE, QUANT_FILE):
+            shutil.copy2(side, tmp / side.name)
+    record = {
+        "tool": "specoffload quantize",
+        "scheme": spec.scheme,
+        "group_size": spec.group,
+        "compressed": "ffn+attention" if attention else "ffn",
+        "compressed_tensors": len(chosen),
+        "source": _source_record(src),
+        "bytes": {"source": original, "stored": stored},
+        "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+        "quantization_sha256": _sha256(tmp / QUANT_FILE),
+        HASHES: {p.name: _sha256(p) for p in sorted([*tmp.glob("*.safetensors"), *tmp.glob("*.index.json")])},
+    }
+    (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+    Checkpoint(tmp)  # the reader accepts what we wrote (layout checked against the manifest)
+    tmp.rename(out)
+    return record
+
+
+def _produce(ckpt: Checkpoint, name: str, chosen: set[str], spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """The tensors stored for `name`: its components if compressed (suffixed names), else itself as stored."""
+    if name not in chosen:
+        return {name: ckpt.get(name)}
+    return {f"{name}.{c}": t for c, t in quantize(ckpt.get(name), spec).items()}
+
+
+def _shards(ckpt: Checkpoint) -> dict[str, list[str]]:
+    """Source file name -> its tensors, in file order."""
+    by_file: dict[str, list[tuple[int, str]]] = {}
+    for name in ckpt.names():
+        loc = ckpt.file_of(name)
+        by_file.setdefault(Path(loc.path).name, []).append((loc.offset, name))
+    return {f: [n for _, n in sorted(v)] for f, v in sorted(by_file.items())}
+
+
+def _write_file(path: Path, groups: Sequence[tuple[str, Sequence[tuple[str, str, tuple[int, ...]]]]],
+                produce: Callable[[str], dict[str, torch.Tensor]]) -> int:
+    """Write one safetensors file: per source tensor, in order, the (name, dtype, shape) it is stored as (itself,
+    or its adjacent components); the header first, then each source tensor's data (`produce(source name)`),
+    checked against the header. Returns the data bytes."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", "producer": "specoffload quantize"}}
+    offset = 0
+    for _, stored_as in groups:
+        for name, dtype, shape in stored_as:
+            nbytes = _numel(shape) * _TORCH[dtype].itemsize
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for source, stored_as in groups:
+            tensors = produce(source)
+            for name, _, _ in stored_as:
+                tensor, info = tensors[name], header[name]
+                assert isinstance(info, dict)
+                if list(tensor.shape) != info["shape"] or _DTYPE_NAME[tensor.dtype] != info["dtype"]:
+                    raise AssertionError(f"{name}: produced {tensor.dtype} {list(tensor.shape)}, header says {info}")
+                f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)
+    return offset
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_record(src: Path) -> dict[str, object]:
+    """What identifies the source: the SHA-256 of its config and weight files, and its own provenance."""
+    files = sorted(p for p in src.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+    record: dict[str, object] = {"dir": str(src), "sha256": {p.name: _sha256(p) for p in files}}
+    if (src / PROVENANCE).is_file():
+        record["provenance"] = json.loads((src / PROVENANCE).read_text())
+    return record
+
+
+# --- command line ---------------------------------------------------------------------------------------
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write an int8 or int4 copy of a checkpoint for streaming")
+    p.add_argument("--model", required=True, type=Path, help="source checkpoint directory (HF safetensors)")
+    p.add_argument("--to", required=True, choices=["int8", "int4"],
+                   help="int8: per output channel (near-lossless); int4: per group of --group inputs (4.5 bits)")
+    p.add_argument("--group", type=int, default=None, help="int4: inputs per scale and min (default 64)")
+    p.add_argument("--attention", action="store_true",
+                   help="also compress the attention projections (default: only the FFN / experts)")
+    p.add_argument("-o", "--output", type=Path, default=None, help="output directory (default: MODEL-int8 / -int4)")
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    spec = QuantSpec.of(args.to, args.group)
+    model = args.model.expanduser()
+    suffix = args.to if spec.scheme == "int8" else f"int4g{spec.group}"
+    out = args.output or model.with_name(f"{model.name}-{suffix}")
+    record = quantize_checkpoint(model, out, spec, attention=args.attention, log=log)
+    sizes = record["bytes"]
+    assert isinstance(sizes, dict)
+    log(f"{out}: {record['compressed_tensors']} tensors as {spec.scheme}; checkpoint {sizes['source'] / 2**20:.0f} "
+        f"-> {sizes['stored'] / 2**20:.0f} MiB")
+    return 0

@@ -1,0 +1,156 @@
+"""Compressed weight streaming (issue 23): fp16, int8 and int4 of one model streamed under the same budget, in one run.
+
+    python -m scripts.bench_compressed [--target dense|moefied|DIR] [--budget 4.5GiB] [--quick]
+
+Each variant runs without a draft at its own batch (`--batch auto`: the planner's pick for that checkpoint under the
+budget; an integer: the same for all), HumanEval prompts, greedy, `--reps` repetitions (median and spread of
+decode tokens/s). The compressed variants are built with `specoffload quantize` beside the source (or in
+`--variants-dir`) unless they exist. Reported per variant: tokens/s, bytes read per target pass, and from the
+trace the loader's busy time (its decompression share) against the compute (attention + ffn + head) per pass;
+the fp16 run's io / compute is the bound no format can beat (`io_over_compute_fp16`). Accuracy beside the speed:
+scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens; --quick: 4 windows, 4
+prompts). JSON under docs/perf/ with a top-level "summary" holding the ratios the issue names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from scripts.common import PERF, median_spread, utc_now, write_json
+from scripts.get_models import model_dir
+from scripts.quant_accuracy import compare, held_out
+from specoffload.planner.units import format_bytes, parse_bytes
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.prompts import humaneval_prompts
+from specoffload.runtime.quant import QuantSpec
+from specoffload.runtime.quantize import quantize_checkpoint
+from specoffload.runtime.sampling import SamplingParams
+
+TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
+VARIANTS = {"fp16": None, "int8": QuantSpec("int8"), "int4": QuantSpec("int4", 64)}
+COMPUTE = ("attention", "ffn", "head")
+
+
+def variant_dir(source: Path, name: str, spec: QuantSpec | None, where: Path | None) -> Path:
+    """The checkpoint of a variant: the source for fp16, else its compressed copy (built once)."""
+    if spec is None:
+        return source
+    suffix = "int8" if spec.scheme == "int8" else f"int4g{spec.group}"
+    out = (where or source.parent) / f"{source.name}-{suffix}"
+    if not out.exists():
+        print(f"quantizing {source.name} -> {out}", file=sys.stderr)
+        quantize_checkpoint(source, out, spec)
+    return out
+
+
+def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
+    engine = Engine(config)
+    try:
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+        stats = engine.last_stats
+        spans = engine.tracer.spans if engine.tracer is not None else []
+        by_name: dict[str, float] = {}
+        for s in spans:
+            by_name[s.name] = by_name.get(s.name, 0.0) + s.end - s.start
+        passes = max(stats.passes, 1)
+        # the local backend's loader: its decompression and read seconds (the trace has the whole load op only)
+        streamer = getattr(getattr(getattr(engine.pipeline, "workers", None), "prefetch", None), "streamer", None)
+        compute = sum(by_name.get(n, 0.0) for n in COMPUTE)
+        return {"wall_s": wall, "tokens": stats.generated_tokens, "tok_s": stats.generated_tokens / wall,
+                "batch": engine.plan.batch, "passes": stats.passes, "bytes_per_pass": stats.bytes_read / passes,
+                "load_s_per_pass": by_name.get("load", 0.0) / passes,
+                "decompress_s_per_pass": (streamer.decompress_seconds if streamer else 0.0) / passes,
+                "read_s_per_pass": (streamer.read_seconds if streamer else 0.0) / passes,
+                "compute_s_per_pass": compute / passes,
+                "io_over_compute": by_name.get("load", 0.0) / compute if compute else None}
+    finally:
+        engine.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="dense", help="dense | moefied | a checkpoint directory")
+    ap.add_argument("--budget", default="4.5GiB")
+    ap.add_argument("--weights-tier", default="disk", choices=["disk", "ram"])
+    ap.add_argument("--batch", default="auto", help="rows per batch, or auto: the planner's pick per variant")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", default="fp16,int8,int4")
+    ap.add_argument("--variants-dir", type=Path, default=None, help="where compressed copies are built / found")
+    ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens, batch 4, 1 rep, quick accuracy")
+    ap.add_argument("--out", default="compressed")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.new_tokens, args.reps = 8, 16, 1
+        args.batch = "4" if args.batch == "auto" else args.batch
+    source = model_dir(TARGETS[args.target]) if args.target in TARGETS else Path(args.target)
+    names = args.variants.split(",")
+    dirs = {n: variant_dir(source, n, VARIANTS[n], args.variants_dir) for n in names}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source)
+    prompts = [tok.encode(p) for p in humaneval_prompts(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    batch = args.batch if args.batch == "auto" else int(args.batch)
+    seq = max(len(p) for p in prompts) + args.new_tokens
+    results: dict[str, dict] = {}
+    for rep in range(args.reps):  # variants interleaved per repetition: the disk's drift hits all alike
+        for n in names:
+            config = EngineConfig(target=dirs[n], device_memory=args.budget, weights_tier=args.weights_tier,
+                                  max_batch_size=batch, num_draft_tokens=0, max_seq_len=seq, trace=True)
+            r = run(config, prompts, params)
+            results.setdefault(n, {"runs": []})["runs"].append(r)
+            print(f"rep {rep} {n}: {r['tok_s']:.2f} tok/s at batch {r['batch']}, "
+                  f"{format_bytes(int(r['bytes_per_pass']))} per pass", file=sys.stderr)
+    for n, res in results.items():
+        med, lo, hi = median_spread(r["tok_s"] for r in res["runs"])
+        res |= {"tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi, "dir": str(dirs[n]),
+                **{k: statistics.median(r[k] for r in res["runs"]) for k in
+                   ("bytes_per_pass", "load_s_per_pass", "decompress_s_per_pass", "compute_s_per_pass")}}
+    accuracy = {}
+    if not args.no_accuracy:
+        rows, greedy_prompts = held_out(source, *((4, 128, 4) if args.quick else (12, 256, 32)))
+        for n in names:
+            if VARIANTS[n] is not None:
+                accuracy[n] = compare(source, dirs[n], rows, greedy_prompts, 32)
+    fp16 = results.get("fp16")
+    summary: dict[str, object] = {"target": source.name, "budget": args.budget, "quick": args.quick}
+    regime = "moe" if args.target == "moefied" else args.target
+    if fp16:
+        io = statistics.median(r["io_over_compute"] or 0.0 for r in fp16["runs"])
+        summary["io_over_compute_fp16"] = round(io, 3)
+        for n in ("int8", "int4"):
+            if n in results:
+                summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
+        if "int4" in results and fp16["bytes_per_pass"]:
+            summary["bytes_per_pass_ratio_int4"] = round(results["int4"]["bytes_per_pass"] / fp16["bytes_per_pass"], 3)
+    for n, a in accuracy.items():
+        summary[f"{n}_top1_agreement"] = a["top1_agreement"]
+        summary[f"{n}_mean_kl"] = round(a["mean_kl"], 5)
+        summary[f"{n}_greedy32_identical"] = f"{a['greedy_identical']}/{a['greedy_prompts']}"
+    print("\n| variant | batch | tok/s (median, min-max) | bytes/pass | load s/pass | of it decompress "
+          "| compute s/pass |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for n, res in results.items():
+        print(f"| {n} | {res['runs'][0]['batch']} | {res['tok_s_median']:.2f} ({res['tok_s_min']:.2f}-"
+              f"{res['tok_s_max']:.2f}) | {format_bytes(int(res['bytes_per_pass']))} | {res['load_s_per_pass']:.2f} | "
+              f"{res['decompress_s_per_pass']:.2f} | {res['compute_s_per_pass']:.2f} |")
+    print(summary)
+    path = write_json(PERF / f"{args.out}{'_quick' if args.quick else ''}.json", {
+        "summary": summary, "date": utc_now(), "args": vars(args) | {"variants_dir": str(args.variants_dir)},
+        "budget_bytes": parse_bytes(args.budget), "results": results, "accuracy": accuracy})
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

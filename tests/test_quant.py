@@ -1,0 +1,114 @@
+"""runtime/quant.py: the error bound of each scheme, the stored layout, and dequantization into a slot."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specoffload.runtime.quant import INT4_LEVELS, QuantSpec, dequantize, dequantize_into, quantize, storage_dtype
+
+SPECS = st.one_of(st.just(QuantSpec("int8")), st.sampled_from([2, 4, 8, 32, 64]).map(lambda g: QuantSpec("int4", g)))
+
+
+@st.composite
+def weights(draw: st.DrawFn) -> torch.Tensor:
+    """A [lead..., in] float weight of random size, scale and offset (some rows constant, some zero)."""
+    lead = draw(st.lists(st.integers(1, 5), min_size=1, max_size=2))
+    inputs = draw(st.integers(1, 150))
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([1e-4, 0.02, 1.0, 300.0]))
+    offset = draw(st.sampled_from([0.0, 0.5, -3.0]))
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*lead, inputs, generator=g) * scale + offset * scale
+    if draw(st.booleans()):
+        w[..., 0, :] = w[..., 0, :1]  # a constant row: zero range
+    if draw(st.booleans()):
+        w[..., -1, :] = 0.0
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    return w.to(dtype)
+
+
+def _step(parts: dict[str, torch.Tensor], spec: QuantSpec, inputs: int) -> torch.Tensor:
+    """Each element's quantization step (int8: its row's scale; int4: its group's), [..., in]."""
+    scale = parts["scale"].float()
+    if spec.scheme == "int8":
+        return scale.expand(*scale.shape[:-1], inputs)
+    return scale.repeat_interleave(spec.group, dim=-1)[..., :inputs]
+
+
+@settings(max_examples=150, deadline=None)
+@given(w=weights(), spec=SPECS)
+def test_round_trip_error_is_at_most_half_a_step(w: torch.Tensor, spec: QuantSpec) -> None:
+    parts = quantize(w, spec)
+    back = dequantize(parts, spec, tuple(w.shape))  # float32
+    x = w.float()
+    step = _step(parts, spec, w.shape[-1])
+    err = (back - x).abs()
+    tol = step / 2 * (1 + 1e-5) + 1e-6 * x.abs() + 1e-30  # float32 arithmetic of the dequantization itself
+    assert (err <= tol).all(), f"max excess {(err - step / 2).max().item()}"
+    if spec.scheme == "int4":  # the step is the smallest float16 >= the group's range / 15
+        g = math.ceil(w.shape[-1] / spec.group)
+        assert parts["scale"].shape[-1] == g and parts["zero"].shape[-1] == g
+        assert (parts["scale"].float() >= 0).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(w=weights(), spec=SPECS)
+def test_stored_layout_matches_the_spec_and_round_trips_exactly(w: torch.Tensor, spec: QuantSpec) -> None:
+    parts = quantize(w, spec)
+    expected = spec.components(tuple(w.shape))
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()} == {
+        k: (storage_dtype(d), s) for k, (d, s) in expected.items()
+    }
+    assert sum(v.numel() * v.element_size() for v in parts.values()) == spec.nbytes(tuple(w.shape))
+    if spec.scheme == "int8":
+        q = parts["qweight"]
+        assert q.abs().max() <= 127
+        return
+    # the packing is exact: unpacking the nibbles (even input in the low nibble) gives codes that re-pack to it
+    packed = parts["qweight"]
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)  # [..., groups * group]
+    assert codes.max() <= INT4_LEVELS
+    assert torch.equal(codes[..., 0::2] | (codes[..., 1::2] << 4), packed)
+    # the codes are the nearest ones for the stored min and scale
+    x = w.float()
+    inputs = x.shape[-1]
+    step = _step(parts, spec, inputs)
+    zero = parts["zero"].float().repeat_interleave(spec.group, dim=-1)[..., :inputs]
+    expect = torch.where(step > 0, ((x - zero) / torch.where(step > 0, step, 1.0)).round().clamp(0, 15), 0.0)
+    assert torch.equal(codes[..., :inputs].float(), expect)
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=weights(), spec=SPECS, dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_dequantize_into_a_slot_view_equals_dequantize(w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> None:
+    """The streamer writes into a view of a uint8 slot; the resident path allocates: the same values."""
+    parts = quantize(w, spec)
+    ref = dequantize(parts, spec, tuple(w.shape), dtype)
+    slot = torch.full((ref.numel() * ref.element_size() + 64,), 0xAB, dtype=torch.uint8)
+    dest = slot[64:].view(dtype).view(w.shape)
+    dequantize_into(dest, parts, spec)
+    assert torch.equal(dest, ref)
+    assert (slot[:64] == 0xAB).all()  # nothing written outside the view
+    assert torch.equal(ref, dequantize(parts, spec, tuple(w.shape)).to(dtype))  # float32 arithmetic, then cast
+
+
+def test_int4_is_4_5_bits_at_group_64_and_int8_about_8() -> None:
+    assert QuantSpec("int4", 64).bits_per_weight((8960, 1536)) == pytest.approx(4.5)
+    assert QuantSpec("int8").bits_per_weight((8960, 1536)) == pytest.approx(8 + 32 / 1536)
+
+
+def test_bad_specs_are_refused() -> None:
+    with pytest.raises(ValueError, match="scheme"):
+        QuantSpec("int3")
+    with pytest.raises(ValueError, match="even group"):
+        QuantSpec("int4", 63)
+    with pytest.raises(ValueError, match="int4 only"):
+        QuantSpec.of("int8", 64)
+    assert QuantSpec.of("int4") == QuantSpec("int4", 64)
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(torch.tensor([[1.0, math.inf]]), QuantSpec("int8"))
