@@ -30,7 +30,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from .acceptance import Acceptance, AcceptanceCurve, RaggedAcceptance, pooled_alpha, rounds_for_slowest, tokens_per_round
+from .acceptance import (
+    Acceptance,
+    AcceptanceCurve,
+    RaggedAcceptance,
+    pooled_alpha,
+    rounds_for_slowest,
+    tokens_per_round,
+)
 from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimate_workload, steady_pass
 from .errors import SpecOffloadError
 from .kv_budget import expected_kv_tokens
