@@ -65,6 +65,7 @@ class Warmup:
     seconds: float
     stream_rate: float | None = None  # what its loader delivered (replan.py `observed_stream_rate`)
     mean_new_tokens: float | None = None  # tokens a job's row generates on average (module docstring)
+    outputs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()  # (prompt, output) of each warm-up row
 
     @property
     def alpha_range(self) -> tuple[float, float]:
@@ -113,7 +114,8 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
                                     warm.replanner.pass_log, seq // 2, config.expert_loading)
     lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
     return Warmup(estimate, curve, len(chosen), new_tokens, MAX_AUTO_K, time.perf_counter() - start, rate,
-                  mean_output_len(lengths, params.max_new_tokens, new_tokens))
+                  mean_output_len(lengths, params.max_new_tokens, new_tokens),
+                  tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results)))
 
 
 def mean_output_len(lengths: Sequence[tuple[int, bool]], max_new_tokens: int, cap: int) -> float:
