@@ -33,13 +33,12 @@ from specoffload.planner.plan import MAX_AUTO_K, Plan
 
 from .config import ConfigError, EngineConfig
 from .drafter_replay import replay_acceptance
-from .engine import Engine
 from .models.model import Transformer
 from .offload.drafters import DRAFTERS
 from .offload.profiler import measure_draft_steps
 from .planning import ModelPair, make_plan
 from .sampling import SamplingParams
-from .warmup import WARMUP_PROMPTS, WARMUP_TOKENS, Warmup, mean_output_len, measure_acceptance, spread
+from .warmup import Warmup, measure_acceptance, warmup_outputs
 
 #: the order candidates are compared and listed in (ties go to the earlier one)
 ORDER = ("none", "model", "ngram", "suffix", "self")
@@ -113,24 +112,6 @@ def candidate_config(config: EngineConfig, name: str) -> EngineConfig:
     """`config` drafting with `name` (its interleave default re-chosen unless the planner chooses it)."""
     draft = config.draft if name == "model" else ("self" if name == "self" else None)
     return replace(config, drafter=name, draft=draft, interleave="auto" if config.interleave == "auto" else None)
-
-
-def warmup_outputs(config: EngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                   ) -> tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], float]:
-    """A no-draft warm-up: (prompt, output) of WARMUP_PROMPTS of the job's prompts (spread over it), at most
-    WARMUP_TOKENS tokens each, and the mean output length it implies (warmup.py `mean_output_len`)."""
-    chosen = spread(list(prompts), WARMUP_PROMPTS)
-    new_tokens = max(2, min(WARMUP_TOKENS, params.max_new_tokens))
-    plain = replace(config, drafter="none", draft=None, max_batch_size=max(1, len(chosen)), num_draft_tokens=0,
-                    max_seq_len=max(len(p) for p in chosen) + new_tokens, interleave=None)
-    engine = Engine(plain)
-    try:
-        results = engine.generate([list(p) for p in chosen], replace(params, max_new_tokens=new_tokens))
-    finally:
-        engine.close()
-    lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
-    rows = tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results))
-    return rows, mean_output_len(lengths, params.max_new_tokens, new_tokens)
 
 
 def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[Sequence[int]],
