@@ -58,7 +58,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete prompts from a file (or HumanEval) into JSONL",
                        allow_abbrev=False, formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
-    _add_model_flags(m)
+    _add_model_flags(m, drafter_help=PLAN_DRAFTER_HELP + " (needs --device-memory)")
     m.add_argument("--draft-dtype", default=None, choices=DTYPES,
                    help="the draft model's compute dtype (default: --dtype); bfloat16 halves its memory")
     m.add_argument("--num-speculative-tokens", "-k", "--num-draft-tokens", dest="num_draft_tokens",
@@ -298,6 +298,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.trace is not None and args.device_memory is None:
         raise ValueError("--trace records the offloaded pipeline: it needs --device-memory (a resident run has no "
                          "pipeline to trace)")
+    if args.drafter == "auto" and args.device_memory is None:
+        raise ValueError("--drafter auto plans against a memory budget: give --device-memory")
     if args.prompts:
         source = InputSource.file(args.prompts)
     elif args.dataset:
@@ -321,7 +323,7 @@ def _generate(args: argparse.Namespace) -> int:
         target=args.target,
         draft=args.draft,
         device=args.device,
-        drafter=args.drafter,
+        drafter=None if args.drafter == "auto" else args.drafter,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,
         num_draft_tokens=args.num_draft_tokens,
@@ -345,7 +347,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,
                    overwrite=args.overwrite, chunk_size=args.chunk_size, params=params, progress=not args.no_progress,
-                   progress_interval=args.progress_interval, summary=args.summary)
+                   progress_interval=args.progress_interval, summary=args.summary,
+                   choose_drafter=args.drafter == "auto")
     options = BackendOptions(progress=not args.no_progress, show_placement=args.show_placement, trace=args.trace,
                              ray_address=args.ray_address, replicas=args.replicas)
     backend = load_backend(args.backend)  # an unknown name fails before any file is touched

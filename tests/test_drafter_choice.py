@@ -145,3 +145,24 @@ def test_plan_drafter_auto_without_prompts_is_one_line(counting, capsys):  # noq
     rc = main(["plan", "--target", str(counting), "--drafter", "auto", "--device-memory", "700KiB"])
     err = capsys.readouterr().err
     assert rc == 2 and "--prompts" in err and "Traceback" not in err
+
+
+def test_generate_drafter_auto_runs_the_chosen_drafter_losslessly(counting, tmp_path, capsys, monkeypatch):  # noqa: ANN001
+    monkeypatch.setattr(profiler, "PROFILE_DIR", tmp_path / "profiles")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in REPETITIVE[:4]))
+    out = tmp_path / "out.jsonl"
+    rc = main(["generate", "--target", str(counting), "--drafter", "auto", "--device-memory", "700KiB", "--prompts",
+               str(prompts), "--max-new-tokens", "12", "--ignore-eos", "--no-progress", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0 and "--drafter auto: " in err and "| drafter | k | batch |" in err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["token_ids"] for r in rows] == [list(range(p[-1] + 1, p[-1] + 13)) for p in REPETITIVE[:4]]
+
+
+def test_generate_drafter_auto_needs_a_budget(counting, tmp_path, capsys):  # noqa: ANN001
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"token_ids": [5, 6]}) + "\n")
+    rc = main(["generate", "--target", str(counting), "--drafter", "auto", "--prompts", str(prompts), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--device-memory" in err and "Traceback" not in err
