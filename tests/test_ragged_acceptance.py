@@ -95,3 +95,26 @@ def test_ragged_steady_pass_never_feeds_more_than_k_plus_one(replayed: list[tupl
     assert steady.decode.t_draft == 0.0  # unmeasured proposals cost nothing
     whole = estimate_workload(profile(), FREE, PLACEMENT, 4, k, ragged, workload, refill=True)
     assert whole.steady is not None and whole.tokens_per_s > 0
+
+
+def _search(ragged: RaggedAcceptance, stream_bytes_per_s: float) -> object:
+    from specoffload.planner import search
+    from tests.test_planner import WORKLOAD, GiB
+
+    slow = make_profile(stream_bytes_per_s=stream_bytes_per_s)
+    # 3000 bytes of device memory: the target's MLPs stream (a GiB would keep them resident: no io to hide under)
+    return search(slow, TARGET, ModelShape("ngram", (), 0, 0), WORKLOAD, ragged, 3000, GiB, batches=(1, 2, 4),
+                  ks=range(0, 9), unified_memory=False, weights_tier="disk", interleaves=(False,), refill=True)
+
+
+@given(st.floats(0.3, 1.0))
+def test_search_drafts_with_a_matching_drafter_when_the_pass_has_compute_to_spare(rate: float) -> None:
+    # every row proposes 8 tokens, each accepted at `rate`: on a slow disk the pass is io-bound and verifying more
+    # tokens is free, so the search drafts; the row-tokens it verifies cost only compute it had to spare
+    ragged = RaggedAcceptance((1.0,) * K, tuple(rate**i for i in range(1, K + 1)), rate)
+    assert _search(ragged, 8.0).best.k >= 1
+
+
+def test_search_does_not_draft_with_a_drafter_that_never_matches() -> None:
+    never = RaggedAcceptance.from_rounds([(0, 0)], K, proposal_s=1e-5)
+    assert _search(never, 8.0).best.k == 0  # ties go to k = 0, and the proposals' microseconds break none
