@@ -53,6 +53,12 @@ The slowest of B rows sits near the (B - 3/8) / (B + 1/4) quantile (Blom's plott
 deviations up); the two parts add in quadrature, the between-prompt one taken at alpha - z_B * spread so that the
 convexity of N / mu in alpha is kept (`rounds_for_slowest`).
 
+Model-free drafters (prompt lookup, suffix matching) draft raggedly: a row proposes only when its text matches, and
+as many tokens as its match supports. `RaggedAcceptance` keeps, from rounds replayed on the target's own outputs
+(runtime/drafter_replay.py), the survival curves of the proposed length L and the accepted count A, so that
+E[tokens](k) = 1 + sum_{i<=k} P(A >= i) (Leviathan's eq. 1 when every row proposes k and a_i = alpha) and the
+row-tokens a pass verifies are 1 + sum_{i<=k} P(L >= i) instead of k + 1 (planner/cost.py).
+
 The measurements behind each of these choices: docs/perf/README.md, "Measurements behind the acceptance model and
 the stream rate".
 """
