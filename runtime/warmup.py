@@ -141,7 +141,8 @@ def warmup_outputs(config: EngineConfig, prompts: Sequence[Sequence[int]], param
     WARMUP_TOKENS tokens each, and the mean output length it implies (warmup.py `mean_output_len`)."""
     chosen = spread(list(prompts), WARMUP_PROMPTS)
     new_tokens = max(2, min(WARMUP_TOKENS, params.max_new_tokens))
-    plain = replace(config, drafter="none", draft=None, max_batch_size=max(1, len(chosen)), num_draft_tokens=0,
+    rows = max(1, math.ceil(len(chosen) / 2))  # as measure_acceptance: two batches of half the prompts
+    plain = replace(config, drafter="none", draft=None, max_batch_size=rows, num_draft_tokens=0,
                     max_seq_len=max(len(p) for p in chosen) + new_tokens, interleave=None)
     engine = Engine(plain)
     try:
@@ -149,8 +150,8 @@ def warmup_outputs(config: EngineConfig, prompts: Sequence[Sequence[int]], param
     finally:
         engine.close()
     lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
-    rows = tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results))
-    return rows, mean_output_len(lengths, params.max_new_tokens, new_tokens)
+    pairs = tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results))
+    return pairs, mean_output_len(lengths, params.max_new_tokens, new_tokens)
 
 
 @dataclass(frozen=True)
