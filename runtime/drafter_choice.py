@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 from specoffload.planner import HardwareProfile, Workload
 from specoffload.planner.acceptance import Acceptance, RaggedAcceptance, pooled_alpha, tokens_per_round
+from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.plan import MAX_AUTO_K, Plan
 
 from .config import ConfigError, EngineConfig
@@ -93,7 +94,7 @@ class DrafterChoice:
             mark = " (chosen)" if c is self.best else ""
             lines.append(f"| {c.drafter}{mark} | {c.plan.k} | {c.plan.batch} | {c.measured()} | {tokens:.2f} / "
                          f"{fed:.2f} | {c.predicted:.2f} |")
-        lines += [f"| {name} | | | skipped: {why} | | |" for name, why in self.skipped]
+        lines += [f"| {name} | | | skipped: {why.replace('|', '/')} | | |" for name, why in self.skipped]
         return "\n".join(lines)
 
 
@@ -142,7 +143,10 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
         needs_step = cls.proposes and not cls.model_free and cls.profile_key(cfg) != base_key
         profiles[name] = replace(profile, draft_step_s=measure_draft_steps(cfg, quick)) if needs_step else profile
         if cls.proposes and not cls.model_free:
-            warmups[name] = measure_acceptance(cfg, prompts, params, profile=profiles[name])
+            try:
+                warmups[name] = measure_acceptance(cfg, prompts, params, profile=profiles[name])
+            except SpecOffloadError as exc:  # e.g. its warm-up does not fit the budget: the others still compete
+                skipped.append((name, str(exc)))
     workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
     first = next(iter(warmups.values()), None)
     if first is not None:
@@ -155,6 +159,8 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
     candidates = []
     for name, cfg in configs.items():
         cls = cfg.drafter_class
+        if cls.proposes and not cls.model_free and name not in warmups:
+            continue
         prof = replace(profiles[name], stream_bytes_per_s=rate) if rate else profiles[name]
         acceptance: Acceptance | None = None
         alpha_range = None
@@ -163,9 +169,17 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
         elif name in warmups:
             acceptance, alpha_range = warmups[name].curve, warmups[name].alpha_range
         models = ModelPair.for_config(cfg, target, shares_kv=True)
-        plan = make_plan(cfg, models, max_seq_len, workload=workload, alpha=acceptance, profile=prof,
-                         alpha_range=alpha_range)
+        try:
+            plan = make_plan(cfg, models, max_seq_len, workload=workload, alpha=acceptance, profile=prof,
+                             alpha_range=alpha_range)
+        except SpecOffloadError as exc:  # nothing of its search fits (a draft model's memory, typically)
+            if name == "none":
+                raise
+            skipped.append((name, str(exc)))
+            continue
         candidates.append(Candidate(name, plan, acceptance, warmups.get(name)))
+    if not candidates:
+        raise ConfigError("no drafter could be planned: " + "; ".join(f"{n}: {why}" for n, why in skipped))
     ranked = sorted(candidates, key=lambda c: (-round(c.predicted, 9), ORDER.index(c.drafter)
                                                if c.drafter in ORDER else len(ORDER)))
     best = ranked[0]
