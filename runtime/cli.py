@@ -281,7 +281,7 @@ def _print_choice(args: argparse.Namespace, choice: DrafterChoice, max_seq_len: 
     print(choice.table())
     policy = best.plan.policy
     print(f"\nchosen drafter: {best.drafter}, batch {best.plan.batch}, k = {best.plan.k}: predicted "
-          f"{best.predicted:.2f} tokens/s")
+          f"{best.predicted:.4g} tokens/s")
     if policy is not None:
         print(policy.placement_table)
     k = f" -k {best.plan.k}" if best.plan.k else ""

@@ -88,13 +88,15 @@ class DrafterChoice:
     def table(self) -> str:
         """The comparison, one row per candidate (markdown)."""
         lines = ["| drafter | k | batch | measured acceptance / match rate | tokens / verified per row-pass "
-                 "| predicted tok/s |", "|---|---:|---:|---|---:|---:|"]
+                 "| predicted tok/s | x none |", "|---|---:|---:|---|---:|---:|---:|"]
+        none = next((c.predicted for c in self.candidates if c.drafter == "none"), 0.0)
         for c in self.candidates:
             tokens, fed = c.per_pass()
             mark = " (chosen)" if c is self.best else ""
+            ratio = f"{c.predicted / none:.3f}" if none > 0 else ""
             lines.append(f"| {c.drafter}{mark} | {c.plan.k} | {c.plan.batch} | {c.measured()} | {tokens:.2f} / "
-                         f"{fed:.2f} | {c.predicted:.2f} |")
-        lines += [f"| {name} | | | skipped: {why.replace('|', '/')} | | |" for name, why in self.skipped]
+                         f"{fed:.2f} | {c.predicted:.4g} | {ratio} |")
+        lines += [f"| {name} | | | skipped: {why.replace('|', '/')} | | | |" for name, why in self.skipped]
         return "\n".join(lines)
 
 

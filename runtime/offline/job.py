@@ -143,7 +143,7 @@ def _auto_drafter(spec: JobSpec, config: EngineConfig, fmt: Format, preparer: Pr
                             config.max_seq_len, profile)
     best = choice.best
     print(f"--drafter auto: {best.drafter}, batch {best.plan.batch}, k = {best.plan.k} (predicted "
-          f"{best.predicted:.2f} tokens/s; measured on the job's prompts in {choice.seconds:.0f} s)\n"
+          f"{best.predicted:.4g} tokens/s; measured on the job's prompts in {choice.seconds:.0f} s)\n"
           f"{choice.table()}", file=sys.stderr)
     return replace(candidate_config(config, best.drafter), max_batch_size=best.plan.batch,
                    num_draft_tokens=best.plan.k, interleave=best.plan.interleave if best.plan.k else None)
