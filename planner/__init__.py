@@ -19,6 +19,7 @@ torch, never `specoffload.runtime` or Ray (a test imports it in a fresh interpre
 from .acceptance import (
     AcceptanceEstimate,
     AcceptanceTracker,
+    RaggedAcceptance,
     estimate_alpha,
     estimate_alpha_by_prompt,
     expected_tokens,
@@ -30,6 +31,7 @@ from .search import NoFeasiblePolicyError, Policy, Replan, SearchResult, replan,
 __all__ = [
     "AcceptanceEstimate",
     "AcceptanceTracker",
+    "RaggedAcceptance",
     "HardwareProfile",
     "ModelCosts",
     "NoFeasiblePolicyError",

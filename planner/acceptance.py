@@ -53,6 +53,12 @@ The slowest of B rows sits near the (B - 3/8) / (B + 1/4) quantile (Blom's plott
 deviations up); the two parts add in quadrature, the between-prompt one taken at alpha - z_B * spread so that the
 convexity of N / mu in alpha is kept (`rounds_for_slowest`).
 
+Model-free drafters (prompt lookup, suffix matching) draft raggedly: a row proposes only when its text matches, and
+as many tokens as its match supports. `RaggedAcceptance` keeps, from rounds replayed on the target's own outputs
+(runtime/drafter_replay.py), the survival curves of the proposed length L and the accepted count A, so that
+E[tokens](k) = 1 + sum_{i<=k} P(A >= i) (Leviathan's eq. 1 when every row proposes k and a_i = alpha) and the
+row-tokens a pass verifies are 1 + sum_{i<=k} P(L >= i) instead of k + 1 (planner/cost.py).
+
 The measurements behind each of these choices: docs/perf/README.md, "Measurements behind the acceptance model and
 the stream rate".
 """
@@ -83,7 +89,7 @@ def expected_tokens(alpha: float, k: int) -> float:
         return float(k + 1)
     if alpha == 0.0:
         return 1.0
-    log_alpha = math.log1p(-(1.0 - alpha))
+    log_alpha = math.log(alpha) if alpha < 0.5 else math.log1p(-(1.0 - alpha))  # log1p(-1) for a tiny alpha
     return math.expm1((k + 1) * log_alpha) / math.expm1(log_alpha)
 
 
@@ -224,23 +230,127 @@ class AcceptanceCurve:
                                None if self.after_full is None else scaled(self.after_full))
 
 
-Acceptance = float | AcceptanceCurve
+@dataclass(frozen=True)
+class RaggedAcceptance:
+    """Acceptance of a model-free drafter (prompt lookup, suffix matching): ragged drafts, measured per round.
+
+    A row proposes only when its text matches, and then as many tokens as its match supports (up to k), so a
+    round is described by two survival curves over positions i = 1..K of a round drafted at k = K:
+
+        proposed[i - 1] = P(L >= i)    the row proposed at least i tokens (proposed[0] is the match rate)
+        accepted[i - 1] = P(A >= i)    at least i of them were accepted (A <= L)
+
+    and, for k <= K (a round of k drafts keeps the first k of what K would have proposed),
+
+        E[tokens](k) = 1 + sum_{i<=k} P(A >= i)       committed per row per pass (`tokens`)
+        E[fed](k)    = 1 + sum_{i<=k} P(L >= i)       row-tokens the verify pass feeds per row (`fed`): a row with
+                                                      no match verifies its next token only, not k + 1
+        Var(tokens)  = sum_i (2i - 1) P(A >= i) - (sum_i P(A >= i))^2
+
+    The first is Leviathan et al.'s (2023) E[tokens] with the per-position acceptance a_i = P(A >= i) / P(A >= i - 1)
+    of a proposed position folded in with the chance that position i was proposed at all; `alpha` is the pooled
+    per-tried-position rate (accepted / tried, a tried position being an accepted one or the first rejected one).
+    The verify pass pads every row's queries to the batch's longest feed for attention (the FFN sees valid tokens
+    only): of B independent rows that is 1 + sum_{i<=k} (1 - (1 - P(L >= i))^B) (`padded`).
+    `proposal_s`: seconds of one row's proposal (index the new tokens, match, propose) at a round's start; it is
+    the drafter's whole cost (no weights, no KV cache, no device time). `spread` is 0 and `at` keeps the measured
+    curve: the replay is deterministic, its uncertainty is the sample of prompts, not a rate to scan.
+    """
+
+    proposed: tuple[float, ...]
+    accepted: tuple[float, ...]
+    alpha: float
+    proposal_s: float = 0.0
+    spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.proposed) != len(self.accepted) or not self.proposed:
+            raise ValueError(f"proposed and accepted need one entry per position (at least one), got "
+                             f"{self.proposed} and {self.accepted}")
+        for curve in (self.proposed, self.accepted):
+            if any(not 0.0 <= p <= 1.0 for p in curve) or any(b > a + 1e-12 for a, b in zip(curve, curve[1:])):
+                raise ValueError(f"a survival curve must be non-increasing in [0, 1], got {curve}")
+        if any(a > p + 1e-12 for p, a in zip(self.proposed, self.accepted)):
+            raise ValueError("P(A >= i) cannot exceed P(L >= i): only proposed tokens are accepted")
+        if not 0.0 <= self.alpha <= 1.0 or not self.proposal_s >= 0.0 or self.spread != 0.0:
+            raise ValueError(f"need alpha in [0, 1], proposal_s >= 0 and spread 0, got {self}")
+        object.__setattr__(self, "proposed", tuple(float(p) for p in self.proposed))
+        object.__setattr__(self, "accepted", tuple(float(a) for a in self.accepted))
+
+    @classmethod
+    def from_rounds(cls, rounds: Sequence[tuple[int, int]], k: int, proposal_s: float = 0.0) -> RaggedAcceptance:
+        """From replayed rounds drafted at k: (proposed L, accepted A) each, 0 <= A <= L <= k."""
+        _check_k(k)
+        if k < 1 or not rounds:
+            raise ValueError("need k >= 1 and at least one round")
+        if any(not 0 <= a <= n <= k for n, a in rounds):
+            raise ValueError(f"each round needs 0 <= accepted <= proposed <= k = {k}, got {list(rounds)[:5]}")
+        count = len(rounds)
+        proposed = tuple(sum(n >= i for n, _ in rounds) / count for i in range(1, k + 1))
+        accepted = tuple(sum(a >= i for _, a in rounds) / count for i in range(1, k + 1))
+        tried = sum(min(a + 1, n) for n, a in rounds)
+        hits = sum(a for _, a in rounds)
+        return cls(proposed, accepted, hits / tried if tried else 0.0, proposal_s)
+
+    @property
+    def match_rate(self) -> float:
+        """The share of rounds in which a row proposed anything: P(L >= 1)."""
+        return self.proposed[0]
+
+    def _survival(self, curve: tuple[float, ...], k: int) -> list[float]:
+        """P(X >= i) for i = 1..k; 0 beyond the replayed positions (the replay runs at the largest k planned)."""
+        return [curve[i] if i < len(curve) else 0.0 for i in range(k)]
+
+    def tokens(self, k: int) -> float:
+        """E[tokens](k) = 1 + sum_{i<=k} P(A >= i) (class docstring)."""
+        _check_k(k)
+        return 1.0 + sum(self._survival(self.accepted, k))
+
+    def fed(self, k: int) -> float:
+        """E[fed](k) = 1 + sum_{i<=k} P(L >= i): row-tokens verified per row per pass (class docstring)."""
+        _check_k(k)
+        return 1.0 + sum(self._survival(self.proposed, k))
+
+    def padded(self, k: int, rows: int) -> float:
+        """Expected longest feed of `rows` independent rows: 1 + sum_{i<=k} (1 - (1 - P(L >= i))^rows)."""
+        _check_k(k)
+        return 1.0 + sum(1.0 - (1.0 - p) ** max(1, rows) for p in self._survival(self.proposed, k))
+
+    def variance(self, k: int) -> float:
+        """Var of the tokens committed per row per round at k (class docstring)."""
+        _check_k(k)
+        survive = self._survival(self.accepted, k)
+        mean = sum(survive)
+        return max(0.0, sum((2 * i - 1) * p for i, p in enumerate(survive, start=1)) - mean * mean)
+
+    def at(self, alpha: float) -> RaggedAcceptance:
+        """Itself: a measured replay has no rate to scan (class docstring)."""
+        return self
+
+
+Acceptance = float | AcceptanceCurve | RaggedAcceptance
 
 
 def tokens_per_round(acceptance: Acceptance, k: int) -> float:
-    """Expected tokens per row per round: the curve's, or Leviathan's eq. 1 for a scalar alpha."""
-    if isinstance(acceptance, AcceptanceCurve):
+    """Expected tokens per row per round: the curve's (or the ragged drafter's), or Leviathan's eq. 1 for a scalar
+    alpha."""
+    if isinstance(acceptance, (AcceptanceCurve, RaggedAcceptance)):
         return acceptance.tokens(k)
     return expected_tokens(acceptance, k)
 
 
+def fed_per_round(acceptance: Acceptance, k: int) -> float:
+    """Row-tokens the verify pass feeds per row per round: k + 1, or 1 + E[min(L, k)] for ragged drafts."""
+    return acceptance.fed(k) if isinstance(acceptance, RaggedAcceptance) else float(k + 1)
+
+
 def pooled_alpha(acceptance: Acceptance) -> float:
-    return acceptance.alpha if isinstance(acceptance, AcceptanceCurve) else float(acceptance)
+    return acceptance.alpha if isinstance(acceptance, (AcceptanceCurve, RaggedAcceptance)) else float(acceptance)
 
 
-def as_curve(acceptance: Acceptance) -> AcceptanceCurve:
+def as_curve(acceptance: Acceptance) -> AcceptanceCurve | RaggedAcceptance:
     """A scalar alpha as Leviathan's curve (every position at alpha, no spread); a curve as it is."""
-    if isinstance(acceptance, AcceptanceCurve):
+    if isinstance(acceptance, (AcceptanceCurve, RaggedAcceptance)):
         return acceptance
     if isinstance(acceptance, bool) or not isinstance(acceptance, numbers.Real) or not 0.0 <= acceptance <= 1.0:
         raise ValueError(f"alpha must be a probability in [0, 1], got {acceptance!r}")

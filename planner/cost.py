@@ -55,6 +55,14 @@ and the per-pass prompt token budget (`Plan.prefill_chunk`) is what the compute 
 (`prefill_budget`). Not modelled: the first fill and the last drain of the slots, a prompt cut into chunks holding
 its slot for more passes.
 
+Model-free drafters (prompt lookup, suffix matching: `ModelCosts.draft_model_free`, an empty draft shape): the
+draft costs no FLOPs, no weights and no KV, only each row's proposal at a round's start (draft = B x proposal_s, the
+measured microseconds of `RaggedAcceptance`, 0 unmeasured; nothing in a prefill). Its drafts are ragged: a row
+proposes only when it matches, so with a `RaggedAcceptance` a decode pass feeds the FFN n = B E[fed](k) =
+B (1 + sum_{i<=k} P(L >= i)) valid tokens (1 + match rate x mean proposed length per row, not k + 1), attention and
+head see every row padded to the expected longest feed, and tokens_per_step = B E[tokens](k) with
+E[tokens](k) = 1 + sum_{i<=k} P(A >= i) from the replayed per-position acceptance (acceptance.py).
+
 Selected-expert loading (planner/experts.py): when the engine loads only routed experts, a streamed MoE layer's
 load_j counts its experts' bytes times E[distinct experts hit by n tokens] / num_experts (uniform routing: a
 skewed router hits fewer, so this errs high).
@@ -69,7 +77,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from .acceptance import Acceptance, mean_rounds, rounds_for_slowest, tokens_per_round
+from .acceptance import Acceptance, RaggedAcceptance, fed_per_round, mean_rounds, rounds_for_slowest, tokens_per_round
 from .experts import expected_distinct_experts, selects_experts
 from .placement import Placement, slot_unit
 from .profile import HardwareProfile, ProfileError
@@ -154,6 +162,12 @@ class ModelCosts:
             return 0.0
         return _flops_per_token(self.draft, self.draft_dtype_bytes or self.dtype_bytes, self.draft_num_experts,
                                 self.draft_top_k)
+
+    @property
+    def draft_model_free(self) -> bool:
+        """The drafter holds no model (an empty shape: prompt lookup, suffix matching): its draft costs no FLOPs,
+        only its proposals' microseconds (`RaggedAcceptance.proposal_s`)."""
+        return self.draft is not None and not self.draft.parts
 
     @property
     def expert_fraction(self) -> float:
@@ -317,11 +331,10 @@ def estimate_step(
     interleave False: one batch drafts for itself between its passes, so its k draft steps add to the serial
     chain (the loader streams on meanwhile: io is not delayed)."""
     _check_plan(profile, costs, placement, batch, k)
-    fed = batch * (k + 1)
-    t_draft = k * profile.draft_seconds(batch) if k else 0.0
-    share = _expert_share(costs, placement, expert_loading, fed, fed)
-    return _pass(profile, costs, placement, fed, fed, attended_len, t_draft, batch * tokens_per_round(alpha, k), share,
-                 serial_draft=not interleave)
+    fed, padded = _decode_feed(alpha, batch, k)
+    share = _expert_share(costs, placement, expert_loading, batch * (k + 1), round(fed))
+    return _pass(profile, costs, placement, fed, padded, attended_len, _decode_draft_s(profile, costs, alpha, batch, k),
+                 batch * tokens_per_round(alpha, k), share, serial_draft=not interleave, attention_tokens=padded)
 
 
 def estimate_prefill(
@@ -342,6 +355,8 @@ def estimate_prefill(
     fed = max(batch, round(batch * prompt_len))
     padded = max(prompt_len, padded_len or prompt_len)
     t_draft = profile.draft_seconds(fed) + (k - 1) * profile.draft_seconds(batch) if k else 0.0
+    if costs.draft_model_free:  # a matching drafter prefills nothing; its first proposal is a decode round's
+        t_draft = 0.0
     share = _expert_share(costs, placement, expert_loading, batch * (k + 1), fed)
     return _pass(profile, costs, placement, fed, batch, math.ceil((padded + 1) / 2), t_draft, float(batch), share,
                  serial_draft=not interleave, attention_tokens=max(fed, round(batch * padded)))
@@ -428,16 +443,17 @@ def steady_pass(
     starts = rows / (1 + rounds)
     prefill_tokens = starts * prompt
     burst = min(1.0, starts)  # the share of passes that carry a prompt
-    width = max(workload.padded_len(max(1, round(starts))), k + 1)  # every row padded to the pass's longest feed
-    decode_fed = rows * (k + 1)
-    share = _expert_share(costs, placement, expert_loading, decode_fed, decode_fed)  # the io of a decode pass
-    t_draft = k * profile.draft_seconds(rows) if k else 0.0
-    attn = profile.attention_seconds(decode_fed, attended)
-    decode = _pass(profile, costs, placement, decode_fed, decode_fed, attended, t_draft, rows * per_row, share,
+    decode_fed, decode_padded = _decode_feed(alpha, rows, k)
+    width = max(workload.padded_len(max(1, round(starts))), decode_padded / rows)  # rows padded to the longest feed
+    share = _expert_share(costs, placement, expert_loading, rows * (k + 1), round(decode_fed))  # a decode pass's io
+    t_draft = _decode_draft_s(profile, costs, alpha, rows, k)
+    attn = profile.attention_seconds(decode_padded, attended)
+    decode = _pass(profile, costs, placement, decode_fed, decode_padded, attended, t_draft, rows * per_row, share,
                    serial_draft=not interleave, attention_s=attn)
     padded_attn = profile.attention_seconds(round(rows * width), attended)
-    t_draft_prefill = t_draft + (burst * profile.draft_seconds(prefill_tokens / burst) if k else 0.0)
-    step = _pass(profile, costs, placement, decode_fed + prefill_tokens, decode_fed, attended, t_draft_prefill,
+    prefills_draft = k and not costs.draft_model_free  # a draft model prefills the prompt too; matching does not
+    t_draft_prefill = t_draft + (burst * profile.draft_seconds(prefill_tokens / burst) if prefills_draft else 0.0)
+    step = _pass(profile, costs, placement, decode_fed + prefill_tokens, decode_padded, attended, t_draft_prefill,
                  rows * per_row, share, serial_draft=not interleave,
                  attention_s=(1 - burst) * attn + burst * padded_attn)
     return SteadyPass(step=step, decode=decode, rounds=rounds, tokens_per_row=per_row, starts=starts,
@@ -463,6 +479,25 @@ def prefill_budget(step: StepEstimate, decode: StepEstimate, prefill_tokens: flo
 
 
 # --- internals -----------------------------------------------------------------------------------------------
+
+
+def _decode_feed(alpha: Acceptance, rows: int, k: int) -> tuple[float, int]:
+    """(row-tokens the FFN sees, queries the attention and head see) of a decode pass of `rows` rows at k:
+    rows (k + 1) both for a draft model's fixed drafts; for ragged drafts (`RaggedAcceptance`) rows E[fed](k) valid
+    tokens, every row padded to the expected longest feed for attention (acceptance.py)."""
+    if isinstance(alpha, RaggedAcceptance) and k:
+        return rows * fed_per_round(alpha, k), max(rows, round(rows * alpha.padded(k, rows)))
+    return float(rows * (k + 1)), rows * (k + 1)
+
+
+def _decode_draft_s(profile: HardwareProfile, costs: ModelCosts, alpha: Acceptance, rows: int, k: int) -> float:
+    """The draft's seconds per decode round: k draft model steps over `rows` rows; a model-free drafter's rows
+    proposals (`RaggedAcceptance.proposal_s` each, 0 unmeasured)."""
+    if not k:
+        return 0.0
+    if costs.draft_model_free:
+        return rows * alpha.proposal_s if isinstance(alpha, RaggedAcceptance) else 0.0
+    return k * profile.draft_seconds(rows)
 
 
 @dataclass(frozen=True)

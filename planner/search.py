@@ -30,7 +30,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from .acceptance import Acceptance, AcceptanceCurve, pooled_alpha, rounds_for_slowest, tokens_per_round
+from .acceptance import (
+    Acceptance,
+    AcceptanceCurve,
+    RaggedAcceptance,
+    pooled_alpha,
+    rounds_for_slowest,
+    tokens_per_round,
+)
 from .cost import ModelCosts, Workload, WorkloadEstimate, estimate_step, estimate_workload, steady_pass
 from .errors import SpecOffloadError
 from .kv_budget import expected_kv_tokens
@@ -220,7 +227,7 @@ def _alpha_grid(alpha: Acceptance, alpha_range: tuple[float, float] | None, poin
         raise ValueError(f"alpha_range must satisfy 0 <= low <= alpha <= high <= 1, got {alpha_range} for {point}")
     levels = sorted({low + (high - low) * n / (points - 1) for n in range(points)} - {point})
     below = [a for a in levels if a < point]
-    at = (lambda a: alpha.at(a)) if isinstance(alpha, AcceptanceCurve) else (lambda a: a)  # noqa: E731
+    at = (lambda a: alpha.at(a)) if isinstance(alpha, (AcceptanceCurve, RaggedAcceptance)) else (lambda a: a)  # noqa: E731
     return [at(a) for a in below] + [alpha] + [at(a) for a in levels if a > point]
 
 

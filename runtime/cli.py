@@ -6,17 +6,23 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specoffload.planner.errors import SpecOffloadError
 
 from . import quantize
 from .config import EngineConfig
 from .offload.drafters import DRAFTERS
+
+if TYPE_CHECKING:
+    from .drafter_choice import DrafterChoice
 from .prompts import PromptFileError
 from .sampling import SamplingParams
 
 DRAFTER_HELP = (f"who drafts, by registry name ({', '.join(sorted(DRAFTERS))}; runtime/offload/drafters.py); "
                 "default: from --draft (none without it, model with a checkpoint, self for 'self')")
+PLAN_DRAFTER_HELP = (DRAFTER_HELP + "; auto: measure none, model (with --draft), ngram, suffix and self (an MoE "
+                     "target) on the --prompts and pick the best predicted")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -34,14 +40,15 @@ DTYPE_HELP = ("compute dtype; auto: the checkpoint's where the CPU computes it w
               "in float32, a bfloat16 one in bfloat16)")
 
 
-def _add_model_flags(g: argparse._ArgumentGroup, *, budget_required: bool = False) -> None:
+def _add_model_flags(g: argparse._ArgumentGroup, *, budget_required: bool = False, drafter_help: str = DRAFTER_HELP,
+                     ) -> None:
     """The model flags `generate` and `plan` share: vLLM's spelling first, today's as an alias."""
     g.add_argument("--model", "--target", dest="target", required=True, metavar="DIR",
                    help="target checkpoint directory (HF safetensors)")
     g.add_argument("--speculative-model", "--draft", dest="draft", default=None, metavar="DIR",
                    help="draft checkpoint directory (same vocabulary); 'self': an MoE target drafts with its resident "
                         "experts (needs --device-memory); omit for none")
-    g.add_argument("--drafter", default=None, help=DRAFTER_HELP)
+    g.add_argument("--drafter", default=None, help=drafter_help)
     g.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     g.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]|auto",
                    help="where the target's FFN / experts, its resident parts and the draft compute; offloaded on "
@@ -52,7 +59,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete prompts from a file (or HumanEval) into JSONL",
                        allow_abbrev=False, formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
-    _add_model_flags(m)
+    _add_model_flags(m, drafter_help=PLAN_DRAFTER_HELP + " (needs --device-memory)")
     m.add_argument("--draft-dtype", default=None, choices=DTYPES,
                    help="the draft model's compute dtype (default: --dtype); bfloat16 halves its memory")
     m.add_argument("--num-speculative-tokens", "-k", "--num-draft-tokens", dest="num_draft_tokens",
@@ -171,7 +178,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="measure the hardware profile and print the planner's choice of batch and k",
                        allow_abbrev=False, formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
-    _add_model_flags(m)
+    _add_model_flags(m, drafter_help=PLAN_DRAFTER_HELP)
     m.add_argument("--max-model-len", "--max-seq-len", dest="max_seq_len", type=int, default=None, metavar="N",
                    help="prompt + output tokens per row (default: the job's longest prompt + --max-tokens)")
     m.add_argument("--max-num-seqs", "--batch-size", dest="batch_size", type=_int_or_auto, default="auto",
@@ -199,6 +206,7 @@ def _plan(args: argparse.Namespace) -> int:
     from specoffload.planner import Workload
     from specoffload.planner.units import format_bytes
 
+    from .drafter_choice import choose_drafter
     from .engine import Engine
     from .models.model import Transformer
     from .offline.prompt_file import read_prompts_file
@@ -208,7 +216,10 @@ def _plan(args: argparse.Namespace) -> int:
     from .warmup import plan_job
 
     prompts = read_prompts_file(args.prompts) if args.prompts else []
-    base = EngineConfig(target=args.target, draft=args.draft, drafter=args.drafter, dtype=args.dtype,
+    auto = args.drafter == "auto"
+    if auto and not prompts:
+        raise ValueError("--drafter auto measures each drafter on the job's prompts: give --prompts")
+    base = EngineConfig(target=args.target, draft=args.draft, drafter=None if auto else args.drafter, dtype=args.dtype,
                         device=args.device, device_memory=args.device_memory,
                         host_memory=args.host_memory, weights_tier=args.weights_tier, max_seq_len=args.max_seq_len,
                         num_draft_tokens=args.num_draft_tokens, max_batch_size=args.batch_size)
@@ -223,10 +234,16 @@ def _plan(args: argparse.Namespace) -> int:
     models = ModelPair.for_config(config, target, shares_kv=True)  # as the local backend's engine counts it
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, ignore_eos=True)
+    if auto:
+        return _print_choice(args, choose_drafter(config, target, encoded, params, max_seq_len, profile,
+                                                  quick=args.quick_profile), max_seq_len)
     if encoded and args.alpha is None:  # the warm-up on the job's prompts, then the maximin search over its range
         job = plan_job(config, models, encoded, params, max_seq_len, profile=profile)
         plan, workload = job.plan, job.workload
         alpha_source = job.warmup.describe() if job.warmup is not None else "no draft"
+        if job.replayed is not None:
+            alpha_source = (f"{job.replayed.alpha:.3f} per proposed token, match rate {job.replayed.match_rate:.0%} "
+                            f"(replayed on a no-draft warm-up of the job's prompts)")
     else:
         alpha = args.alpha if args.alpha is not None else base.acceptance_prior
         alpha_source = "--alpha" if args.alpha is not None else "prior (no prompts to measure it on)"
@@ -256,6 +273,24 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_choice(args: argparse.Namespace, choice: DrafterChoice, max_seq_len: int) -> int:
+    """`specoffload plan --drafter auto`: the drafters compared, the chosen plan and how to run it."""
+    workload, best = choice.workload, choice.best
+    print(f"workload: {workload.num_prompts} prompts x {workload.prompt_len:.0f} tokens, {workload.new_tokens} new "
+          f"tokens ({workload.mean_new_tokens:.0f} on average), KV sized for {max_seq_len} tokens per row; drafters "
+          f"measured on the job's prompts in {choice.seconds:.0f} s")
+    print(choice.table())
+    policy = best.plan.policy
+    print(f"\nchosen drafter: {best.drafter}, batch {best.plan.batch}, k = {best.plan.k}: predicted "
+          f"{best.predicted:.4g} tokens/s")
+    if policy is not None:
+        print(policy.placement_table)
+    k = f" -k {best.plan.k}" if best.plan.k else ""
+    print(f"\nrun it: specoffload generate ... --device-memory {args.device_memory} --max-seq-len {max_seq_len} "
+          f"--batch-size {best.plan.batch} --drafter {best.drafter}{k}")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .backends import BackendOptions, load_backend
     from .offline.job import JobSpec, run_job
@@ -264,6 +299,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.trace is not None and args.device_memory is None:
         raise ValueError("--trace records the offloaded pipeline: it needs --device-memory (a resident run has no "
                          "pipeline to trace)")
+    if args.drafter == "auto" and args.device_memory is None:
+        raise ValueError("--drafter auto plans against a memory budget: give --device-memory")
     if args.prompts:
         source = InputSource.file(args.prompts)
     elif args.dataset:
@@ -287,7 +324,7 @@ def _generate(args: argparse.Namespace) -> int:
         target=args.target,
         draft=args.draft,
         device=args.device,
-        drafter=args.drafter,
+        drafter=None if args.drafter == "auto" else args.drafter,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype,
         num_draft_tokens=args.num_draft_tokens,
@@ -311,7 +348,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,
                    overwrite=args.overwrite, chunk_size=args.chunk_size, params=params, progress=not args.no_progress,
-                   progress_interval=args.progress_interval, summary=args.summary)
+                   progress_interval=args.progress_interval, summary=args.summary,
+                   choose_drafter=args.drafter == "auto")
     options = BackendOptions(progress=not args.no_progress, show_placement=args.show_placement, trace=args.trace,
                              ray_address=args.ray_address, replicas=args.replicas)
     backend = load_backend(args.backend)  # an unknown name fails before any file is touched

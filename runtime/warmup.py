@@ -2,6 +2,8 @@
 
     measure_acceptance   a short generation over a sample of the job's prompts at k = MAX_AUTO_K, with the job's
                          sampling: the acceptance estimate with its between-prompt error (planner/acceptance.py)
+    warmup_outputs       a short no-draft generation over the same sample: the target's own outputs, which a
+                         model-free drafter's acceptance is replayed on (runtime/drafter_replay.py)
     plan_job             the warm-up, then the planner's search over the job's workload with the estimate's
                          plausible range (maximin over it, planner/search.py): the Plan, and why
 
@@ -35,10 +37,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specoffload.planner import AcceptanceEstimate, HardwareProfile, Workload
-from specoffload.planner.acceptance import AcceptanceCurve
+from specoffload.planner.acceptance import AcceptanceCurve, RaggedAcceptance
 from specoffload.planner.plan import MAX_AUTO_K, Plan
 
 from .config import EngineConfig
+from .drafter_replay import replay_acceptance
 from .engine import Engine
 from .offload.profiler import load_or_measure
 from .offload.replan import observed_stream_rate
@@ -65,6 +68,7 @@ class Warmup:
     seconds: float
     stream_rate: float | None = None  # what its loader delivered (replan.py `observed_stream_rate`)
     mean_new_tokens: float | None = None  # tokens a job's row generates on average (module docstring)
+    outputs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()  # (prompt, output) of each warm-up row
 
     @property
     def alpha_range(self) -> tuple[float, float]:
@@ -113,7 +117,8 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
                                     warm.replanner.pass_log, seq // 2, config.expert_loading)
     lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
     return Warmup(estimate, curve, len(chosen), new_tokens, MAX_AUTO_K, time.perf_counter() - start, rate,
-                  mean_output_len(lengths, params.max_new_tokens, new_tokens))
+                  mean_output_len(lengths, params.max_new_tokens, new_tokens),
+                  tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results)))
 
 
 def mean_output_len(lengths: Sequence[tuple[int, bool]], max_new_tokens: int, cap: int) -> float:
@@ -130,13 +135,33 @@ def mean_output_len(lengths: Sequence[tuple[int, bool]], max_new_tokens: int, ca
     return max(1.0, (1.0 - (1.0 - hazard) ** max_new_tokens) / hazard)
 
 
+def warmup_outputs(config: EngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                   ) -> tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], float]:
+    """A no-draft warm-up: (prompt, output) of WARMUP_PROMPTS of the job's prompts (spread over it), at most
+    WARMUP_TOKENS tokens each, and the mean output length it implies (warmup.py `mean_output_len`)."""
+    chosen = spread(list(prompts), WARMUP_PROMPTS)
+    new_tokens = max(2, min(WARMUP_TOKENS, params.max_new_tokens))
+    rows = max(1, math.ceil(len(chosen) / 2))  # as measure_acceptance: two batches of half the prompts
+    plain = replace(config, drafter="none", draft=None, max_batch_size=rows, num_draft_tokens=0,
+                    max_seq_len=max(len(p) for p in chosen) + new_tokens, interleave=None)
+    engine = Engine(plain)
+    try:
+        results = engine.generate([list(p) for p in chosen], replace(params, max_new_tokens=new_tokens))
+    finally:
+        engine.close()
+    lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
+    pairs = tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results))
+    return pairs, mean_output_len(lengths, params.max_new_tokens, new_tokens)
+
+
 @dataclass(frozen=True)
 class JobPlan:
     """The plan for a known job, with the warm-up and the workload it was searched for."""
 
     plan: Plan
     workload: Workload
-    warmup: Warmup | None  # None without a drafter (or with a fixed plan)
+    warmup: Warmup | None  # None without a drafter (or with a fixed plan, or a model-free drafter)
+    replayed: RaggedAcceptance | None = None  # a model-free drafter's acceptance, replayed (runtime/drafter_replay.py)
 
 
 def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence[int]], params: SamplingParams,
@@ -145,6 +170,14 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
     with the warm-up's plausible acceptance range: the plan `Engine(config, plan=...)` runs."""
     workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
     warmup = None
+    # a model-free drafter: its acceptance replayed on a no-draft warm-up's outputs (runtime/drafter_replay.py)
+    if config.planned and config.drafter_class.model_free and config.num_draft_tokens != 0:
+        rows, mean_new = warmup_outputs(config, prompts, params)
+        workload = replace(workload, mean_new_tokens=min(workload.new_tokens, mean_new))
+        k = max(MAX_AUTO_K, config.num_draft_tokens if isinstance(config.num_draft_tokens, int) else 0)
+        ragged = replay_acceptance(config, config.drafter_name, rows, k)
+        plan = make_plan(config, models, max_seq_len, workload=workload, alpha=ragged, profile=profile)
+        return JobPlan(plan, workload, None, ragged)
     if config.planned and models.draft is not None and config.num_draft_tokens != 0:
         profile = profile or load_or_measure(config, open_engine=Engine)
         warmup = measure_acceptance(config, prompts, params, profile=profile)

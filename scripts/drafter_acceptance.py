@@ -22,15 +22,12 @@ import argparse
 import gzip
 import json
 import statistics
-import time
 from pathlib import Path
 
-import torch
-
 from specoffload.runtime.corpora import ACLSUM_TEST, aclsum_prompts
+from specoffload.runtime.drafter_replay import replay_rounds
 from specoffload.runtime.offload.modelfree import NgramDrafter, SuffixDrafter
 from specoffload.runtime.prompts import _humaneval_path
-from specoffload.runtime.sampling import SamplingParams
 
 MODEL = Path.home() / ".cache" / "specoffload" / "models" / "qwen2.5-coder-1.5b-instruct"
 NGRAMS = [(1, 2), (1, 3), (1, 4), (2, 3), (2, 4), (3, 5)]
@@ -54,36 +51,13 @@ def workloads(tok, quick: bool) -> dict[str, list[tuple[list[int], list[int]]]]:
 
 
 def simulate(make, rows: list[tuple[list[int], list[int]]], k: int) -> dict[str, float]:  # noqa: ANN001
-    """Greedy-acceptance decoding of every row with one drafter (rows one after another: the suffix drafter's
-    global index sees the earlier rows' outputs)."""
-    drafter = make(k)
-    steps = tokens = matched = 0
-    micros: list[float] = []
-    drafter.reset(0, 1, 0)
-    for prompt, output in rows:
-        drafter.reset_rows(0, [0], 0)
-        context = list(prompt)
-        i = 0
-        while i < len(output):
-            held = drafter.lengths(0)[0]
-            new = context[held:]
-            start = time.perf_counter()
-            drafter.propose(0, torch.tensor([new]), torch.tensor([len(new)]), SamplingParams())
-            micros.append((time.perf_counter() - start) * 1e6)
-            proposal = drafter.rounds[0][0][: min(k, len(output) - i - 1)]
-            accepted = 0
-            while accepted < len(proposal) and proposal[accepted] == output[i + accepted]:
-                accepted += 1
-            commit = output[i: i + accepted + 1]
-            context += commit
-            i += len(commit)
-            steps += 1
-            tokens += len(commit)
-            matched += bool(proposal)
-            drafter.truncate(0, [held + len(new)])
-    drafter.drop(0)
-    return {"tokens_per_step": tokens / steps, "proposal_rate": matched / steps,
-            "proposal_us_median": statistics.median(micros), "proposal_us_p90": sorted(micros)[int(0.9 * len(micros))]}
+    """Greedy-acceptance decoding of every row with one drafter (runtime/drafter_replay.py `replay_rounds`: rows one
+    after another, so the suffix drafter's global index sees the earlier rows' outputs)."""
+    rounds, seconds = replay_rounds(make(k), rows, k)
+    micros = sorted(s * 1e6 for s in seconds)
+    return {"tokens_per_step": sum(a + 1 for _, a in rounds) / len(rounds),
+            "proposal_rate": sum(1 for n, _ in rounds if n) / len(rounds),
+            "proposal_us_median": statistics.median(micros), "proposal_us_p90": micros[int(0.9 * len(micros))]}
 
 
 def main() -> None:

@@ -63,6 +63,7 @@ class JobSpec:
     progress_interval: float = 10.0
     window: int = 8  # chunks handed out ahead of the oldest unwritten one, per worker
     summary: Path | None = None  # where to write the final summary as JSON
+    choose_drafter: bool = False  # --drafter auto: measure the drafters on the job's prompts first (`_auto_drafter`)
 
 
 def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineConfig], JobBackend]) -> int:
@@ -79,6 +80,8 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
     out = OutputFile(spec.output, resume=spec.resume, overwrite=spec.overwrite) if spec.output else StdoutOutput()
     with closing(out):
         config, preparer, sha, total = _scan(spec, config, fmt)
+        if spec.choose_drafter:
+            config = _auto_drafter(spec, config, fmt, preparer)
         out.start(_manifest(spec, config, fmt, sha, total, preparer.limits))
         resumed = out.resume(fmt, (fmt.parse(raw) for raw in spec.source.rows()), total, spec.chunk_size)
         _say_resumed(spec, resumed, total)
@@ -120,6 +123,30 @@ def _scan(spec: JobSpec, config: EngineConfig, fmt: Format) -> tuple[EngineConfi
     if config.max_seq_len is not None:
         limits = replace(limits, max_seq_len=min(config.max_seq_len, limits.context))
     return config, Preparer(tokenizer, limits, spec.params, spec.chunk_size), sha, total
+
+
+def _auto_drafter(spec: JobSpec, config: EngineConfig, fmt: Format, preparer: Preparer) -> EngineConfig:
+    """--drafter auto: every candidate drafter measured on the job's prompts and planned (runtime/drafter_choice.py;
+    the table on stderr); the config then runs the chosen drafter at the chosen plan's batch and k (fixed: the
+    measured acceptance chose them, the engine's own plan would use the prior)."""
+    from ..drafter_choice import candidate_config, choose_drafter
+    from ..engine import Engine
+    from ..models.model import Transformer
+    from ..offload.profiler import load_or_measure
+
+    if not config.offloaded or config.max_seq_len is None:
+        raise ValueError("--drafter auto plans against a memory budget: give --device-memory")
+    prompts = [job.token_ids for raw in spec.source.rows() if isinstance(job := preparer(fmt.parse(raw)), RowJob)]
+    say = (lambda m: print(m, file=sys.stderr)) if spec.progress else (lambda m: None)  # noqa: E731
+    profile = load_or_measure(config, log=say, open_engine=Engine)
+    choice = choose_drafter(config, Transformer(config.target, dtype=config.torch_dtype), prompts, spec.params,
+                            config.max_seq_len, profile)
+    best = choice.best
+    print(f"--drafter auto: {best.drafter}, batch {best.plan.batch}, k = {best.plan.k} (predicted "
+          f"{best.predicted:.4g} tokens/s; measured on the job's prompts in {choice.seconds:.0f} s)\n"
+          f"{choice.table()}", file=sys.stderr)
+    return replace(candidate_config(config, best.drafter), max_batch_size=best.plan.batch,
+                   num_draft_tokens=best.plan.k, interleave=best.plan.interleave if best.plan.k else None)
 
 
 def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineConfig], JobBackend],

@@ -234,6 +234,13 @@ def _attention_fit(target: Transformer, reps: int, quick: bool) -> tuple[float, 
     return tuple(max(0.0, float(c)) for c in coef)  # type: ignore[return-value]
 
 
+def measure_draft_steps(config: EngineConfig, quick: bool = False) -> tuple[tuple[int, float], ...]:
+    """Only the draft step of `config`'s drafter (`HardwareProfile.draft_step_s`): what another drafter's profile
+    differs in, so comparing drafters (runtime/warmup.py `choose_drafter`) measures the rest once."""
+    with torch.inference_mode():
+        return _draft_steps(config, 1 if quick else 3, quick)
+
+
 def _draft_steps(config: EngineConfig, reps: int, quick: bool) -> tuple[tuple[int, float], ...]:
     """One draft token step versus rows, on the model the drafter's class names (`step_model`: the draft model,
     or the target with only its resident experts); a drafter with no model to time: a nominal 1 ms."""
