@@ -133,3 +133,16 @@ def test_the_pipeline_keeps_the_slot_protocol(tiny_models, minimum, single_threa
     reads = [e for e in sync.log if e.call == "before_use"]
     assert {e.thread for e in reads} <= {"specoffload-device", "specoffload-cpu"}
     assert max(e.generation for e in sync.log) >= 2  # slots were reused
+
+
+def test_a_unit_whose_parts_all_load_later_still_claims_its_slot(tiny_models, single_thread) -> None:
+    """Mixtral with routed experts loaded inside the ffn (`selected` loading) at batch 1: the load op has no parts,
+    yet it claims the slot, so the ffn's read follows a load of that slot (found by the property test above)."""
+    sync = RecordingSlotSync()
+    config = _config(tiny_models, "mixtral", None, 1, 1, "1GiB")
+    lo = Engine(config).minimum_device_memory()
+    engine = Engine(_config(tiny_models, "mixtral", None, 1, 1, lo), workers=functools.partial(local_workers,
+                                                                                               sync=sync))
+    engine.generate(OFFLOAD_PROMPTS[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.close()
+    assert check_protocol(sync.log) == []

@@ -206,7 +206,7 @@ class PrefetchWorker:
     def load(self, layer: int, group: int, slot: int) -> None:
         """Stream load unit (layer, group) (the head: (L, 0)) into ring slot `slot`."""
         keys = self.plan.load_groups.get((layer, group), ())
-        if keys and self.streamer is not None:
+        if self.streamer is not None:  # (no parts: the slot is still claimed, e.g. for routed experts loaded later)
             self.streamer.load(slot, list(keys))
 
     def close(self) -> None:
