@@ -148,11 +148,13 @@ def test_a_stream_over_an_open_empty_feed_idles_then_continues(tiny_models, sing
     engine.close()
 
 
-def test_a_stream_over_a_feed_grows_a_batch_below_its_size(tiny_models, single_thread):
+@pytest.mark.parametrize("draft", [False, True], ids=["nodraft", "draft"])
+def test_a_stream_over_a_feed_grows_a_batch_below_its_size(tiny_models, single_thread, draft):
     """One row admitted (the feed held one), more arrive while it decodes: the batch grows to its size (a new wave;
-    the running row is fed again from its committed tokens) and every row still equals `generate`."""
-    engine = _engine(tiny_models, offloaded=True, draft=False)
-    long = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    the running row is fed again from its committed tokens, and drafts in that pass as it would have) and every
+    row still equals `generate`, the sampled one too."""
+    engine = _engine(tiny_models, offloaded=True, draft=draft)
+    long = SamplingParams(max_new_tokens=14, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)  # sampled
     reference = engine.generate(PROMPTS[:3], [long, UNEVEN[0], UNEVEN[2]])
     feed: Feed = Feed()
     feed.put([(PROMPTS[0], long, 0)])

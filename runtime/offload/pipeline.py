@@ -389,8 +389,9 @@ class Pipeline:
             self._plan_feed(b)
             assert b.feed is not None
             # a row's first verify (the pass that feeds its prompt) carries no drafts, in every runner: so a row's
-            # rounds, and with them its random draws, never depend on the batch it joined
-            decoding = [ok and f == 1 and len(r.output) > 0 for ok, f, r in zip(b.ready, b.feed, b.rows)]
+            # rounds, and with them its random draws, never depend on the batch it joined. A row fed again whole
+            # (after a restart, or a feed's rows growing its batch) drafts as it would have: same rounds, same draws
+            decoding = [ok and len(r.output) > 0 for ok, r in zip(b.ready, b.rows)]
             b.num_drafts = draft_lengths(b.rows, b.round_k, decoding)
         limit = max(b.num_drafts, default=0)
         if op.token >= limit or len(b.draft_tokens) < op.token:  # (rows admitted after this round began: skip it)
