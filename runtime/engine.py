@@ -40,7 +40,7 @@ from .offload.replan import Replanner
 from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
 from .param_ranges import check_sampling
 from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
-from .request import Feed, GenerationResult, Request
+from .request import Feed, GenerationResult, MappedFeed, Request
 from .resident import ResidentRunner
 from .rng import row_seed
 from .sampling import SamplingParams
@@ -212,7 +212,7 @@ class Engine:
             prompt, p, key = row
             return self._request(i, self._encode_one(i, prompt), p, key)
 
-        requests = rows.map(request) if isinstance(rows, Feed) else map(request, rows)
+        requests = rows.map(request) if isinstance(rows, (Feed, MappedFeed)) else map(request, rows)
         finished = self.runner.stream(requests, progress=progress)
         while True:
             with torch.inference_mode():  # around the runner's work only, not the caller's between two results
