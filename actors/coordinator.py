@@ -325,7 +325,9 @@ class Coordinator:
             if self.engine is None:
                 self._start()
             assert self.engine is not None
-            return {"placement": self.engine.describe_placement(), "pids": self.pids(), "node": current_node_id()}
+            plan = self.engine.plan
+            return {"placement": self.engine.describe_placement(), "pids": self.pids(), "node": current_node_id(),
+                    "slots": plan.batch * plan.num_batches}  # rows its engine decodes at once
 
     def _start(self) -> None:
         # The actors start (import torch, ...) while this process reads the checkpoints and places the model.

@@ -86,6 +86,7 @@ class Replica:
     passes: int = 0
     engine_s: float = 0.0  # seconds its engine spent on its chunks
     call_s: float = 0.0  # seconds from lease to result, as the driver saw them (engine + Ray + coordinator)
+    slots: int = 0  # rows its engine decodes at once (0: unknown)
     down: bool = False  # lost its lease; not back yet
     gone: bool = False  # will not come back in this job
 
@@ -140,7 +141,7 @@ class ReplicaPool:
             self.shutdown()
             raise
         for replica, info in zip(self.replicas, started):
-            replica.node = info["node"]
+            replica.node, replica.slots = info["node"], int(info.get("slots", 0))
         self.placement = started[0]["placement"]
         self.log(f"{count} replica(s) of {self.bundle} each, one per node: "
                  + ", ".join(f"replica {r.index} on node {r.node[:12]}" for r in self.replicas))
@@ -150,17 +151,23 @@ class ReplicaPool:
 
     # ---- a job's chunks ---------------------------------------------------------------------------------------------
     def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]:
-        """Lease chunks to replicas, at most `window` per replica ahead of the oldest unwritten chunk, and up to
-        `window` (at most MAX_LEASES) in flight on one replica at once: its rows join its one engine stream
-        (coordinator.py `ChunkStream`), the next chunk's rows taking slots as the last one's finish; the least
-        loaded replica leases first. Yield each chunk once, when its result is in (any order)."""
+        """Lease chunks to replicas, at most `window` per replica ahead of the oldest unwritten chunk. A replica holds
+        several leases at once (up to `window`, at most MAX_LEASES), while its rows in flight are fewer than twice
+        the rows its engine decodes at once: its batches full and as many rows queued in its one engine stream
+        (coordinator.py `ChunkStream`), so the next chunk's rows take slots as the last one's finish. The replica
+        with the fewest rows in flight leases first. Yield each chunk once, when its result is in (any order)."""
         book = LeaseBook(chunks, window * len(self.replicas))
         per_replica = max(1, min(window, MAX_LEASES))
         leases = {r.index: 0 for r in self.replicas}  # run_chunk calls in flight per replica
+        rows = {r.index: 0 for r in self.replicas}  # their rows
 
-        def free() -> Replica | None:  # the replica with the fewest leases, if it may take another
-            up = [r for r in self.replicas if not r.gone and not r.down and leases[r.index] < per_replica]
-            return min(up, key=lambda r: leases[r.index]) if up else None
+        def takes(r: Replica) -> bool:  # up, and fewer rows in flight than fill its batches twice (one queued)
+            return (not r.gone and not r.down and leases[r.index] < per_replica
+                    and (leases[r.index] == 0 or not r.slots or rows[r.index] < 2 * r.slots))
+
+        def free() -> Replica | None:  # the replica with the fewest rows in flight, if it may take another chunk
+            up = [r for r in self.replicas if takes(r)]
+            return min(up, key=lambda r: rows[r.index]) if up else None
 
         calls: dict[Any, tuple[Replica, Chunk | None]] = {}  # in flight: run_chunk (a lease) or start (a comeback)
         sent: dict[Any, float] = {}
@@ -183,6 +190,7 @@ class ReplicaPool:
                 replica = free()
                 assert replica is not None
                 leases[replica.index] += 1
+                rows[replica.index] += len(chunk.rows)
                 ref = replica.actor.run_chunk.remote(*chunk.payload())
                 calls[ref], sent[ref] = (replica, chunk), time.perf_counter()
                 book.lease(chunk, replica.index)
@@ -216,12 +224,14 @@ class ReplicaPool:
                     if isinstance(exc, RayTaskError) and not isinstance(exc.cause, WorkerLost):
                         raise exc.as_instanceof_cause() from None  # the engine refused the chunk: a bug, not a fault
                     leases[replica.index] -= 1
+                    rows[replica.index] -= len(chunk.rows)
                     book.lose(chunk.number)
                     redone.add(chunk.number)
                     self._lost(replica, chunk, exc, calls)
                     continue
                 replica.call_s += t0 - sent.pop(ref)
                 leases[replica.index] -= 1
+                rows[replica.index] -= len(chunk.rows)
                 results = tuple(RowResult(tuple(r["token_ids"]), r["text"], r["finish_reason"], r["num_drafted"],
                                           r["num_accepted"], r.get("stop_reason")) for r in out["results"])
                 self._count(replica, chunk, results, out)
@@ -265,7 +275,7 @@ class ReplicaPool:
             return False
         replica.restarts += 1
         replica.down = False
-        replica.node = info["node"]
+        replica.node, replica.slots = info["node"], int(info.get("slots", replica.slots))
         self._event("back", replica)
         self.log(f"replica {replica.index} is back, on node {replica.node[:12]}")
         return False
