@@ -12,7 +12,11 @@ The life of a `run` (the engine has encoded the prompts into requests):
      remaining - 1) of them, or fewer when the drafter proposes fewer (a model-free drafter without a match).
      Propose, verify, commit and truncate are runtime/speculative.py's, as in the resident
      runner, so greedy outputs are identical token for token.
-  4. A finished row's slot is refilled from the queue at its batch's verify op (`Batches.retire_finished`).
+  4. A finished row's slot is refilled from the queue at its batch's verify op (`Batches.retire_finished`). Over
+     a `Feed` (runtime/request.py: requests put while the stream runs, e.g. a replica's leased chunks) nothing
+     blocks on the queue: rows that arrive fill an empty batch before its next step, or a running batch below its
+     size at its verify (`Batches.grow`: a new wave, its rows fed again), and with every batch empty and the feed
+     open the schedule waits on the feed instead of running empty steps.
   5. If an op fails, the `Recovery` policy may restore the workers (the Ray backend restarts a lost actor); the
      batches then restart from their committed tokens and the schedule runs again. The local backend's policy
      never recovers: the error propagates.
