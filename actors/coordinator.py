@@ -38,6 +38,7 @@ from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.offload.drafters import Drafter, NoDrafter, make_drafter
 from specoffload.runtime.offload.workers import WeightPlan, Workers, worker_classes
+from specoffload.runtime.request import Feed, GenerationResult
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.transport.arena import sweep_dead_arenas
 from specoffload.runtime.transport.procs import pid_exited
@@ -207,11 +208,105 @@ def _lost_worker(error: BaseException | None) -> str | None:
     return None
 
 
+class _ChunkCall:
+    """One run_chunk's rows in a `ChunkStream`: filled in as they finish, in any order."""
+
+    def __init__(self, rows: int) -> None:
+        self.results: list[GenerationResult | None] = [None] * rows
+        self.left = rows
+        self.error: BaseException | None = None
+        self.cost: dict[str, Any] = {}
+        self.started = time.perf_counter()
+        self.done = threading.Event()
+
+    def result(self) -> tuple[list[GenerationResult], dict[str, Any]]:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return [r for r in self.results if r is not None], self.cost
+
+
+class ChunkStream:
+    """A replica's one long-lived engine stream (`Engine.stream` over a `Feed`) that its leased chunks feed: a
+    background thread runs the stream; `submit` puts a chunk's rows into the feed and returns a call that completes
+    once those rows have finished (matched by their index: the stream numbers rows in the order they were put). The
+    stream idles while the feed is empty. If it dies, every call in flight fails with its error (the driver then
+    re-leases those chunks) and `alive` turns False (the next chunk starts a fresh stream).
+
+    Per chunk it reports what the stream did between the previous chunk's end and its own (bytes read, passes,
+    role recoveries): summed over chunks, the stream's totals; wall_s is the chunk's own, lease to result."""
+
+    def __init__(self, engine: Engine, roles: RoleWorkers) -> None:
+        self.engine, self.roles = engine, roles
+        self.feed: Feed[tuple[Any, SamplingParams, int | str]] = Feed()
+        self.lock = threading.Lock()
+        self.owner: dict[int, tuple[_ChunkCall, int]] = {}  # stream index -> (its call, its row in the chunk)
+        self.fed = 0
+        self.error: BaseException | None = None
+        self.marks = self._counters() | {"recoveries": 0, "passes": 0}  # (both count from the stream's start)
+        self.thread = threading.Thread(target=self._run, name="chunk-stream", daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and not self.feed.closed
+
+    def submit(self, rows: list[tuple[Any, SamplingParams, int | str]]) -> _ChunkCall:
+        call = _ChunkCall(len(rows))
+        with self.lock:
+            if self.error is not None:
+                raise self.error
+            if not rows:
+                call.done.set()
+                return call
+            for n in range(len(rows)):
+                self.owner[self.fed + n] = (call, n)
+            self.fed += len(rows)
+            self.feed.put(rows)  # (under the lock: the stream's indices follow the order of the puts)
+        return call
+
+    def close(self, timeout_s: float | None = None) -> None:
+        self.feed.close()
+        self.thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            for r in self.engine.stream(self.feed):
+                with self.lock:
+                    call, n = self.owner.pop(r.index)
+                    call.results[n] = r
+                    call.left -= 1
+                    if call.left:
+                        continue
+                    now = self._counters()
+                    call.cost = {k: now[k] - self.marks[k] for k in now} | {
+                        "wall_s": time.perf_counter() - call.started}
+                    self.marks = now
+                call.done.set()
+        except BaseException as exc:  # noqa: BLE001 (handed to every call in flight, which re-raise it)
+            logger.warning("the chunk stream ended: %s: %s", type(exc).__name__, exc)
+            with self.lock:
+                self.error = exc
+                calls = {id(c): c for c, _ in self.owner.values()}
+                self.owner.clear()
+            for call in calls.values():
+                call.error = exc
+                call.done.set()
+
+    def _counters(self) -> dict[str, Any]:
+        pipeline = self.engine.pipeline
+        return {"recoveries": self.roles.recoveries,
+                "bytes_read": pipeline.workers.bytes_read if pipeline is not None else 0,
+                "passes": pipeline.verified if pipeline is not None else 0}
+
+
 class Coordinator:
     """The coordinator actor: hosts an `Engine` whose workers are role actors; it returns only plain data.
 
-    bundle: a replica's placement-group bundle (replicas.py): its roles are launched into it. Calls that use the
-    engine are serialised (the actor is threaded so that progress and stats answer meanwhile)."""
+    bundle: a replica's placement-group bundle (replicas.py): its roles are launched into it. The actor is threaded:
+    several `run_chunk` calls (a replica's leased chunks) are in flight at once and share one engine stream
+    (`ChunkStream`), and progress and stats answer meanwhile; `generate` waits for that stream to finish, then runs
+    alone."""
 
     def __init__(self, config: EngineConfig, resources: dict[str, ActorResources] | None = None,
                  max_restarts: int = 3, call_timeout_s: float = CALL_TIMEOUT_S, bundle: Bundle | None = None) -> None:
@@ -222,6 +317,7 @@ class Coordinator:
         self.engine: Engine | None = None
         self.roles: RoleWorkers | None = None
         self.bundle, self.lock = bundle, threading.Lock()
+        self.chunks: ChunkStream | None = None  # the leased chunks' engine stream, while chunks come
 
     def start(self) -> dict[str, Any]:
         """Build the engine and its role actors (errors such as a too-small budget surface here). Idempotent."""
@@ -229,7 +325,9 @@ class Coordinator:
             if self.engine is None:
                 self._start()
             assert self.engine is not None
-            return {"placement": self.engine.describe_placement(), "pids": self.pids(), "node": current_node_id()}
+            plan = self.engine.plan
+            return {"placement": self.engine.describe_placement(), "pids": self.pids(), "node": current_node_id(),
+                    "slots": plan.batch * plan.num_batches}  # rows its engine decodes at once
 
     def _start(self) -> None:
         # The actors start (import torch, ...) while this process reads the checkpoints and places the model.
@@ -248,6 +346,7 @@ class Coordinator:
         """params: the fields of one SamplingParams for every prompt, or of one per prompt; keys: each prompt's
         random-stream key (Engine.generate)."""
         with self.lock:
+            self._end_chunks()  # the engine runs one thing at a time
             engine, roles = self._engine()
             roles.recoveries = 0
             per_row = [SamplingParams(**p) for p in params] if isinstance(params, list) else (
@@ -255,16 +354,31 @@ class Coordinator:
             results = engine.generate(prompts, per_row, keys=keys)
         return [dataclasses.asdict(r) for r in results]
 
-    def run_chunk(self, prompts: list[list[int]], params: list[dict[str, Any]],
+    def run_chunk(self, prompts: list[list[int]], params: list[dict[str, Any]] | dict[str, Any] | None,
                   keys: list[int] | None = None) -> dict[str, Any]:
-        """A leased chunk of a job (replicas.py): its rows' results without their prompts, and what it cost."""
-        results = self.generate(prompts, params, keys)
-        engine, roles = self._engine()
-        stats = engine.last_stats
+        """A leased chunk of a job (replicas.py): its rows' results without their prompts, and what it cost.
+
+        The rows go into the replica's one long-lived engine stream (`ChunkStream`), beside the rows of the other
+        chunks in flight here: a chunk is never a drain point. The call returns once its own rows have finished;
+        if the stream dies (a role lost beyond its restarts), it raises that error and the driver re-leases."""
+        per_row = ([SamplingParams(**p) for p in params] if isinstance(params, list)
+                   else [SamplingParams(**(params or {}))] * len(prompts))
+        rows = [(prompt, p, i if keys is None else keys[i]) for i, (prompt, p) in enumerate(zip(prompts, per_row))]
+        with self.lock:
+            engine, roles = self._engine()
+            if self.chunks is None or not self.chunks.alive:
+                roles.recoveries = 0
+                self.chunks = ChunkStream(engine, roles)
+            call = self.chunks.submit(rows)
+        results, cost = call.result()
         keep = ("token_ids", "text", "finish_reason", "num_drafted", "num_accepted", "stop_reason")
-        return {"results": [{k: r[k] for k in keep} for r in results], "recoveries": roles.recoveries,
-                "bytes_read": getattr(stats, "bytes_read", 0), "passes": getattr(stats, "passes", 0),
-                "wall_s": getattr(stats, "wall_s", 0.0)}
+        return {"results": [{k: getattr(r, k) for k in keep} for r in results]} | cost
+
+    def _end_chunks(self, timeout_s: float | None = None) -> None:
+        """Close the chunk stream (its rows in flight finish first, within timeout_s)."""
+        if self.chunks is not None:
+            self.chunks.close(timeout_s)
+            self.chunks = None
 
     def stats(self) -> dict[str, Any]:
         engine, roles = self._engine()
@@ -292,6 +406,7 @@ class Coordinator:
         return dict(roles.group.infos)
 
     def shutdown(self) -> None:
+        self._end_chunks(timeout_s=5.0)  # (rows still in flight then fail with the engine's closing)
         if self.engine is not None:
             self.engine.close()
             self.engine = None

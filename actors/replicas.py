@@ -9,7 +9,9 @@ not). A bundle holds the replica's CPU (and GPU) shares and, on a cluster that d
 that offer it, never to the head.
 
 Leases. A chunk is leased to a replica by calling its coordinator's `run_chunk`; the lease ends with the result, or
-with the call's failure. When a replica's process or node dies, Ray fails the call (RayActorError): the lease is
+with the call's failure. A replica holds several leases at once (up to the job's window): their rows share its one
+long-lived engine stream (coordinator.py `ChunkStream`), so a chunk is never a drain point.
+When a replica's process or node dies, Ray fails the call (RayActorError): the lease is
 lost and the chunk goes back to the front of the queue for the next free replica (`LeaseBook`). Ray reschedules the
 lost bundle on another node if one fits and restarts the coordinator there (`max_restarts`); the pool calls its
 `start` and the replica takes leases again. A replica with no node to come back to stops taking leases; the others
@@ -25,7 +27,6 @@ import math
 import sys
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,8 @@ REPLICA_RESOURCE = "specoffload_replica"
 READY_TIMEOUT_S = 300.0
 #: with no replica left to lease to, seconds to wait for one to come back (a rescheduled node) before giving up
 COMEBACK_TIMEOUT_S = 600.0
+#: run_chunk calls in flight per replica at most (its coordinator's threads: they share its one engine stream)
+MAX_LEASES = 16
 #: seconds between asking an unreachable replica to come back
 COMEBACK_RETRY_S = 2.0
 
@@ -83,6 +86,7 @@ class Replica:
     passes: int = 0
     engine_s: float = 0.0  # seconds its engine spent on its chunks
     call_s: float = 0.0  # seconds from lease to result, as the driver saw them (engine + Ray + coordinator)
+    slots: int = 0  # rows its engine decodes at once (0: unknown)
     down: bool = False  # lost its lease; not back yet
     gone: bool = False  # will not come back in this job
 
@@ -130,14 +134,14 @@ class ReplicaPool:
             for i in range(count):
                 here = Bundle(self.group, i)
                 actor = launch(Coordinator, config, None, max_restarts, bundle=here, resources=resources["coordinator"],
-                               max_restarts=max_restarts, max_concurrency=4, placement=here)
+                               max_restarts=max_restarts, max_concurrency=MAX_LEASES + 4, placement=here)
                 self.replicas.append(Replica(i, actor))
             started = [_get(r.actor.start.remote(), ready_timeout_s) for r in self.replicas]
         except BaseException:
             self.shutdown()
             raise
         for replica, info in zip(self.replicas, started):
-            replica.node = info["node"]
+            replica.node, replica.slots = info["node"], int(info.get("slots", 0))
         self.placement = started[0]["placement"]
         self.log(f"{count} replica(s) of {self.bundle} each, one per node: "
                  + ", ".join(f"replica {r.index} on node {r.node[:12]}" for r in self.replicas))
@@ -147,10 +151,24 @@ class ReplicaPool:
 
     # ---- a job's chunks ---------------------------------------------------------------------------------------------
     def run(self, chunks: Iterator[Chunk], window: int) -> Iterator[ChunkDone]:
-        """Lease chunks to free replicas, at most `window` per replica ahead of the oldest unwritten chunk; yield
-        each chunk once, when its result is in (any order)."""
+        """Lease chunks to replicas, at most `window` per replica ahead of the oldest unwritten chunk. A replica holds
+        several leases at once (up to `window`, at most MAX_LEASES), while its rows in flight are fewer than twice
+        the rows its engine decodes at once: its batches full and as many rows queued in its one engine stream
+        (coordinator.py `ChunkStream`), so the next chunk's rows take slots as the last one's finish. The replica
+        with the fewest rows in flight leases first. Yield each chunk once, when its result is in (any order)."""
         book = LeaseBook(chunks, window * len(self.replicas))
-        free = deque(r for r in self.replicas if not r.gone)
+        per_replica = max(1, min(window, MAX_LEASES))
+        leases = {r.index: 0 for r in self.replicas}  # run_chunk calls in flight per replica
+        rows = {r.index: 0 for r in self.replicas}  # their rows
+
+        def takes(r: Replica) -> bool:  # up, and fewer rows in flight than fill its batches twice (one queued)
+            return (not r.gone and not r.down and leases[r.index] < per_replica
+                    and (leases[r.index] == 0 or not r.slots or rows[r.index] < 2 * r.slots))
+
+        def free() -> Replica | None:  # the replica with the fewest rows in flight, if it may take another chunk
+            up = [r for r in self.replicas if takes(r)]
+            return min(up, key=lambda r: rows[r.index]) if up else None
+
         calls: dict[Any, tuple[Replica, Chunk | None]] = {}  # in flight: run_chunk (a lease) or start (a comeback)
         sent: dict[Any, float] = {}
         redone: set[int] = set()  # chunks of lost leases
@@ -162,14 +180,17 @@ class ReplicaPool:
                     del retry[index]
                     calls[self.replicas[index].actor.start.remote()] = (self.replicas[index], None)
             t0 = time.perf_counter()
-            while free and (chunk := book.next()) is not None:
+            while free() is not None and (chunk := book.next()) is not None:
                 if (done := errors_only(chunk)) is not None:
                     book.complete(chunk.number)
                     self.driver_s += time.perf_counter() - t0
                     yield done
                     t0 = time.perf_counter()
                     continue
-                replica = free.popleft()
+                replica = free()
+                assert replica is not None
+                leases[replica.index] += 1
+                rows[replica.index] += len(chunk.rows)
                 ref = replica.actor.run_chunk.remote(*chunk.payload())
                 calls[ref], sent[ref] = (replica, chunk), time.perf_counter()
                 book.lease(chunk, replica.index)
@@ -182,7 +203,7 @@ class ReplicaPool:
                 raise ReplicaError("every replica is gone (their nodes died and none could be placed again); the "
                                    "rows written so far are safe: rerun with --resume")
             leased = any(chunk is not None for _, chunk in calls.values())
-            stalled_since = None if leased or free else (stalled_since or time.monotonic())
+            stalled_since = None if leased or free() is not None else (stalled_since or time.monotonic())
             if stalled_since is not None and time.monotonic() - stalled_since > COMEBACK_TIMEOUT_S:
                 raise ReplicaError(f"no replica left to lease to: none came back within {COMEBACK_TIMEOUT_S:.0f} s "
                                    "(see `ray status`); the rows written so far are safe: rerun with --resume")
@@ -194,7 +215,7 @@ class ReplicaPool:
                 t0 = time.perf_counter()
                 replica, chunk = calls.pop(ref)
                 if chunk is None:
-                    if self._comeback(replica, ref, free):
+                    if self._comeback(replica, ref):
                         retry[replica.index] = time.monotonic() + COMEBACK_RETRY_S
                     continue
                 try:
@@ -202,12 +223,15 @@ class ReplicaPool:
                 except (RayActorError, RayTaskError) as exc:
                     if isinstance(exc, RayTaskError) and not isinstance(exc.cause, WorkerLost):
                         raise exc.as_instanceof_cause() from None  # the engine refused the chunk: a bug, not a fault
+                    leases[replica.index] -= 1
+                    rows[replica.index] -= len(chunk.rows)
                     book.lose(chunk.number)
                     redone.add(chunk.number)
                     self._lost(replica, chunk, exc, calls)
                     continue
                 replica.call_s += t0 - sent.pop(ref)
-                free.append(replica)
+                leases[replica.index] -= 1
+                rows[replica.index] -= len(chunk.rows)
                 results = tuple(RowResult(tuple(r["token_ids"]), r["text"], r["finish_reason"], r["num_drafted"],
                                           r["num_accepted"], r.get("stop_reason")) for r in out["results"])
                 self._count(replica, chunk, results, out)
@@ -220,20 +244,24 @@ class ReplicaPool:
     def _lost(self, replica: Replica, chunk: Chunk, exc: Exception, calls: dict[Any, tuple[Replica, Chunk | None]]
               ) -> None:
         """A lease ended without a result: count it and ask the replica to come back (Ray restarts its
-        coordinator, on another node if its own is gone)."""
+        coordinator, on another node if its own is gone). Its other leases in flight fail with the same fault: only
+        the first asks."""
         replica.lost_leases += 1
+        first_loss = not replica.down
         replica.down = True
         self._event("lease_lost", replica, chunk=chunk.number, error=first_line(exc, with_type=True))
         self.metrics.inc("lost_leases", 1, replica.index)
         first, last = chunk.rows[0].index, chunk.rows[-1].index
         self.log(f"replica {replica.index} (node {replica.node[:12]}) lost its lease on chunk {chunk.number} (rows "
                  f"{first}-{last}): {first_line(exc, with_type=True)}; the chunk goes back to the queue")
+        if not first_loss:
+            return
         if isinstance(exc, RayTaskError):  # alive, but its role actors are spent: a fresh coordinator, from Ray
             with contextlib.suppress(RayError):
                 ray.kill(replica.actor, no_restart=False)
         calls[replica.actor.start.remote()] = (replica, None)
 
-    def _comeback(self, replica: Replica, ref: Any, free: deque[Replica]) -> bool:
+    def _comeback(self, replica: Replica, ref: Any) -> bool:
         """The answer to a lost replica's `start`: back (it takes leases again), unreachable for now (True: ask
         again soon; Ray is noticing its node's death, or restarting it), or gone for this job."""
         try:
@@ -247,9 +275,8 @@ class ReplicaPool:
             return False
         replica.restarts += 1
         replica.down = False
-        replica.node = info["node"]
+        replica.node, replica.slots = info["node"], int(info.get("slots", replica.slots))
         self._event("back", replica)
-        free.append(replica)
         self.log(f"replica {replica.index} is back, on node {replica.node[:12]}")
         return False
 

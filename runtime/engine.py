@@ -40,7 +40,7 @@ from .offload.replan import Replanner
 from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
 from .param_ranges import check_sampling
 from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
-from .request import GenerationResult, Request
+from .request import Feed, GenerationResult, MappedFeed, Request
 from .resident import ResidentRunner
 from .rng import row_seed
 from .sampling import SamplingParams
@@ -198,15 +198,22 @@ class Engine:
             params_it = iter(params)
         return self.stream(zip(prompts, params_it, keys_it), progress)
 
-    def stream(self, rows: Iterable[tuple[Prompt, SamplingParams, int | str]],
+    def stream(self, rows: Iterable[tuple[Prompt, SamplingParams, int | str]] | Feed[tuple[Prompt, SamplingParams,
+                                                                                             int | str]],
                progress: bool = False) -> Iterator[GenerationResult]:
-        """`generate_iter` over (prompt, its params, its key) rows: the one pipeline a job streams through."""
+        """`generate_iter` over (prompt, its params, its key) rows: the one pipeline a job streams through. rows may
+        be a `Feed` that the caller fills while the stream runs (a replica's leased chunks): the stream then idles
+        while it is open and empty and ends once it is closed and drained; a result's `index` is its row's position
+        in the order the rows were put."""
+        counter = itertools.count()
 
-        def requests() -> Iterator[Request]:
-            for i, (prompt, p, key) in enumerate(rows):
-                yield self._request(i, self._encode_one(i, prompt), p, key)
+        def request(row: tuple[Prompt, SamplingParams, int | str]) -> Request:
+            i = next(counter)
+            prompt, p, key = row
+            return self._request(i, self._encode_one(i, prompt), p, key)
 
-        finished = self.runner.stream(requests(), progress=progress)
+        requests = rows.map(request) if isinstance(rows, (Feed, MappedFeed)) else map(request, rows)
+        finished = self.runner.stream(requests, progress=progress)
         while True:
             with torch.inference_mode():  # around the runner's work only, not the caller's between two results
                 r = next(finished, None)

@@ -7,6 +7,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+U = TypeVar("U")
+V = TypeVar("V")
 
 #: one generated token's log-probabilities: (token id, logprob, rank) for the chosen token first, then the top-N
 TokenLogprobs = list[tuple[int, float, int]]
@@ -144,21 +149,105 @@ class Request:
         return None
 
 
+class Feed(Generic[T]):
+    """An open-ended, thread-safe source of requests (or of anything a stream reads): producers `put` items and
+    finally `close` it; a stream takes what is there *now* (`take`, never blocking) and idles on `wait` while it is
+    open and empty. A replica's long-lived engine stream reads a job's leased chunks from one (actors/coordinator.py).
+    `map(f)` is a view whose items are f(item), taken lazily in order (an engine encodes prompts that way)."""
+
+    def __init__(self) -> None:
+        self._items: deque[T] = deque()
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def put(self, items: Iterable[T]) -> None:
+        with self._cond:
+            if self._closed:
+                raise ValueError("put on a closed Feed")
+            self._items.extend(items)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No more items: a stream over it ends once it has taken and finished every one."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def exhausted(self) -> bool:
+        """Closed and empty: nothing will ever come."""
+        with self._cond:
+            return self._closed and not self._items
+
+    def take(self, n: int) -> list[T]:
+        """Up to n items, those there now (never blocks)."""
+        with self._cond:
+            return [self._items.popleft() for _ in range(min(n, len(self._items)))]
+
+    def wait(self, timeout: float) -> bool:
+        """Block until an item is there or the feed is closed (or `timeout` s pass); whether one of those holds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._items) or self._closed, timeout)
+
+    def map(self, f: Callable[[T], U]) -> MappedFeed[U]:
+        return MappedFeed(self, f)
+
+
+class MappedFeed(Generic[U]):
+    """A `Feed` seen through f: the same items, each f(item) as it is taken (in order)."""
+
+    def __init__(self, feed: Feed[Any] | MappedFeed[Any], f: Callable[[Any], U]) -> None:
+        self._feed, self._f = feed, f
+
+    @property
+    def closed(self) -> bool:
+        return self._feed.closed
+
+    @property
+    def exhausted(self) -> bool:
+        return self._feed.exhausted
+
+    def take(self, n: int) -> list[U]:
+        return [self._f(x) for x in self._feed.take(n)]
+
+    def wait(self, timeout: float) -> bool:
+        return self._feed.wait(timeout)
+
+    def map(self, f: Callable[[U], V]) -> MappedFeed[V]:
+        return MappedFeed(self, f)
+
+
 class Waiting:
     """The requests not yet admitted: a buffer in front of a (possibly lazy) iterator of them, pulled only as slots
-    free up, so a job's rows stream through one pipeline. Thread-safe (the verify op and the schedule loop ask)."""
+    free up, so a job's rows stream through one pipeline. Thread-safe (the verify op and the schedule loop ask).
 
-    def __init__(self, source: Iterable[Request]) -> None:
-        self._source = iter(source)
+    Over a `Feed` (`streaming`), pulls never block: `available` counts what has arrived, and `ended` holds only
+    once the feed is closed and drained; a runner idles on `wait` meanwhile. Over an iterator, a pull blocks on
+    `next` and `ended` holds once it is exhausted."""
+
+    def __init__(self, source: Iterable[Request] | Feed[Request] | MappedFeed[Request]) -> None:
+        self.streaming = isinstance(source, (Feed, MappedFeed))
+        self._feed = source if isinstance(source, (Feed, MappedFeed)) else None
+        self._source = None if self._feed is not None else iter(source)  # type: ignore[arg-type]
         self._buffer: deque[Request] = deque()
         self._exhausted = False
         self._lock = threading.Lock()
 
     def available(self, n: int) -> int:
-        """Pull from the source until n requests are buffered (or it ends); how many are."""
+        """Pull from the source until n requests are buffered (or it ends; over a feed: what is there now); how
+        many are."""
         with self._lock:
+            if self._feed is not None:
+                if len(self._buffer) < n:
+                    self._buffer.extend(self._feed.take(n - len(self._buffer)))
+                return len(self._buffer)
             while len(self._buffer) < n and not self._exhausted:
                 try:
+                    assert self._source is not None
                     self._buffer.append(next(self._source))
                 except StopIteration:
                     self._exhausted = True
@@ -171,3 +260,15 @@ class Waiting:
 
     def __bool__(self) -> bool:
         return self.available(1) > 0
+
+    @property
+    def ended(self) -> bool:
+        """No request is waiting and none ever will (an exhausted iterator; a closed, drained feed)."""
+        if self.available(1):
+            return False
+        return self._feed.exhausted if self._feed is not None else True
+
+    def wait(self, timeout: float) -> None:
+        """Idle until a request arrives or the source ends (a feed), at most `timeout` s; an iterator never idles."""
+        if self._feed is not None and not self._buffer:
+            self._feed.wait(timeout)

@@ -22,7 +22,7 @@ from .kv_cache import KVCache
 from .logits_process import process_rows, record_logprobs
 from .models.model import Transformer
 from .offload.drafters import Drafter, ModelDrafter, NoDrafter
-from .request import Request, Waiting
+from .request import Feed, MappedFeed, Request, Waiting
 from .sampling import SamplingParams
 from .speculative import (
     DRAFT,
@@ -39,6 +39,7 @@ from .speculative import (
 )
 from .stats import GenerateStats, request_totals
 
+IDLE_WAIT_S = 0.05  # seconds an idle runner (no row, its feed open) waits for requests before looking again
 BATCH = 0  # the resident runner's one batch, in the drafter's per-batch state
 GREEDY = SamplingParams()  # the params beside per-row warps (a batch of greedy rows passes no warps)
 
@@ -67,9 +68,11 @@ class ResidentRunner:
         assert self.last_stats is not None
         return self.last_stats
 
-    def stream(self, requests: Iterable[Request], progress: bool = False) -> Iterator[Request]:
-        """Yield each request as its row finishes, pulling new ones from `requests` (a list or a lazy iterator) as
-        slots free up; `last_stats` holds the totals once the stream is exhausted."""
+    def stream(self, requests: Iterable[Request] | Feed[Request] | MappedFeed[Request],
+               progress: bool = False) -> Iterator[Request]:
+        """Yield each request as its row finishes, pulling new ones from `requests` (a list, a lazy iterator, or a
+        `Feed` filled while it runs: idle while it is open and empty) as slots free up; `last_stats` holds the
+        totals once the stream is exhausted."""
         start = time.perf_counter()
         self.last_stats = None
         k = self.plan.k if self.plan.drafting else 0
@@ -88,16 +91,25 @@ class ResidentRunner:
         try:
             while True:
                 t0 = time.perf_counter()
+                if waiting.streaming and len(slots) < rows and waiting:  # a feed's rows after the batch shrank
+                    slots, t_cache = self._grow(slots, t_cache, rows)
                 self._admit(waiting, slots, t_cache, k)
                 prefill_s += time.perf_counter() - t0
                 if not waiting and any(s is None for s in slots):
                     keep = [i for i, s in enumerate(slots) if s is not None]
-                    if not keep:
+                    if not keep and waiting.ended:
                         break
                     t_cache.select_rows(keep)
                     self.drafter.select_rows(BATCH, keep)
                     slots = [slots[i] for i in keep]
+                if not slots:  # an open feed, empty for now: idle until requests arrive (or it closes)
+                    if waiting.ended:
+                        break
+                    waiting.wait(IDLE_WAIT_S)
+                    continue
                 active: list[Request] = [s for s in slots if s is not None]
+                if not active:  # a feed's requests arrived since this round's admission: admit them
+                    continue
                 self._step(active, t_cache, k, times)
                 steps += 1
                 for i, r in enumerate(slots):
@@ -118,6 +130,16 @@ class ResidentRunner:
             target_s=times.target,
             verify_s=times.verify,
         )
+
+    def _grow(self, slots: list[Request | None], t_cache: KVCache, rows: int) -> tuple[list[Request | None], KVCache]:
+        """Back to `rows` slots (a feed's requests arrived after finished rows shrank the batch): the live rows keep
+        their target KV (copied into a cache of `rows` rows); the drafter starts over and re-reads their tokens at
+        its next round (its lengths are 0)."""
+        grown = self.target.new_cache(rows, t_cache.capacity)
+        if slots:
+            grown.assign_rows(list(range(len(slots))), t_cache)
+        self.drafter.reset(BATCH, rows, t_cache.capacity)
+        return slots + [None] * (rows - len(slots)), grown
 
     def _admit(self, waiting: Waiting, slots: list[Request | None], t_cache: KVCache, k: int) -> None:
         """Fill free slots from the queue and prefill the new rows in the target (all but their last prompt token;

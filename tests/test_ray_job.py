@@ -151,10 +151,14 @@ def _arenas_of(pids: set[int]) -> list[str]:
     return [p.name for p in SHM_DIR.iterdir() if (n := ArenaName.parse(p.name)) is not None and n.pid in pids]
 
 
+ROWS = 48
+
+
 def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, tiny_models, tmp_path):
-    """Runs last: it kills a worker node."""
+    """Runs last: it kills a worker node. 48 rows: a replica leases chunks while its rows in flight fill its batches
+    twice (replicas.py), so the victim still holds leases when the first chunk is written."""
     address, env = ray_cluster.dashboard, {k: v for k, v in ray_cluster.env.items() if k != "RAY_ADDRESS"}
-    lines, bad = _batch(24)
+    lines, bad = _batch(ROWS)
     batch, out, ref = tmp_path / "batch.jsonl", tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
     batch.write_text("\n".join(lines) + "\n")
     cli = ["generate", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["qwen2_draft"]),
@@ -183,12 +187,12 @@ def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, t
         time.sleep(1)
     logs = _ray(env, "job", "logs", f"--address={address}", job["submission_id"]).stdout
     assert record["status"] == "SUCCEEDED", logs  # the job ran: three rows failed, each an error row
-    assert "3 of 24 rows failed" in logs and "Traceback" not in logs, logs
-    assert "2 of 24 prompts already done" in logs, logs
+    assert f"3 of {ROWS} rows failed" in logs and "Traceback" not in logs, logs
+    assert f"2 of {ROWS} prompts already done" in logs, logs
     assert "lost its lease on chunk" in logs and "goes back to the queue" in logs, logs
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     ids = [row["custom_id"] for row in rows]
-    assert ids == [None if i == 3 else f"req-{i}" for i in range(24)]  # every row once, in input order
+    assert ids == [None if i == 3 else f"req-{i}" for i in range(ROWS)]  # every row once, in input order
     assert {i for i, row in enumerate(rows) if row["error"] is not None} == bad
     reference = [json.loads(line) for line in ref.read_text().splitlines()]
     assert [_comparable(r) for r in rows] == [_comparable(r) for r in reference]  # the local backend's output

@@ -83,7 +83,31 @@ class Batches:
 
     @property
     def done(self) -> bool:
-        return not self.waiting and not any(b.rows for b in self.items)
+        """No row in any batch, none waiting, none to come (a feed: closed and drained)."""
+        return not any(b.rows for b in self.items) and self.waiting.ended
+
+    @property
+    def idle(self) -> bool:
+        """No row in any batch but more may come (an open feed): the schedule waits for them."""
+        return not any(b.rows for b in self.items) and not self.waiting.ended
+
+    def can_admit(self, b: Batch) -> bool:
+        """Over a feed: whether batch b has free slots (below rows(), not merging) and requests have arrived."""
+        return (self.waiting.streaming and self.rows() <= self.plan.batch and len(b.rows) < self._limit(b)
+                and bool(self.waiting))
+
+    def grow(self, b: Batch) -> None:
+        """Over a feed, rows arrive after a batch was admitted: fill b's free slots with them as a new wave (the
+        KV caches are sized by rows at a wave's start). b's unfinished rows keep their committed tokens, and its next
+        pass feeds them again, as after a lost worker (`restart`). Call only where no op of b is in flight (its own
+        verify, or with the executor idle)."""
+        if not self.can_admit(b):
+            return
+        live = [r for r in b.rows if not r.finished]
+        n = self.waiting.available(self._limit(b) - len(live))
+        b.clear_pass()
+        b.rows = live + [self.waiting.popleft() for _ in range(n)]
+        self._new_wave(b)
 
     def admit_all(self) -> None:
         """Fill every batch from the queue, splitting it evenly (a short job still interleaves two batches)."""

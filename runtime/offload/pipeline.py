@@ -12,7 +12,11 @@ The life of a `run` (the engine has encoded the prompts into requests):
      remaining - 1) of them, or fewer when the drafter proposes fewer (a model-free drafter without a match).
      Propose, verify, commit and truncate are runtime/speculative.py's, as in the resident
      runner, so greedy outputs are identical token for token.
-  4. A finished row's slot is refilled from the queue at its batch's verify op (`Batches.retire_finished`).
+  4. A finished row's slot is refilled from the queue at its batch's verify op (`Batches.retire_finished`). Over
+     a `Feed` (runtime/request.py: requests put while the stream runs, e.g. a replica's leased chunks) nothing
+     blocks on the queue: rows that arrive fill an empty batch before its next step, or a running batch below its
+     size at its verify (`Batches.grow`: a new wave, its rows fed again), and with every batch empty and the feed
+     open the schedule waits on the feed instead of running empty steps.
   5. If an op fails, the `Recovery` policy may restore the workers (the Ray backend restarts a lost actor); the
      batches then restart from their committed tokens and the schedule runs again. The local backend's policy
      never recovers: the error propagates.
@@ -32,7 +36,7 @@ from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.plan import Plan
 
 from ..logits_process import process_rows, record_logprobs
-from ..request import Request, Waiting
+from ..request import Feed, MappedFeed, Request, Waiting
 from ..sampling import SamplingParams
 from ..speculative import (
     DRAFT,
@@ -53,6 +57,8 @@ from .replan import Replanner
 from .schedule import Op, PipelineSchedule
 from .workers import WeightPlan, Workers
 
+#: seconds an idle schedule (every batch empty, its feed open) waits for requests before looking again
+IDLE_WAIT_S = 0.05
 #: the params the workers get beside per-row warps (a batch of greedy rows passes no warps and verifies greedily)
 GREEDY = SamplingParams()
 
@@ -108,10 +114,12 @@ class Pipeline:
         assert self.last_stats is not None
         return self.last_stats
 
-    def stream(self, requests: Iterable[Request], progress: bool = False) -> Iterator[Request]:
-        """Yield each request as its row finishes, pulling new ones from `requests` (a list, or a lazy iterator: a
-        job's rows) as slots free up: one long-lived pipeline, never drained between them. `last_stats` holds the
-        totals once the stream is exhausted."""
+    def stream(self, requests: Iterable[Request] | Feed[Request] | MappedFeed[Request],
+               progress: bool = False) -> Iterator[Request]:
+        """Yield each request as its row finishes, pulling new ones from `requests` (a list, a lazy iterator: a
+        job's rows, or a `Feed` that producers fill while it runs) as slots free up: one long-lived pipeline, never
+        drained between them. Over a feed the schedule idles while every batch is empty and the feed open, and ends
+        once it is closed and drained. `last_stats` holds the totals once the stream is exhausted."""
         start = time.perf_counter()
         self.tracer.clear()
         self.verified = 0
@@ -123,14 +131,14 @@ class Pipeline:
         finished: queue.SimpleQueue[Request] = queue.SimpleQueue()
         done: list[Request] = []
 
-        def admitted(source: Iterable[Request]) -> Iterator[Request]:
-            for r in source:
-                if self.replanner.tokens_per_row is None:  # the first row's budget prices the slowest row
-                    self.replanner.tokens_per_row = r.max_new_tokens
-                yield r
+        def admit(r: Request) -> Request:
+            if self.replanner.tokens_per_row is None:  # the first row's budget prices the slowest row
+                self.replanner.tokens_per_row = r.max_new_tokens
+            return r
 
         self.replanner.tokens_per_row = None
-        self.batches = Batches(self.workers, self.plan, Waiting(admitted(requests)), on_finished=bar.update,
+        source = requests.map(admit) if isinstance(requests, (Feed, MappedFeed)) else map(admit, requests)
+        self.batches = Batches(self.workers, self.plan, Waiting(source), on_finished=bar.update,
                                rows=lambda: self.replanner.rows, refill=self.refill, on_retired=finished.put)
         self.rounds_since_adapt, self.adapted, self.adapt_due = 0, 0, 0
         self.routing: list[list[int]] = []  # the target's routing since the last adapt, from verified passes
@@ -233,6 +241,16 @@ class Pipeline:
                     executor.cancel_from(len(step_ops) - 1)
                     executor.wait_all()
                     break
+                if self.batches.idle:  # an open feed, empty for now: wait for requests (no empty steps meanwhile)
+                    executor.wait_all()
+                    self.batches.waiting.wait(IDLE_WAIT_S)
+                    if self.batches.waiting:
+                        self.batches.admit_all()
+                    continue
+                target = self.batches[schedule.target_batch(len(step_ops))]
+                if not target.rows and self.batches.can_admit(target):  # a feed's rows for an empty batch: admit
+                    executor.wait_all()  # them once the ops in flight (its draft ops among them) are done
+                    self.batches.grow(target)
                 submit()
 
     # ---- op handlers (each runs on its resource's thread) ----------------------------------------------------------
@@ -349,6 +367,8 @@ class Pipeline:
                 b.adapt_counts, self.routing, self.rounds_since_adapt = self.routing, [], 0
                 self.adapt_due += 1
         self.batches.retire_finished(b)
+        if b.rows and self.batches.can_admit(b):  # a feed's rows arrived while b runs below its size
+            self.batches.grow(b)
 
     def _adapt(self, counts: list[list[int]]) -> None:
         """Hand the target's routing since the last call to the drafter (on its own "migrate" trace track: moving
@@ -373,8 +393,9 @@ class Pipeline:
             self._plan_feed(b)
             assert b.feed is not None
             # a row's first verify (the pass that feeds its prompt) carries no drafts, in every runner: so a row's
-            # rounds, and with them its random draws, never depend on the batch it joined
-            decoding = [ok and f == 1 and len(r.output) > 0 for ok, f, r in zip(b.ready, b.feed, b.rows)]
+            # rounds, and with them its random draws, never depend on the batch it joined. A row fed again whole
+            # (after a restart, or a feed's rows growing its batch) drafts as it would have: same rounds, same draws
+            decoding = [ok and len(r.output) > 0 for ok, r in zip(b.ready, b.rows)]
             b.num_drafts = draft_lengths(b.rows, b.round_k, decoding)
         limit = max(b.num_drafts, default=0)
         if op.token >= limit or len(b.draft_tokens) < op.token:  # (rows admitted after this round began: skip it)
