@@ -206,11 +206,17 @@ class Engine:
         while it is open and empty and ends once it is closed and drained; a result's `index` is its row's position
         in the order the rows were put."""
         counter = itertools.count()
+        prompt_tokens = 0  # of the rows read so far: the replanner prices the prefill share at their running mean
 
         def request(row: tuple[Prompt, SamplingParams, int | str]) -> Request:
+            nonlocal prompt_tokens
             i = next(counter)
             prompt, p, key = row
-            return self._request(i, self._encode_one(i, prompt), p, key)
+            r = self._request(i, self._encode_one(i, prompt), p, key)
+            if self.pipeline is not None:
+                prompt_tokens += len(r.prompt)
+                self.replanner.prompt_len = prompt_tokens / (i + 1)
+            return r
 
         requests = rows.map(request) if isinstance(rows, (Feed, MappedFeed)) else map(request, rows)
         finished = self.runner.stream(requests, progress=progress)

@@ -41,3 +41,18 @@ def test_per_row_params_equal_running_each_group_alone(tiny_models, single_threa
         assert log and all(seconds > 0 and load >= 0 for seconds, _, _, load in log)
         assert sum(load for *_, load in log) > 0 and engine.pipeline.load_seconds >= sum(load for *_, load in log)
     engine.close()
+
+
+def test_a_stream_prices_the_prefill_share_at_the_running_mean_prompt(tiny_models):
+    """`Engine.stream` reads rows lazily, so the replanner's mean prompt length (the prefill share of refilled rows)
+    is the running mean of the prompts read so far, as `generate` sets it for its whole list."""
+    from specoffload.runtime.config import EngineConfig
+    from specoffload.runtime.engine import Engine
+    from specoffload.runtime.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(tiny_models["llama"], device_memory="1GiB", max_batch_size=2, max_seq_len=32))
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    rows = [([1, 5, 6, 7], params, 0), ([1, 9], params, 1)]
+    assert engine.replanner.prompt_len is None
+    list(engine.stream(iter(rows)))
+    assert engine.replanner.prompt_len == 3.0  # (4 + 2) / 2
