@@ -15,12 +15,12 @@ hand-edited checkpoint fails with one line naming the tensor.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..json_bounds import JsonBounds, loads_bounded
 from ..quant import COMPONENTS, SCHEMES, QuantSpec
 from .errors import CheckpointError
 
@@ -52,8 +52,8 @@ def read_manifest(directory: Path) -> QuantManifest | None:
         return CheckpointError(f"corrupt {path}: {what}; re-run `specoffload quantize`")
 
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = loads_bounded(path.read_bytes(), JsonBounds(max_depth=6, max_digits=24))  # untrusted: bounded parse
+    except (OSError, ValueError) as exc:  # (BoundsError, JSONDecodeError, UnicodeDecodeError are ValueErrors)
         raise bad(str(exc)) from exc
     if type(raw) is not dict or raw.get("format") != FORMAT:
         raise bad(f"format is not {FORMAT!r}")
