@@ -116,8 +116,8 @@ class OpenAIBatchFormat:
             body.pop(key, None)
         if body.get("min_tokens") is not None:
             overrides["min_tokens"] = _integer("min_tokens", body.pop("min_tokens"), minimum=0)
-        if body.get("n") is not None:
-            overrides["n"] = _integer("n", body.pop("n"), minimum=1, maximum=MAX_N)
+        if body.get("n") is not None and _integer("n", body["n"], minimum=1, maximum=MAX_N) > 1:
+            overrides["n"] = body["n"]  # (1 is what every row runs anyway: the command line has no n)
         body.pop("n", None)
         logprobs = _logprobs(endpoint, body)
         if logprobs is not None:
