@@ -16,7 +16,8 @@ class RowRequest:
     """One input row, parsed and checked for shape (not yet tokenised).
 
     prompt: text or token ids (simple, completions); messages: the chat (chat). overrides: the row's own sampling
-    fields, by SamplingParams name (max_new_tokens, temperature, top_p, top_k, seed) plus `stop` (strings).
+    fields, by SamplingParams name (max_new_tokens, temperature, top_p, top_k, seed, penalties, min_tokens, n,
+    logprobs) plus `stop` (strings).
     """
 
     index: int
