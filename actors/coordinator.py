@@ -355,7 +355,7 @@ class Coordinator:
         return [dataclasses.asdict(r) for r in results]
 
     def run_chunk(self, prompts: list[list[int]], params: list[dict[str, Any]] | dict[str, Any] | None,
-                  keys: list[int] | None = None) -> dict[str, Any]:
+                  keys: list[int | str] | None = None) -> dict[str, Any]:
         """A leased chunk of a job (replicas.py): its rows' results without their prompts, and what it cost.
 
         The rows go into the replica's one long-lived engine stream (`ChunkStream`), beside the rows of the other
@@ -371,7 +371,7 @@ class Coordinator:
                 self.chunks = ChunkStream(engine, roles)
             call = self.chunks.submit(rows)
         results, cost = call.result()
-        keep = ("token_ids", "text", "finish_reason", "num_drafted", "num_accepted", "stop_reason")
+        keep = ("token_ids", "text", "finish_reason", "num_drafted", "num_accepted", "stop_reason", "logprobs")
         return {"results": [{k: getattr(r, k) for k in keep} for r in results]} | cost
 
     def _end_chunks(self, timeout_s: float | None = None) -> None:

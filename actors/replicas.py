@@ -39,7 +39,7 @@ from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Prompt
 from specoffload.runtime.offline.chunks import Chunk, ChunkDone, LeaseBook, chunked, errors_only
-from specoffload.runtime.offline.rows import RowJob, RowRequest, RowResult
+from specoffload.runtime.offline.rows import RowJob, RowRequest, RowResult, frozen_logprobs
 from specoffload.runtime.request import GenerationResult
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.tokenizer import load_tokenizer
@@ -233,7 +233,8 @@ class ReplicaPool:
                 leases[replica.index] -= 1
                 rows[replica.index] -= len(chunk.rows)
                 results = tuple(RowResult(tuple(r["token_ids"]), r["text"], r["finish_reason"], r["num_drafted"],
-                                          r["num_accepted"], r.get("stop_reason")) for r in out["results"])
+                                          r["num_accepted"], r.get("stop_reason"), frozen_logprobs(r.get("logprobs")))
+                                for r in out["results"])
                 self._count(replica, chunk, results, out)
                 if chunk.number in redone:
                     self._event("chunk_redone", replica, chunk=chunk.number)
@@ -311,6 +312,8 @@ class ReplicaPool:
         out: list[GenerationResult | None] = [None] * len(jobs)
         for done in self.run(chunked(iter(jobs), size), window=2):
             for job, r in zip(done.chunk.jobs, done.results):
+                if job.sample:
+                    continue  # Engine.generate's meaning: one result per prompt
                 out[job.index] = GenerationResult(job.index, list(job.token_ids), list(r.token_ids), r.text,
                                                   r.finish_reason, r.num_drafted, r.num_accepted)
         return [r for r in out if r is not None]

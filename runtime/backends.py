@@ -20,7 +20,7 @@ from specoffload.planner.errors import SpecOffloadError
 
 from .config import EngineConfig
 from .offline.chunks import Chunk, ChunkDone
-from .offline.rows import RowJob, RowResult
+from .offline.rows import RowJob, RowResult, frozen_logprobs
 
 GROUP = "specoffload.backends"
 
@@ -71,10 +71,10 @@ class LocalBackend:
                     rows.append((state, n))
                     yield job
 
-        for r in self.engine.stream((list(j.token_ids), j.params, j.index) for j in jobs()):
+        for r in self.engine.stream((list(j.token_ids), j.params, j.key) for j in jobs()):
             state, n = rows[r.index]
             state[1][n] = RowResult(tuple(r.token_ids), r.text, r.finish_reason, r.num_drafted, r.num_accepted,
-                                    r.stop_reason)
+                                    r.stop_reason, frozen_logprobs(r.logprobs))
             state[2] -= 1
             if state[2] == 0:
                 ready.append(ChunkDone(state[0], tuple(state[1])))
@@ -121,3 +121,4 @@ def _take(ready: list[ChunkDone]) -> Iterator[ChunkDone]:
     """Hand out (and forget) the chunks that are done."""
     while ready:
         yield ready.pop(0)
+

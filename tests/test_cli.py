@@ -281,7 +281,7 @@ def test_openai_batch_round_trip_schema(tiny_models, tmp_path, capsys):
     lines = [_batch_line("a", [5, 6, 7], max_tokens=4, presence_penalty=0.5, repetition_penalty=1.3, min_tokens=2),
              _batch_line("b", [9, 4], max_tokens=3),
              _batch_line("bad", [9], presence_penalty=7),
-             _batch_line("n2", [9], n=2)]
+             _batch_line("n17", [9], n=17)]
     batch, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
     batch.write_text("\n".join(lines) + "\n")
     cli = ["generate", "--model", str(tiny_models["llama"]), "--prompts", str(batch), "-o", str(out),

@@ -26,14 +26,17 @@ class Chunk:
 
     @property
     def jobs(self) -> tuple[RowJob, ...]:
-        return tuple(r for r in self.rows if isinstance(r, RowJob))
+        """The engine requests of the chunk, in input order: one per sample of each runnable row (a row with
+        params.n = 2 is two requests, sample 0 then 1; the writer gathers them back into the row's one line)."""
+        return tuple(r if s == 0 else dataclasses.replace(r, sample=s)
+                     for r in self.rows if isinstance(r, RowJob) for s in range(r.params.n))
 
-    def payload(self) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
-        """What a remote worker needs: the prompts' token ids, each row's SamplingParams fields, and each row's key
-        for its random stream (its index in the input: runtime/rng.py)."""
+    def payload(self) -> tuple[list[list[int]], list[dict[str, Any]], list[int | str]]:
+        """What a remote worker needs: the prompts' token ids, each request's SamplingParams fields, and each
+        request's key for its random stream (the row's index in the input, with the sample: RowJob.key)."""
         jobs = self.jobs
         return ([list(j.token_ids) for j in jobs], [dataclasses.asdict(j.params) for j in jobs],
-                [j.index for j in jobs])
+                [j.key for j in jobs])
 
 
 @dataclass(frozen=True)

@@ -192,11 +192,12 @@ class _Writer:
                 failed += 1
                 self._report(row)
                 continue
-            result = self.preparer.finish(row, next(results))
-            lines.append(self.fmt.result_row(row, result, self.model))
-            tokens += len(result.token_ids)
-            drafted += result.num_drafted
-            accepted += result.num_accepted
+            samples = [self.preparer.finish(row, next(results)) for _ in range(row.params.n)]  # Chunk.jobs' order
+            lines.append(self.fmt.result_row(row, samples[0] if len(samples) == 1 else samples, self.model,
+                                             tokenizer=self.preparer.tokenizer))
+            tokens += sum(len(r.token_ids) for r in samples)
+            drafted += sum(r.num_drafted for r in samples)
+            accepted += sum(r.num_accepted for r in samples)
         self.out.append(lines)
         self.seconds += time.perf_counter() - t0
         return len(lines), failed, tokens, drafted, accepted

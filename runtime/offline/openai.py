@@ -10,9 +10,13 @@ Input, one request per line:
 
 `body.prompt` is a string or a list of token ids; `body.messages` goes through the target's chat template. The
 body's max_tokens (max_completion_tokens), temperature, top_p, top_k, seed, stop, presence_penalty,
-frequency_penalty, repetition_penalty and min_tokens are the row's own; a field the body leaves out takes the
-command line's value. n > 1 and logprobs are refused per row (invalid_parameter) for now. Output, one line per
-input line, in input order:
+frequency_penalty, repetition_penalty, min_tokens, n (1 .. 16 independent samples: `choices` with index 0 .. n-1)
+and logprobs are the row's own; a field the body leaves out takes the command line's value. logprobs: in a
+completions body an integer 0 .. 20 (the top-N per token; the choice's `logprobs` is {"tokens", "token_logprobs",
+"top_logprobs", "text_offset"}), in a chat body `"logprobs": true` with `top_logprobs` 0 .. 20 (the choice's
+`logprobs` is {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}); the target's log-probabilities (after
+penalties, before temperature / top-p / top-k), as vLLM reports them. Output, one line per input line, in input
+order:
 
     {"id": "batch_req_5f0c...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "req_8e1d...",
      "body": {"id": "cmpl-3b9a...", "object": "text_completion", "choices": [{"index": 0, "text": "...",
@@ -31,6 +35,7 @@ import math
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from ..param_ranges import overrides_problem
@@ -42,8 +47,10 @@ from .source import RawRow
 URLS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: body fields accepted only at the value that means "nothing special" (what this engine does anyway)
-NEUTRAL = {"n": (1,), "best_of": (1,), "stream": (False,), "echo": (False,), "logprobs": (None, False, 0),
-           "top_logprobs": (None, 0)}
+NEUTRAL = {"best_of": (1,), "stream": (False,), "echo": (False,), "top_logprobs": (None, 0)}
+MAX_N = 16  # samples per row
+MAX_LOGPROBS = 20  # top-N log-probabilities per token (the OpenAI API's bound)
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is written as (JSON has no infinity; vLLM's floor)
 IGNORED = ("user",)
 _SHOWN = {"max_new_tokens": "max_tokens"}  # SamplingParams name -> the body's name, in messages
 
@@ -109,6 +116,12 @@ class OpenAIBatchFormat:
             body.pop(key, None)
         if body.get("min_tokens") is not None:
             overrides["min_tokens"] = _integer("min_tokens", body.pop("min_tokens"), minimum=0)
+        if body.get("n") is not None and _integer("n", body["n"], minimum=1, maximum=MAX_N) > 1:
+            overrides["n"] = body["n"]  # (1 is what every row runs anyway: the command line has no n)
+        body.pop("n", None)
+        logprobs = _logprobs(endpoint, body)
+        if logprobs is not None:
+            overrides["logprobs"] = logprobs
         if body.get("seed") is not None:
             overrides["seed"] = _integer("seed", body.pop("seed"))
         problem = overrides_problem(overrides, _SHOWN | {"max_new_tokens": max_keys[0]})
@@ -135,23 +148,32 @@ class OpenAIBatchFormat:
         return RowRequest(raw.index, raw.lineno, endpoint, prompt=prompt, messages=messages, custom_id=custom_id,
                           overrides=overrides, model=model, return_token_ids=return_ids)
 
-    def result_row(self, job: RowJob, result: RowResult, model: str) -> dict[str, Any]:
+    def result_row(self, job: RowJob, result: RowResult | Sequence[RowResult], model: str,
+                   tokenizer: Any = None) -> dict[str, Any]:
+        """The row's response: one choice per sample (index 0 .. n-1, as the engine ran them: Chunk.jobs)."""
         r = job.request
-        usage = {"prompt_tokens": len(job.token_ids), "completion_tokens": len(result.token_ids),
-                 "total_tokens": len(job.token_ids) + len(result.token_ids)}
-        if r.endpoint == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                                      "logprobs": None, "finish_reason": result.finish_reason,
-                                      "stop_reason": result.stop_reason}
-            kind, prefix = "chat.completion", "chatcmpl"
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason,
-                      "stop_reason": result.stop_reason}
-            kind, prefix = "text_completion", "cmpl"
-        if r.return_token_ids or result.text is None:  # no tokenizer: the tokens are the output
-            choice["token_ids"] = list(result.token_ids)
+        samples = [result] if isinstance(result, RowResult) else list(result)
+        completion = sum(len(s.token_ids) for s in samples)
+        usage = {"prompt_tokens": len(job.token_ids), "completion_tokens": completion,
+                 "total_tokens": len(job.token_ids) + completion}
+        choices = []
+        for index, sample in enumerate(samples):
+            logprobs = None
+            if sample.logprobs is not None:
+                logprobs = (_chat_logprobs if r.endpoint == "chat" else _completion_logprobs)(sample, tokenizer)
+            if r.endpoint == "chat":
+                choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": sample.text},
+                                          "logprobs": logprobs, "finish_reason": sample.finish_reason,
+                                          "stop_reason": sample.stop_reason}
+            else:
+                choice = {"index": index, "text": sample.text, "logprobs": logprobs,
+                          "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
+            if r.return_token_ids or sample.text is None:  # no tokenizer: the tokens are the output
+                choice["token_ids"] = list(sample.token_ids)
+            choices.append(choice)
+        kind, prefix = ("chat.completion", "chatcmpl") if r.endpoint == "chat" else ("text_completion", "cmpl")
         body = {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-                "model": r.model or model, "choices": [choice], "usage": usage}
+                "model": r.model or model, "choices": choices, "usage": usage}
         return {"id": _batch_request_id(), "custom_id": r.custom_id,
                 "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body}, "error": None}
 
@@ -213,11 +235,77 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def _integer(key: str, value: Any, minimum: int | None = None) -> int:
-    if type(value) is not int or (minimum is not None and value < minimum):
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise BadRow("invalid_parameter", f"'{key}' must be an integer{bound}, got {value!r}")
+def _integer(key: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    if type(value) is not int or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bound = (f" in {minimum} .. {maximum}" if maximum is not None else f" >= {minimum}" if minimum is not None
+                 else "")
+        raise BadRow("invalid_parameter", f"'{key}' must be an integer{bound}, got {_short(value)}")
     return value
+
+
+def _logprobs(endpoint: str, body: dict[str, Any]) -> int | None:
+    """The row's top-N log-probabilities per token (None: off), taken out of the body. completions: `logprobs` an
+    integer 0 .. 20; chat: `logprobs` true or false, with `top_logprobs` 0 .. 20 (which needs logprobs true)."""
+    value = body.pop("logprobs", None)
+    if endpoint == "completions":
+        return None if value is None else _integer("logprobs", value, minimum=0, maximum=MAX_LOGPROBS)
+    top = body.pop("top_logprobs", None)
+    if value is not None and not isinstance(value, bool):
+        raise BadRow("invalid_parameter", f"'logprobs' must be true or false, got {_short(value)}")
+    if not value:
+        if top not in (None, 0) or type(top) is bool:
+            raise BadRow("invalid_parameter", "'top_logprobs' needs 'logprobs': true")
+        return None
+    return 0 if top is None else _integer("top_logprobs", top, minimum=0, maximum=MAX_LOGPROBS)
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    """A token as text (vLLM's "token_id:N" without a tokenizer)."""
+    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+
+
+def _floor(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+def _completion_logprobs(sample: RowResult, tokenizer: Any) -> dict[str, list[Any]]:
+    """The completions API's shape: per token its text, its log-probability, {text: logprob} of the chosen token and
+    the top-N, and its offset in the completion's text (the sum of the tokens' text lengths before it)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for entry in sample.logprobs or ():
+        chosen, lp, _ = entry[0]
+        text = _token_text(tokenizer, chosen)
+        tokens.append(text)
+        token_lps.append(_floor(lp))
+        top: dict[str, float] = {}
+        for t, x, _rank in entry:  # the chosen token first, then the top-N
+            top.setdefault(_token_text(tokenizer, t), _floor(x))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(sample: RowResult, tokenizer: Any) -> dict[str, list[Any]]:
+    """The chat API's shape: per token {token, logprob, bytes, top_logprobs: the top-N, each {token, logprob,
+    bytes}}."""
+    def item(t: int, x: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, t)
+        return {"token": text, "logprob": _floor(x), "bytes": list(text.encode("utf-8", "replace"))}
+
+    content = []
+    for entry in sample.logprobs or ():
+        chosen, lp, _ = entry[0]
+        content.append(item(chosen, lp) | {"top_logprobs": [item(t, x) for t, x, _rank in entry[1:]]})
+    return {"content": content}
+
+
+def _short(value: Any) -> str:
+    if type(value) is int and value.bit_length() > 96:
+        return f"an integer of {value.bit_length()} bits"  # never repr it: long ints convert in O(n^2)
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _number(key: str, value: Any) -> float:

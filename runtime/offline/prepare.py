@@ -15,7 +15,7 @@ from .rows import RowError, RowJob, RowRequest, RowResult
 
 #: SamplingParams fields a row may set for itself (OpenAI batch body fields, by SamplingParams name)
 ROW_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "presence_penalty",
-              "frequency_penalty", "repetition_penalty")
+              "frequency_penalty", "repetition_penalty", "n", "logprobs")
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,9 @@ class Preparer:
         while lo < hi:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
-        return replace(result, text=result.text[: min(hits)], token_ids=tuple(ids[:lo]), finish_reason="stop")
+        logprobs = result.logprobs[:lo] if result.logprobs is not None else None
+        return replace(result, text=result.text[: min(hits)], token_ids=tuple(ids[:lo]), finish_reason="stop",
+                       logprobs=logprobs)
 
 
 def _error(r: RowRequest, code: str, message: str) -> RowError:

@@ -16,7 +16,8 @@ class RowRequest:
     """One input row, parsed and checked for shape (not yet tokenised).
 
     prompt: text or token ids (simple, completions); messages: the chat (chat). overrides: the row's own sampling
-    fields, by SamplingParams name (max_new_tokens, temperature, top_p, top_k, seed) plus `stop` (strings).
+    fields, by SamplingParams name (max_new_tokens, temperature, top_p, top_k, seed, penalties, min_tokens, n,
+    logprobs) plus `stop` (strings).
     """
 
     index: int
@@ -49,10 +50,19 @@ class RowJob:
     token_ids: tuple[int, ...]
     params: SamplingParams
     stop: tuple[str, ...] = ()  # stop strings, applied to the text after the run
+    sample: int = 0  # which of the row's params.n independent samples this engine request is
 
     @property
     def index(self) -> int:
         return self.request.index
+
+    @property
+    def key(self) -> int | str:
+        """The random-stream key of this sample (runtime/rng.py `row_seed`): the row's index for sample 0 (so a row
+        with n = 1 draws as it always did), "index:sample" for the others: independent, and the same on every run,
+        chunking and resume point (as `LLM.generate` keys its samples)."""
+        i = self.request.index
+        return i if self.sample == 0 else f"{i}:{self.sample}"
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,15 @@ class RowResult:
     num_drafted: int = 0
     num_accepted: int = 0
     stop_reason: int | str | None = None  # the stop string or stop id that ended the row (None: EOS or length)
+    #: when params.logprobs is set: per token, (id, logprob, rank) of the chosen token then of the top-N
+    logprobs: tuple[tuple[tuple[int, float, int], ...], ...] | None = None
 
 
 Row = RowJob | RowError
+
+
+def frozen_logprobs(entries: Any) -> tuple[tuple[tuple[int, float, int], ...], ...] | None:
+    """GenerationResult.logprobs (lists, or lists off the wire) as RowResult holds them: tuples."""
+    if entries is None:
+        return None
+    return tuple(tuple((int(t), float(x), int(rank)) for t, x, rank in entry) for entry in entries)

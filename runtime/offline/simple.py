@@ -53,7 +53,7 @@ class SimpleFormat:
                 return RowRequest(raw.index, raw.lineno, prompt=tuple(ids))
         return error("invalid_request", "object has none of 'prompt', 'prompt_token_ids', 'token_ids'")
 
-    def result_row(self, job: RowJob, result: RowResult, model: str) -> dict[str, Any]:
+    def result_row(self, job: RowJob, result: RowResult, model: str, tokenizer: Any = None) -> dict[str, Any]:
         prompt = job.request.prompt
         return {
             "index": job.index,
