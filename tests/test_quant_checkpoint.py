@@ -204,3 +204,40 @@ def test_cli_user_mistakes_are_one_line_errors(tiny_models, tmp_path, capsys):
     assert len(lines) == 3 and all(line.startswith("specoffload: error: ") for line in lines)
     assert "even group" in lines[0] and "int4 only" in lines[1]
     assert not any(p.exists() for p in (tmp_path / "a", tmp_path / "b", tmp_path / "c"))
+
+
+def test_a_compressed_checkpoint_passes_the_size_check_when_its_weights_dominate(tmp_path):
+    """The checkpoint check (runtime/models/validate.py) bounds the weights a config implies by the files' bytes; a
+    compressed copy is smaller than 2 bytes per weight, and must still open (found on the moefied MoE, whose experts
+    dominate its bytes, where the tiny test models' embeddings hid it)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specoffload.runtime.models.checkpoint import Checkpoint
+    from specoffload.runtime.models.config import ModelConfig
+    from specoffload.runtime.models.validate import validate_checkpoint
+    from specoffload.runtime.quant import QuantSpec
+    from specoffload.runtime.quantize import quantize_checkpoint
+
+    src = tmp_path / "src"
+    src.mkdir()
+    h, inter, vocab = 16, 512, 8  # a tiny vocabulary: the MLPs are nearly all of the bytes
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "intermediate_size": inter,
+           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": vocab,
+           "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1e4, "hidden_act": "silu",
+           "tie_word_embeddings": False, "torch_dtype": "float16"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    t = {"model.embed_tokens.weight": torch.randn(vocab, h), "model.norm.weight": torch.ones(h),
+         "lm_head.weight": torch.randn(vocab, h)}
+    for j in range(2):
+        p = f"model.layers.{j}"
+        t |= {f"{p}.self_attn.q_proj.weight": torch.randn(h, h), f"{p}.self_attn.k_proj.weight": torch.randn(8, h),
+              f"{p}.self_attn.v_proj.weight": torch.randn(8, h), f"{p}.self_attn.o_proj.weight": torch.randn(h, h),
+              f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
+              f"{p}.mlp.gate_proj.weight": torch.randn(inter, h), f"{p}.mlp.up_proj.weight": torch.randn(inter, h),
+              f"{p}.mlp.down_proj.weight": torch.randn(h, inter)}
+    save_file({k: v.half().contiguous() for k, v in t.items()}, src / "model.safetensors")
+    for spec in (QuantSpec("int8"), QuantSpec("int4", 16)):
+        out = tmp_path / spec.scheme
+        quantize_checkpoint(src, out, spec)
+        validate_checkpoint(Checkpoint(out), ModelConfig.from_dir(out))  # no CheckpointError

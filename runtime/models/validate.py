@@ -1,6 +1,7 @@
 """A checkpoint checked against its config.json before anything is allocated (the model's executor calls it first).
 
-1. Size: the weights the config implies (every part's tensors, at the smallest float item size, 2 bytes) must fit
+1. Size: the weights the config implies (every part's tensors, at the smallest float item size, 2 bytes; a
+   compressed weight at its smallest, 4-bit codes) must fit
    in the tensor data of the safetensors files: a config that implies 4 GB in a 200 KB file is refused in one line
    before a byte is allocated (this catches, e.g., hidden_size 10**9).
 2. Every tensor the config implies is present, has exactly the shape the config implies (one line naming the
@@ -54,7 +55,9 @@ def validate_checkpoint(checkpoint: Checkpoint, config: ModelConfig) -> None:
             if ref.index is not None:
                 shape = (config.num_experts, *shape)  # a fused [experts, ...] tensor
             expected.setdefault(ref.name, shape)
-    implied = sum(math.prod(s) for s in expected.values()) * 2
+    # a compressed weight (`specoffload quantize`) holds at least its 4-bit codes: half a byte per element
+    implied = int(sum(math.prod(s) * (0.5 if checkpoint.quantized(name) is not None else 2)
+                      for name, s in expected.items()))
     held = checkpoint.data_bytes()
     if implied > held:
         raise CheckpointError(
