@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .hashing import PROVENANCE, sha256_file, source_record
 from .models.checkpoint import INDEX_FILE, Checkpoint
 from .models.config import ModelConfig
 from .models.errors import CheckpointError
@@ -29,12 +29,10 @@ from .models.quantized import QUANT_FILE, QuantManifest
 from .models.weights import WeightLoader
 from .quant import QuantSpec, quantize
 
-PROVENANCE = "provenance.json"
 HASHES = "safetensors_sha256"  # the key scripts/get_models.py and runtime/offline/manifest.py read
 _DTYPE_NAME = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int8: "I8",
                torch.uint8: "U8"}  # fmt: skip
 _TORCH = {v: k for k, v in _DTYPE_NAME.items()}
-_CHUNK = 1 << 20
 
 
 def compressed_names(checkpoint: Checkpoint, config: ModelConfig, attention: bool = False) -> list[str]:
@@ -108,12 +106,12 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: QuantSpec, atten
         "group_size": spec.group,
         "compressed": "ffn+attention" if attention else "ffn",
         "compressed_tensors": len(chosen),
-        "source": _source_record(src),
+        "source": source_record(src),
         "bytes": {"source": original, "stored": stored},
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "torch_version": torch.__version__,
-        "quantization_sha256": _sha256(tmp / QUANT_FILE),
-        HASHES: {p.name: _sha256(p) for p in sorted([*tmp.glob("*.safetensors"), *tmp.glob("*.index.json")])},
+        "quantization_sha256": sha256_file(tmp / QUANT_FILE),
+        HASHES: {p.name: sha256_file(p) for p in sorted([*tmp.glob("*.safetensors"), *tmp.glob("*.index.json")])},
     }
     (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
     Checkpoint(tmp)  # the reader accepts what we wrote (layout checked against the manifest)
@@ -174,23 +172,6 @@ def _numel(shape: Sequence[int]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _source_record(src: Path) -> dict[str, object]:
-    """What identifies the source: the SHA-256 of its config and weight files, and its own provenance."""
-    files = sorted(p for p in src.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
-    record: dict[str, object] = {"dir": str(src), "sha256": {p.name: _sha256(p) for p in files}}
-    if (src / PROVENANCE).is_file():
-        record["provenance"] = json.loads((src / PROVENANCE).read_text())
-    return record
 
 
 # --- command line ---------------------------------------------------------------------------------------

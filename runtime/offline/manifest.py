@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..hashing import sha256_file
+
 FORMAT_VERSION = 2
 #: files of a checkpoint directory, besides its weights, whose content can change a row (hashed when present)
 ROW_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json",
@@ -95,11 +97,7 @@ def row_files(directory: str | Path | None) -> dict[str, str] | None:
     for name in ROW_FILES:
         path = Path(directory) / name
         if path.is_file():
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                while block := f.read(1 << 20):
-                    digest.update(block)
-            out[name] = digest.hexdigest()
+            out[name] = sha256_file(path)
     return out
 
 

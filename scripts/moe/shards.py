@@ -8,7 +8,6 @@ deduplication), written from the one tensor. Files appear under a temporary name
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import hashlib
 import json
 import os
@@ -18,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from specoffload.runtime.hashing import PROVENANCE, sha256_file, source_record  # noqa: F401 (re-exported)
+
 INDEX_FILE = "model.safetensors.index.json"
 #: provenance key of {file name: SHA-256} of the shards and index, as scripts/get_models.py's hash check reads it
 HASHES = "safetensors_sha256"
-PROVENANCE = "provenance.json"
 #: files copied from the dense checkpoint as they are (tokenizer, chat template, generation config)
 SIDE_FILES = (
     "tokenizer.json",
@@ -108,30 +108,6 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
     for name in copied:
         shutil.copyfile(src / name, dst / name)
     return copied
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    """Hex SHA-256 of a file; cached per (path, size, mtime), since a build and its checks hash the source often."""
-    stat = path.stat()
-    return _sha256(str(path), stat.st_size, stat.st_mtime_ns, chunk)
-
-
-@functools.lru_cache(maxsize=256)
-def _sha256(path: str, size: int, mtime_ns: int, chunk: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def source_record(dense: Path) -> dict[str, object]:
-    """What identifies the dense source: the SHA-256 of its config and weight files, and its own provenance."""
-    files = sorted(p for p in dense.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
-    record: dict[str, object] = {"dir": str(dense), "sha256": {p.name: sha256_file(p) for p in files}}
-    if (dense / PROVENANCE).is_file():
-        record["provenance"] = json.loads((dense / PROVENANCE).read_text())
-    return record
 
 
 def write_provenance(out_dir: Path, record: dict[str, object]) -> None:
