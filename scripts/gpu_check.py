@@ -57,6 +57,8 @@ _bootstrap()
 
 import torch  # noqa: E402
 
+from specoffload.runtime.offload.drafters import ModelDrafter  # noqa: E402
+
 #: the realistic target: Mixtral 8x7B's shapes (config.json of mistralai/Mixtral-8x7B-v0.1), fewer layers
 MIXTRAL = dict(hidden=4096, intermediate=14336, experts=8, top_k=2, heads=32, kv_heads=8, vocab=32000)
 #: the realistic draft: a 0.5B-parameter Llama-shaped model on the target's vocabulary (Qwen2.5-0.5B's widths)
@@ -214,7 +216,7 @@ def realistic(work: Path, args: argparse.Namespace, start: float) -> dict:
             break
         config = EngineConfig(**common, draft=draft_dir, max_batch_size=batch, num_draft_tokens=k,
                               device_memory=budget)
-        drafter = functools.partial(OracleDrafter.make, reference=reference, accept=args.accept,
+        drafter = functools.partial(OracleDrafter, reference=reference, accept=args.accept,
                                     vocab=shape["vocab"])
         row = run_engine(f"draft b={batch} k={k}", config, prompts[:batch * 2], params, drafter, reference)
         if row is not None:
@@ -295,56 +297,44 @@ def _run_engine(label: str, config, prompts: list[list[int]], params, drafter=No
     return row
 
 
-def _oracle_class():
-    """The oracle drafter class, built on first use (it subclasses ModelDrafter, imported after the bootstrap)."""
-    from specoffload.runtime.offload.drafters import ModelDrafter
+class OracleDrafter(ModelDrafter):
+    """A real draft model (same compute, same KV cache) whose proposals are replaced: with probability
+    `accept` the target's own greedy next token (from the no-draft runs), else a wrong one. Tracks each row's
+    fed tokens to know where it is."""
 
-    class OracleDrafterImpl(ModelDrafter):
-        """A real draft model (same compute, same KV cache) whose proposals are replaced: with probability
-        `accept` the target's own greedy next token (from the no-draft runs), else a wrong one. Tracks each row's
-        fed tokens to know where it is."""
+    def __init__(self, config, weights=None, slots=None, *, reference, accept, vocab) -> None:  # noqa: ANN001
+        super().__init__(config, weights, slots)
+        self.reference, self.accept, self.vocab = reference, accept, vocab
+        self.rng = random.Random(1)
+        self.history: dict[int, list[list[int]]] = {}
 
-        def __init__(self, config, weights=None, slots=None, *, reference, accept, vocab) -> None:  # noqa: ANN001
-            super().__init__(config, weights, slots)
-            self.reference, self.accept, self.vocab = reference, accept, vocab
-            self.rng = random.Random(1)
-            self.history: dict[int, list[list[int]]] = {}
+    def reset(self, batch: int, rows: int, capacity: int) -> None:
+        super().reset(batch, rows, capacity)
+        self.history[batch] = [[] for _ in range(rows)]
 
-        def reset(self, batch: int, rows: int, capacity: int) -> None:
-            super().reset(batch, rows, capacity)
-            self.history[batch] = [[] for _ in range(rows)]
+    def truncate(self, batch: int, lengths) -> None:  # noqa: ANN001
+        super().truncate(batch, lengths)
+        self.history[batch] = [h[:n] for h, n in zip(self.history[batch], lengths)]
 
-        def truncate(self, batch: int, lengths) -> None:  # noqa: ANN001
-            super().truncate(batch, lengths)
-            self.history[batch] = [h[:n] for h, n in zip(self.history[batch], lengths)]
+    def select_rows(self, batch: int, keep) -> None:  # noqa: ANN001
+        super().select_rows(batch, keep)
+        self.history[batch] = [self.history[batch][n] for n in keep]
 
-        def select_rows(self, batch: int, keep) -> None:  # noqa: ANN001
-            super().select_rows(batch, keep)
-            self.history[batch] = [self.history[batch][n] for n in keep]
+    def reset_rows(self, batch: int, rows, capacity: int) -> None:  # noqa: ANN001
+        super().reset_rows(batch, rows, capacity)
+        for n in rows:
+            self.history[batch][n] = []
 
-        def reset_rows(self, batch: int, rows, capacity: int) -> None:  # noqa: ANN001
-            super().reset_rows(batch, rows, capacity)
-            for n in rows:
-                self.history[batch][n] = []
-
-        def propose(self, batch, ids, num_new, params, seeds=None, warps=None):  # noqa: ANN001, ANN201
-            token, probs = super().propose(batch, ids, num_new, params, seeds, warps)
-            out = token.cpu().clone()
-            for n, h in enumerate(self.history[batch]):
-                h.extend(int(t) for t in ids[n, : int(num_new[n])])
-                ref = self.reference.get(tuple(h[:KEY]))
-                if ref is not None and len(h) < len(ref):
-                    right = ref[len(h)]
-                    out[n] = right if self.rng.random() < self.accept else (right + 1) % self.vocab
-            return out.to(token.device), None if probs is None else probs
-
-    return OracleDrafterImpl
-
-
-class OracleDrafter:
-    @staticmethod
-    def make(config, weights=None, slots=None, *, reference, accept, vocab):  # noqa: ANN001, ANN205
-        return _oracle_class()(config, weights, slots, reference=reference, accept=accept, vocab=vocab)
+    def propose(self, batch, ids, num_new, params, seeds=None, warps=None):  # noqa: ANN001, ANN201
+        token, probs = super().propose(batch, ids, num_new, params, seeds, warps)
+        out = token.cpu().clone()
+        for n, h in enumerate(self.history[batch]):
+            h.extend(int(t) for t in ids[n, : int(num_new[n])])
+            ref = self.reference.get(tuple(h[:KEY]))
+            if ref is not None and len(h) < len(ref):
+                right = ref[len(h)]
+                out[n] = right if self.rng.random() < self.accept else (right + 1) % self.vocab
+        return out.to(token.device), probs
 
 
 def hf_baseline(target_dir: Path, device: str, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int) -> dict:
