@@ -322,22 +322,22 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     tier_total = sum(stored.get(key, n) for key, n in target.parts)
     draft_bytes = draft.total_bytes + policy.kv_cache_bytes(draft) if draft is not None else 0
     on_host = _host_parts(target, policy)
-    kv = policy.target_kv_cache_bytes(target) + sum(nbytes[key] for key in on_host)
+    kv = policy.target_kv_cache_bytes(target) + sum(nbytes[key] for key in on_host)  # host-resident attention too
     slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
     for key, n in target.parts:
         group = slot_unit(key, target.num_layers, policy.expert_group)
         if group is not None and key not in on_host:
             slots[group] = slots.get(group, 0) + n
-    resident = sum(nbytes[key] for key in on_host)  # target weight bytes not streamed (on the device, or on_host)
-    on_device = -resident  # ... of which on the device
-    resident_stored = sum(stored.get(key, nbytes[key]) for key in on_host)  # the same parts' bytes as stored
+    resident = 0  # target weight bytes resident on the device
+    # bytes (as stored) the RAM tier does not hold: the device-resident parts, and the host-resident ones (in kv)
+    resident_stored = sum(stored.get(key, nbytes[key]) for key in on_host)
     scratch = packed_scratch_bytes(target, policy)
 
     def footprint() -> tuple[int, int]:
         host = kv + (tier_total - resident_stored if policy.weights_tier == "ram" else 0)
         ring = policy.num_buffers * max(slots.values(), default=0)
         loading = scratch if ring else 0  # nothing streamed: no load, no scratch
-        return draft_bytes + resident + on_device + ring + loading + (host if policy.unified_memory else 0), host
+        return draft_bytes + resident + ring + loading + (host if policy.unified_memory else 0), host
 
     steps = priority_order(target, policy.pinned | on_host)
     chain = []
