@@ -11,9 +11,9 @@ Footprint of a plan (what `place` checks against the budgets):
     device = draft weights + draft KV + resident target parts + num_buffers * slot_bytes
              (+ every host item when `unified_memory`: one pool)
     host   = target KV + target weights on "host"
-The target KV is rows x `context` positions, or with `kv_block_size` (paged KV, runtime/kv_blocks.py) rows x the
-expected positions per row (`kv_expected_tokens`, else `context`) rounded up to whole blocks; the draft KV is
-always rows x `context`.
+The target KV is rows x `context` positions, or with `kv_block_size` (paged KV, runtime/kv_blocks.py) a pool of
+rows x the expected positions per row (`kv_expected_tokens`, else `context`) rounded up to whole blocks, at least
+one full-length row per batch, plus the pool's sink block; the draft KV is always rows x `context`.
 where slot_bytes is the largest *slot group* of streamed target parts: all streamed parts of one layer load
 together into one ring slot (for MoE the router if streamed and every expert: the worst case of routing), and
 the streamed head takes a slot of its own (group index num_layers). The embedding never goes through the ring.
@@ -110,14 +110,19 @@ class PlacementPolicy:
 
     @property
     def kv_blocks(self) -> int:
-        """Blocks of the target's KV pool: target_kv_positions / kv_block_size per row, every row of every batch
-        (0: contiguous caches)."""
+        """Blocks of the target's KV pool: target_kv_positions / kv_block_size per row, every row of every batch,
+        and at least one full-length row (kv_capacity) per batch (0: contiguous caches)."""
         if not self.kv_block_size:
             return 0
-        return self.batch_size * self.num_batches * self.target_kv_positions // self.kv_block_size
+        by_rows = self.batch_size * self.num_batches * self.target_kv_positions // self.kv_block_size
+        one_row = -(-self.kv_capacity // self.kv_block_size)
+        return max(by_rows, self.num_batches * one_row)  # (a full-length row per batch always fits: progress)
 
     def target_kv_cache_bytes(self, target: ModelShape) -> int:
-        """Bytes of the target's KV cache: every row of every batch at `target_kv_positions`."""
+        """Bytes of the target's KV cache: every row of every batch at `target_kv_positions`; paged, the pool's
+        `kv_blocks` blocks and its sink block (runtime/kv_blocks.py)."""
+        if self.kv_block_size:
+            return target.kv_cache_bytes(1, (self.kv_blocks + 1) * self.kv_block_size)
         return target.kv_cache_bytes(self.batch_size * self.num_batches, self.target_kv_positions)
 
     @property

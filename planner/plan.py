@@ -47,6 +47,7 @@ class Plan:
     interleave: bool = True
     refill: bool = True
     prefill_chunk: int | None = None
+    kv_expected_tokens: int = 0  # paged target KV: positions per row placed by expected use (0: by the context)
 
     def __post_init__(self) -> None:
         for name, low in (("batch", 1), ("k", 0), ("k_max", 0), ("max_seq_len", 2)):
@@ -95,4 +96,5 @@ def planned(result: SearchResult, max_seq_len: int, auto_k: bool, draft_experts:
     k_max = max(best.k, MAX_AUTO_K) if best.k and auto_k else best.k
     return Plan(batch=best.decode_batch, k=best.k, k_max=k_max, max_seq_len=max_seq_len, policy=best,
                 alternatives=result.alternatives, draft_experts=draft_experts if best.k else 0,
-                interleave=best.interleave, refill=best.refill, prefill_chunk=best.prefill_chunk)
+                interleave=best.interleave, refill=best.refill, prefill_chunk=best.prefill_chunk,
+                kv_expected_tokens=best.kv_expected_tokens)

@@ -71,6 +71,7 @@ class Policy:
     interleave: bool = True  # with a draft: two batches alternate; False: one batch drafts between its passes
     refill: bool = True  # priced with finished rows refilled at once (the steady state); False: in waves
     prefill_chunk: int | None = None  # prompt tokens per pass the steady price allows (cost.py `prefill_budget`)
+    kv_expected_tokens: int = 0  # paged target KV placed by expected use: positions per row (0: by the context)
 
     def __post_init__(self) -> None:
         if self.prefill_batch != self.decode_batch or self.draft_batch != (self.decode_batch if self.k else 0):
@@ -154,8 +155,8 @@ def search(
     config's), else waves (module docstring).
     kv_block_size: the target KV is paged in blocks of this many positions (placement rounds a row up to whole
     blocks; 0: contiguous); kv_expected_use: with blocks, place the target KV by the workload's expected use,
-    ceil(prompt_len) + new_tokens + k_max + 1 per row (kv_budget.py), instead of the context (the runtime must
-    then preempt rows when the pool runs out).
+    ceil(prompt_len + mean_new_tokens) + k_max + 1 per row (kv_budget.py), instead of the context (the runtime
+    preempts rows when the pool runs out: runtime/offload/batches.py).
     host_attention: the target's attention and embedding stay in host RAM (CPU attention beside a GPU; default: on
     a CUDA profile). weights_tier defaults to
     the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
@@ -187,7 +188,8 @@ def search(
             pinned=draft_pins if k >= 1 else frozenset(),
             expert_group=expert_group,
             kv_block_size=kv_block_size,
-            kv_expected_tokens=expected_kv_tokens(workload, k_max) if kv_block_size and kv_expected_use else 0,
+            kv_expected_tokens=(expected_kv_tokens(workload, k_max, workload.mean_new_tokens)
+                                if kv_block_size and kv_expected_use else 0),
             host_attention=on_host,
         )
         try:
@@ -202,7 +204,7 @@ def search(
                                                            expert_loading, interleave, refill).tokens_per_s
                                          for a in scenarios]
         feasible.append(replace(_policy(batch, k, pooled_alpha(alpha), placement, estimate),
-                                interleave=interleave, refill=refill,
+                                interleave=interleave, refill=refill, kv_expected_tokens=policy.kv_expected_tokens,
                                 prefill_chunk=estimate.steady.prefill_chunk if estimate.steady else None))
     if not feasible:
         reasons = "; ".join(f"batch={b}, k={k}: {why}" for b, k, why in infeasible[:3])

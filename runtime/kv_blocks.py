@@ -11,6 +11,10 @@ not change `lengths`; `advance` then marks how many of them are valid.
 
 Blocks per row: before a write, row b is given blocks up to ceil((lengths[b] + T) / block_size), for all rows at
 once, or the write raises `OutOfBlocksError` having changed nothing (the caller may preempt a row and retry).
+`reserve(num_new)` instead gives row b the blocks of its num_new[b] real positions only (a ragged pass: a decoding
+row feeds 1 token beside another row's prompt chunk of T), and the next write sends each row's padded positions
+past num_new[b] to the pool's *sink* block (one block beyond `num_blocks`, never handed out or read): a padded pass
+costs no blocks, and a runtime can check, before the pass, that its blocks fit (runtime/offload/pipeline.py).
 After `advance`, `truncate`, `reset_rows` and `select_rows` every row holds exactly ceil(lengths[b] / block_size)
 blocks (`assign_rows`: every assigned row): the blocks of right-padded positions and rejected drafts go back to
 the pool at the next of those calls. A scratch view (`scratch_view`) allocates in its owner's tables and frees
@@ -45,7 +49,9 @@ class BlockPool:
 
     The storage is allocated empty and a block is zeroed when it is first handed out (fresh blocks go out in id
     order, so they are the ids from `touched` up): host memory is committed as blocks come into use, not for the
-    whole pool at start. Block 0, which pads block tables, is zeroed at once. Every block a cache reads thus holds
+    whole pool at start. Block 0, which pads block tables, is zeroed at once. Block `num_blocks` (the storage holds
+    one more) is the sink that padded positions of a reserved write go to (`PagedKVCache.reserve`); it is never
+    handed out and never gathered. Every block a cache reads thus holds
     finite values (zeros or keys written earlier), which masked attention weighs by exactly 0.
     """
 
@@ -64,7 +70,8 @@ class BlockPool:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.sink = num_blocks  # the block padded positions of a reserved write land in (class docstring)
+        shape = (num_layers, num_blocks + 1, num_kv_heads, block_size, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=self.device)  # [layers, blocks, kv_heads, block_size, dim]
         self.v = torch.empty(shape, dtype=dtype, device=self.device)  # [layers, blocks, kv_heads, block_size, dim]
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: freed blocks on top, fresh ones in id order
@@ -116,8 +123,8 @@ class BlockPool:
             self._free.extend(reversed(blocks))
 
     def nbytes(self) -> int:
-        """Bytes of the pool's storage (keys and values)."""
-        return self.num_blocks * self.block_nbytes
+        """Bytes of the pool's storage (keys and values), the sink block included."""
+        return (self.num_blocks + 1) * self.block_nbytes
 
     def _zero_upto(self, top: int) -> None:
         """Zero the never handed out blocks touched..top-1."""
@@ -146,6 +153,7 @@ class PagedKVCache:
         self._out: tuple[Tensor, Tensor] | None = None  # keys_values' K and V buffers, [chunks, block_size * dim]
         self._lengths = torch.zeros(batch_size, dtype=torch.long)  # [batch], CPU
         self._device_lengths: Tensor | None = None
+        self._pending: Tensor | None = None  # [batch] real positions of the next write (`reserve`), else None
 
     # ---- the KVCache interface ---------------------------------------------------------------------------------------
     @property
@@ -280,6 +288,27 @@ class PagedKVCache:
         new_lengths[torch.as_tensor(rows, dtype=torch.long)] = src_lengths
         self._set_lengths(new_lengths)
 
+    def reserve(self, num_new: Tensor | list[int]) -> None:
+        """Give row b the blocks of positions lengths[b] .. lengths[b] + num_new[b] - 1 (all rows or none:
+        `OutOfBlocksError`, nothing changed), for the next write: its positions past num_new[b] (right padding) go
+        to the pool's sink block instead of taking blocks. Lasts until the lengths change (advance, truncate...)."""
+        self._require_owner("reserve")
+        num_new = self._per_row(torch.as_tensor(num_new, dtype=torch.long))  # [batch]
+        if bool((num_new < 0).any()):
+            raise ValueError(f"reserve negative counts {num_new.tolist()}")
+        extents = self._lengths + num_new  # [batch]
+        if not self.growable:
+            self.ensure_capacity(int(extents.max()) if self.batch_size else 0)
+        self._reserve(extents.tolist())
+        self.ensure_capacity(int(extents.max()) if self.batch_size else 0)
+        self._pending = num_new
+        self._slots = None
+
+    def blocks_needed(self, num_new: Tensor | list[int]) -> int:
+        """Blocks `reserve(num_new)` would take from the pool now."""
+        extents = (self._lengths + self._per_row(torch.as_tensor(num_new, dtype=torch.long))).tolist()
+        return sum(max(0, self.pool.blocks_for(e) - len(t)) for e, t in zip(extents, self._home._blocks))
+
     def ensure_capacity(self, needed: int) -> None:
         """Raise the per-row limit to `needed` positions (or raise CacheCapacityError if not growable). Allocates
         nothing: blocks come with writes."""
@@ -375,13 +404,26 @@ class PagedKVCache:
         memo = self._slots
         if memo is not None and memo[0] == self._home._version and memo[1] == steps:
             return memo[2]
+        pending = self._pending
+        if pending is not None and (len(pending) != self.batch_size or bool((pending > steps).any())):
+            pending = None  # (a write other than the reserved one: reserve for every position, as without it)
         needed = int(self._lengths.max()) + steps if self.batch_size else 0
-        if not self.growable:
-            self.ensure_capacity(needed)  # raises, changing nothing, past a fixed capacity
-        self._reserve((self._lengths + steps).tolist())
-        self.ensure_capacity(needed)
+        if pending is None:
+            if not self.growable:
+                self.ensure_capacity(needed)  # raises, changing nothing, past a fixed capacity
+            self._reserve((self._lengths + steps).tolist())
+            self.ensure_capacity(needed)
         positions = self._lengths[:, None] + torch.arange(steps)  # [batch, T]
-        slots = self._slot_index(torch.arange(self.batch_size), positions).reshape(-1).to(self.device)
+        padded = None if pending is None else torch.arange(steps)[None, :] >= pending[:, None]  # [batch, T]
+        if padded is not None:
+            positions = torch.where(padded, self._lengths[:, None], positions)  # (any real position: remapped below)
+        slots = self._slot_index(torch.arange(self.batch_size), positions)  # [batch, kv_heads, T]
+        if padded is not None and bool(padded.any()):
+            heads = torch.arange(self.num_kv_heads)[None, :, None]  # [1, kv_heads, 1]
+            sink = (self.pool.sink * self.num_kv_heads + heads) * self.pool.block_size  # [1, kv_heads, 1]
+            sink = sink + (torch.arange(steps) % self.pool.block_size)[None, None, :]  # [1, kv_heads, T]
+            slots = torch.where(padded[:, None, :], sink, slots)
+        slots = slots.reshape(-1).to(self.device)
         self._slots = (self._home._version, steps, slots)
         return slots
 
@@ -435,6 +477,7 @@ class PagedKVCache:
         self._lengths = new_lengths.to(dtype=torch.long, device="cpu").clone()
         self._device_lengths = None
         self._slots = None
+        self._pending = None
 
 
 def _all_positions(cache: KVCache | PagedKVCache, upto: int) -> tuple[Tensor, Tensor]:

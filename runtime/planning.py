@@ -158,7 +158,7 @@ def make_plan(
         interleaves=(True, False) if config.interleave == "auto" else (bool(config.interleave),),
         draft_dtype_bytes=models.draft_dtype_bytes,
         alpha_range=alpha_range, refill=config.refill,
-        kv_block_size=_kv_block_size(config),
+        kv_block_size=_kv_block_size(config), kv_expected_use=True,
         host_attention=config.host_attention,
     )
     plan = planned(result, max_seq_len, auto_k=auto_k, draft_experts=models.self_draft_experts)
@@ -177,13 +177,15 @@ def placement_policy(config: EngineConfig, plan: Plan, models: ModelPair) -> Pla
         pinned=models.draft_pins if plan.drafting else frozenset(),
         expert_group=config.expert_group or 0,
         kv_block_size=_kv_block_size(config),
+        kv_expected_tokens=plan.kv_expected_tokens if _kv_block_size(config) else 0,
         host_attention=config.host_attention,
     )
 
 
 def _kv_block_size(config: EngineConfig) -> int:
     """Positions per block of the target's paged KV (offloaded only: the attention worker's pool), 0: contiguous.
-    The pool holds every row's full context (rounded up to blocks): the pipeline does not preempt rows."""
+    A planned pool holds the workload's expected use per row (prompt + mean output, `Plan.kv_expected_tokens`) and
+    the pipeline preempts rows when it runs out; a fixed plan's holds every row's full context."""
     return config.kv_block_size if config.offloaded else 0
 
 

@@ -258,6 +258,17 @@ class Waiting:
         with self._lock:
             return self._buffer.popleft()
 
+    def peek(self, n: int) -> list[Request]:
+        """The first n waiting requests (fewer if fewer are there), without taking them."""
+        self.available(n)
+        with self._lock:
+            return list(self._buffer)[:n]
+
+    def push_front(self, request: Request) -> None:
+        """Put a request back at the head of the queue (a preempted row: it is the next one admitted)."""
+        with self._lock:
+            self._buffer.appendleft(request)
+
     def __bool__(self) -> bool:
         return self.available(1) > 0
 

@@ -56,9 +56,10 @@ def state(cache: PagedKVCache) -> tuple:
 
 def test_pool_allocates_frees_and_refuses_a_double_free() -> None:
     p = pool(blocks=4, block_size=3)
-    assert p.k.shape == (LAYERS, 4, KV_HEADS, 3, DIM) and p.v.shape == p.k.shape
+    assert p.k.shape == (LAYERS, 4 + 1, KV_HEADS, 3, DIM) and p.v.shape == p.k.shape  # (+1: the sink block)
+    assert p.sink == 4
     assert [p.blocks_for(n) for n in (0, 1, 3, 4, 7)] == [0, 1, 1, 2, 3]
-    assert p.block_nbytes == 2 * LAYERS * 3 * KV_HEADS * DIM * 4 and p.nbytes() == 4 * p.block_nbytes
+    assert p.block_nbytes == 2 * LAYERS * 3 * KV_HEADS * DIM * 4 and p.nbytes() == 5 * p.block_nbytes
     first = p.allocate(3)
     assert first == [0, 1, 2] and p.free_blocks == 1 and p.used_blocks == 3
     with pytest.raises(OutOfBlocksError, match="2 KV blocks needed, 1 free") as info:

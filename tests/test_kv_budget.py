@@ -24,11 +24,14 @@ def test_policy_rounds_each_row_up_to_whole_blocks() -> None:
 
     paged = PlacementPolicy(batch_size=3, num_batches=2, kv_capacity=101, kv_block_size=16)
     assert paged.target_kv_positions == 112 and paged.kv_blocks == 6 * 7
-    assert paged.target_kv_cache_bytes(TARGET) == 6 * 112 * 16
+    assert paged.target_kv_cache_bytes(TARGET) == (6 * 7 + 1) * 16 * 16  # (+1: the pool's sink block)
     assert paged.kv_cache_bytes(TARGET) == 6 * 101 * 16  # a draft's contiguous KV is unchanged
 
     expected = PlacementPolicy(batch_size=3, num_batches=2, kv_capacity=101, kv_block_size=16, kv_expected_tokens=40)
     assert expected.target_kv_positions == 48 and expected.kv_blocks == 6 * 3
+    # never fewer blocks than one full-length row per batch (7 blocks of 16 for 101 positions): rows always progress
+    short = PlacementPolicy(batch_size=1, num_batches=2, kv_capacity=101, kv_block_size=16, kv_expected_tokens=20)
+    assert short.target_kv_positions == 32 and short.kv_blocks == 2 * 7
     capped = PlacementPolicy(batch_size=1, kv_capacity=101, kv_block_size=16, kv_expected_tokens=500)
     assert capped.target_kv_positions == 112  # never past the context
     ignored = PlacementPolicy(batch_size=1, kv_capacity=101, kv_expected_tokens=40)
@@ -44,10 +47,11 @@ def test_placement_counts_the_paged_target_kv_on_the_host() -> None:
     policy = PlacementPolicy(batch_size=2, num_batches=1, kv_capacity=30, unified_memory=False, kv_block_size=8,
                              kv_expected_tokens=10)
     placement = place(TARGET, None, policy, GiB, GiB)
-    assert placement.host_bytes() == 2 * 16 * 16  # 2 rows x 2 blocks x 8 positions x 16 bytes
-    assert [i.nbytes for i in placement.items if i.name == "target KV cache"] == [512]
-    with pytest.raises(PlacementError, match="512 B"):
-        place(TARGET, None, policy, GiB, 511)
+    # 2 rows x 2 blocks (and at least one row of 30 positions: 4 blocks) + the sink, x 8 positions x 16 bytes
+    assert placement.host_bytes() == (4 + 1) * 8 * 16
+    assert [i.nbytes for i in placement.items if i.name == "target KV cache"] == [640]
+    with pytest.raises(PlacementError, match="640 B"):
+        place(TARGET, None, policy, GiB, 639)
 
 
 def test_expected_kv_tokens_and_rows_by_blocks_versus_by_max_seq_len() -> None:
@@ -75,7 +79,7 @@ def test_expected_kv_tokens_and_rows_by_blocks_versus_by_max_seq_len() -> None:
 def test_search_places_more_rows_by_expected_use() -> None:
     """Host memory bounds the target KV (16 bytes per position, 8000 bytes): at context 100 + 1 a row takes
     1616 bytes (4 rows fit); paged in blocks of 4 by the workload's expected 4 + 16 + 1 = 21 -> 24 positions, 384
-    bytes (16 rows fit)."""
+    bytes a row (16 rows and the pool's sink block fit)."""
     workload = Workload(num_prompts=64, prompt_len=4, new_tokens=16)
     common = dict(alpha=0.8, device_memory=GiB, host_memory=8000, batches=(1, 2, 4, 8, 16, 32), ks=(0,),
                   unified_memory=False, max_seq_len=100)
@@ -85,4 +89,4 @@ def test_search_places_more_rows_by_expected_use() -> None:
     assert {p.batch for p in contiguous.alternatives} == {1, 2, 4}
     assert {p.batch for p in rounded.alternatives} == {1, 2, 4}  # 104 positions: 1664 bytes a row
     assert {p.batch for p in expected.alternatives} == {1, 2, 4, 8, 16}
-    assert next(p for p in expected.alternatives if p.batch == 16).memory["host"] == 16 * 24 * 16
+    assert next(p for p in expected.alternatives if p.batch == 16).memory["host"] == (16 * 24 // 4 + 1) * 4 * 16

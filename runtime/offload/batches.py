@@ -13,6 +13,15 @@ on, an empty batch is refilled beside the next wave. Each wave gets empty KV cac
 drafter, sized for its rows (`capacity`). Random draws are per request (runtime/rng.py): nothing here seeds.
 After a lost worker, `restart` re-creates a batch's caches for its unfinished rows; its next pass then feeds every
 committed token again (pipeline.py).
+
+With a paged target KV (runtime/kv_blocks.py) admission counts blocks: a waiting request is admitted (in queue
+order) only while the pool's free blocks, less one per running row for its next pass, hold its first feed (its
+tokens up to `prefill_chunk`, plus k_max + 1 positions); with no row running the head of the queue is admitted
+anyway. When a pass's blocks do not fit, the pipeline preempts the batch's youngest row (`preempt`): it leaves its
+batch, its blocks go back to the pool and it returns to the head of the queue, to be fed again whole (prompt and
+output so far, in chunks) when admitted: recompute preemption, never an error and never a lost row. A batch that
+lost rows to preemption runs smaller until it is empty or a wave begins; an empty one takes rows again once blocks
+are free (`can_admit`).
 """
 
 from __future__ import annotations
@@ -65,10 +74,12 @@ class Batches:
 
     def __init__(self, workers: Workers, plan: Plan, waiting: Waiting | Iterable[Request],
                  on_finished: Callable[[int], object] = lambda n: None, rows: Callable[[], int] | None = None,
-                 refill: bool = True, on_retired: Callable[[Request], object] = lambda r: None) -> None:
+                 refill: bool = True, on_retired: Callable[[Request], object] = lambda r: None,
+                 prefill_chunk: int | None = None) -> None:
         """rows: the rows a wave may admit now (online re-planning; default plan.batch); refill: a finished row's
         slot takes a waiting request at once (False: only when the whole batch has finished). on_finished(n): n
-        rows finished (progress); on_retired(r): request r finished and left its batch."""
+        rows finished (progress); on_retired(r): request r finished and left its batch. prefill_chunk: prompt
+        tokens a pass feeds at most (a paged KV admits by the blocks of a request's first feed)."""
         self.workers, self.plan = workers, plan
         self.waiting = waiting if isinstance(waiting, Waiting) else Waiting(waiting)
         self.on_finished, self.on_retired = on_finished, on_retired
@@ -77,6 +88,11 @@ class Batches:
         self.items = [Batch(n) for n in range(plan.num_batches)]
         self.waves = 0
         self.refilled = 0  # rows admitted into a running batch's freed slots
+        self.prefill_chunk = prefill_chunk
+        self.block_size = workers.attention.block_size()  # paged target KV: positions per block (0: contiguous)
+        self.preempted = 0  # rows preempted to free KV blocks (each fed again whole later)
+        self._order: dict[int, int] = {}  # id(request) -> admission order (the youngest row is preempted first)
+        self._admissions = 0
 
     def __getitem__(self, index: int) -> Batch:
         return self.items[index]
@@ -92,9 +108,11 @@ class Batches:
         return not any(b.rows for b in self.items) and not self.waiting.ended
 
     def can_admit(self, b: Batch) -> bool:
-        """Over a feed: whether batch b has free slots (below rows(), not merging) and requests have arrived."""
-        return (self.waiting.streaming and self.rows() <= self.plan.batch and len(b.rows) < self._limit(b)
-                and bool(self.waiting))
+        """Over a feed: whether batch b has free slots (below rows(), not merging) and requests have arrived. With
+        a paged KV: also whether b, left empty by preemption, can take a waiting request now."""
+        if self.waiting.streaming:
+            return self.rows() <= self.plan.batch and len(b.rows) < self._limit(b) and bool(self.waiting)
+        return bool(self.block_size) and not b.rows and self._limit(b) > 0 and self._fit(1) > 0
 
     def grow(self, b: Batch) -> None:
         """Over a feed, rows arrive after a batch was admitted: fill b's free slots with them as a new wave (the
@@ -104,9 +122,8 @@ class Batches:
         if not self.can_admit(b):
             return
         live = [r for r in b.rows if not r.finished]
-        n = self.waiting.available(self._limit(b) - len(live))
         b.clear_pass()
-        b.rows = live + [self.waiting.popleft() for _ in range(n)]
+        b.rows = live + self._take(self._limit(b) - len(live))
         self._new_wave(b)
 
     def admit_all(self) -> None:
@@ -120,7 +137,7 @@ class Batches:
         plan.batch (speculation off, merging) only once every other batch has drained: until then it stays empty."""
         limit = self._limit(b)
         n = min(limit, math.ceil(self.waiting.available(limit * share) / share))
-        b.rows = [self.waiting.popleft() for _ in range(n)]
+        b.rows = self._take(n)
         b.clear_pass()
         if b.rows:
             self._new_wave(b)
@@ -137,15 +154,19 @@ class Batches:
         self.on_finished(len(finished))
         for n in finished:
             self.on_retired(b.rows[n])
+            self._order.pop(id(b.rows[n]), None)
+        if self.block_size:  # the finished rows' blocks go back to the pool first: admission counts them free
+            self.workers.attention.reset_rows(b.index, finished, self._capacity(b.rows))
         take = 0
         # (merging the rows of both batches into one, speculation off, goes through a new wave of the larger size:
         # slots are refilled only while a batch keeps its size)
         if self.refill and self.waiting and self.rows() <= self.plan.batch:
             live = len(b.rows) - len(finished)
-            take = min(len(finished), max(0, self._limit(b) - live), self.waiting.available(len(finished)))
+            take = min(len(finished), max(0, self._limit(b) - live))
+        new = self._take(take, retiring=len(finished)) if take else []
+        take = len(new)
         if take:
             slots = finished[:take]
-            new = [self.waiting.popleft() for _ in range(take)]
             for n, r in zip(slots, new):
                 b.rows[n] = r
             capacity = self._capacity(b.rows)
@@ -167,6 +188,21 @@ class Batches:
                 if not other.rows and self.waiting:
                     self.admit(other)
 
+    def preempt(self, b: Batch) -> int:
+        """Take b's youngest row out of the batch (its KV blocks back to the pool) and put its request back at the
+        head of the queue, to be fed again whole when admitted (module docstring). Returns the row's old index.
+        Call only where no op of b is in flight (its pass's first op, before any write)."""
+        n = max(range(len(b.rows)), key=lambda i: self._order.get(id(b.rows[i]), 0))
+        request = b.rows[n]
+        keep = [i for i in range(len(b.rows)) if i != n]
+        b.rows = [b.rows[i] for i in keep]
+        self.workers.attention.select_rows(b.index, keep)
+        self.workers.drafter.select_rows(b.index, keep)
+        self._order.pop(id(request), None)
+        self.waiting.push_front(request)
+        self.preempted += 1
+        return n
+
     def restart(self, b: Batch) -> None:
         """After a lost worker: forget the pass in flight, retire finished rows, fresh caches for the rest."""
         b.clear_pass()
@@ -187,6 +223,35 @@ class Batches:
         if limit > self.plan.batch and any(o.rows for o in self.items if o is not b):
             limit = 0
         return limit
+
+    def _take(self, n: int, retiring: int = 0) -> list[Request]:
+        """Pop up to n waiting requests, as many as the KV pool's free blocks admit now (module docstring);
+        retiring: rows of the caller's batch that are leaving (not counted as running)."""
+        n = self._fit(n, retiring)
+        taken = [self.waiting.popleft() for _ in range(n)]
+        for r in taken:
+            self._admissions += 1
+            self._order[id(r)] = self._admissions
+        return taken
+
+    def _fit(self, n: int, retiring: int = 0) -> int:
+        """How many of the first n waiting requests may be admitted now: all that are there with contiguous caches;
+        with a paged KV, those (in queue order) whose first feed fits the free blocks less one per running row."""
+        if n <= 0:
+            return 0
+        if not self.block_size:
+            return min(n, self.waiting.available(n))
+        running = sum(len(b.rows) for b in self.items) - retiring
+        free = self.workers.attention.free_blocks() - running
+        fit = 0
+        for r in self.waiting.peek(n):
+            first = r.num_tokens if self.prefill_chunk is None else min(r.num_tokens, self.prefill_chunk)
+            need = -(-(first + self.plan.k_max + 1) // self.block_size)
+            if need > free and (fit or running > 0):
+                break
+            free -= need
+            fit += 1
+        return fit
 
     def _capacity(self, rows: list[Request]) -> int:
         """KV positions per row: the longest prompt + output of the rows, plus the k_max + 1 speculative positions

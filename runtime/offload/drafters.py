@@ -36,6 +36,7 @@ from specoffload.planner.plan import Plan
 from specoffload.planner.shapes import ModelShape, PartKey, self_draft_shape
 
 from ..errors import ConfigError
+from ..kv_blocks import OutOfBlocksError
 from ..kv_cache import KVCache
 from ..models.config import ModelConfig
 from ..models.model import Transformer
@@ -390,8 +391,13 @@ class ResidentExpertDrafter(BatchKV, DrafterTraits):
     def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
                 seeds: Sequence[int] | None = None,
                 warps: Sequence[Sequence[float]] | None = None) -> tuple[Tensor, Tensor | None]:
-        """Feed ids [rows, T] and draw the next token per row, routing among the resident experts only."""
-        return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds, self.allowed, warps)
+        """Feed ids [rows, T] and draw the next token per row, routing among the resident experts only. Drafting
+        into a paged target KV whose pool has no free block for the draft positions proposes nothing (tokens -1:
+        the round ends, its rows verify what they have; runtime/speculative.py `cut_drafts`)."""
+        try:
+            return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds, self.allowed, warps)
+        except OutOfBlocksError:
+            return torch.full((ids.shape[0],), -1, dtype=torch.long), None
 
     @wire
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:

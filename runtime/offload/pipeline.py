@@ -139,7 +139,8 @@ class Pipeline:
         self.replanner.tokens_per_row = None
         source = requests.map(admit) if isinstance(requests, (Feed, MappedFeed)) else map(admit, requests)
         self.batches = Batches(self.workers, self.plan, Waiting(source), on_finished=bar.update,
-                               rows=lambda: self.replanner.rows, refill=self.refill, on_retired=finished.put)
+                               rows=lambda: self.replanner.rows, refill=self.refill, on_retired=finished.put,
+                               prefill_chunk=self.prefill_chunk)
         self.rounds_since_adapt, self.adapted, self.adapt_due = 0, 0, 0
         self.routing: list[list[int]] = []  # the target's routing since the last adapt, from verified passes
         self.adaptation = [0, 0, 0, 0]  # hits, picks, bytes moved, experts moved (Drafter.adapt)
@@ -289,12 +290,35 @@ class Pipeline:
         if len(b.num_drafts) != len(b.rows):
             b.num_drafts = [0] * len(b.rows)
         b.num_drafts = [d if ready else 0 for d, ready in zip(b.num_drafts, b.ready)]
+        if self.batches.block_size and not self._fit_blocks(b):
+            return
+        t_len = b.fed_before
+        drafts = b.drafts.tolist() if b.drafts is not None else [[] for _ in b.rows]
         ids, num_new = pad_right([r.tokens[t_len[n]: t_len[n] + b.feed[n]] + drafts[n][: b.num_drafts[n]]
                                   for n, r in enumerate(b.rows)])  # [rows, T]
         b.committed = [r.num_tokens for r in b.rows]
         b.pass_k, b.num_new = k, num_new
         b.token_mask = torch.arange(ids.shape[1])[None, :] < num_new[:, None]  # [rows, T]
         b.hidden = self.workers.attention.embed(ids)  # [rows, T, H]
+
+    def _fit_blocks(self, b: Batch) -> bool:
+        """Paged KV: reserve the blocks of b's pass (each row's fed and draft positions), preempting b's youngest
+        row until they fit (`Batches.preempt`); False when no row is left (the pass is skipped)."""
+        assert b.feed is not None
+        while b.rows:
+            num_new = [f + d for f, d in zip(b.feed, b.num_drafts)]
+            if self.workers.attention.reserve(b.index, num_new) == 0:
+                return True
+            n = self.batches.preempt(b)
+            for per_row in (b.feed, b.ready, b.num_drafts, b.fed_before):
+                del per_row[n]
+            keep = [i for i in range(len(b.rows) + 1) if i != n]
+            if b.drafts is not None:
+                b.drafts = b.drafts[keep]  # [rows, L]
+            if b.p is not None:
+                b.p = b.p[keep]  # [rows, L, vocab]
+        b.clear_pass()
+        return False
 
     def _attention(self, op: Op) -> None:
         b = self.batches[op.batch]

@@ -24,7 +24,7 @@ from specoffload.planner.plan import Plan
 from specoffload.planner.shapes import PartKey
 
 from ..config import EngineConfig
-from ..kv_blocks import BlockPool, PagedKVCache
+from ..kv_blocks import BlockPool, OutOfBlocksError, PagedKVCache
 from ..kv_cache import KVCache
 from ..models.model import MoEPartial, Transformer
 from ..models.weights import Weights
@@ -241,6 +241,20 @@ class AttentionWorker(BatchKV):
     def free_blocks(self) -> int:
         """Free blocks of the paged KV pool (0 with contiguous caches)."""
         return self.pool.free_blocks if self.pool is not None else 0
+
+    @wire
+    def reserve(self, batch: int, num_new: Sequence[int]) -> int:
+        """Before batch `batch`'s pass: give each row the blocks of its num_new[r] real positions (kv_blocks.py
+        `reserve`). Returns the blocks still missing (0: reserved; else nothing changed, and that many more must
+        be freed, e.g. by preempting rows). Contiguous caches need nothing: 0."""
+        cache = self.caches.get(batch)
+        if not isinstance(cache, PagedKVCache):
+            return 0
+        try:
+            cache.reserve(list(num_new))
+        except OutOfBlocksError as exc:
+            return exc.needed - exc.free
+        return 0
 
     @wire
     def block_size(self) -> int:

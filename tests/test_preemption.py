@@ -1,0 +1,80 @@
+"""Paged target KV placed by expected use: admission by free blocks and recompute preemption (issue 21 item 3).
+
+A pool that holds fewer positions than the rows will use (`Plan.kv_expected_tokens` below their real use, the floor
+of one full-length row per batch) forces the pipeline to preempt rows: each goes back to the queue and is fed again
+whole later. Outputs must not change (greedy equal to the resident engine; a sampled row equal to its run without
+preemption), no row may be lost, and every block must be back in the pool at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from specoffload.planner.plan import fixed_plan
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.sampling import SamplingParams
+from tests.conftest import OFFLOAD_PROMPTS
+
+TARGET = "qwen2_moe"
+
+
+def paged_engine(tiny_models, draft: str | None, expected_tokens: int, max_seq_len: int = 24) -> Engine:  # noqa: ANN001
+    """An offloaded engine whose pool is placed at `expected_tokens` positions per row (3 rows a batch, k = 3)."""
+    config = EngineConfig(tiny_models[TARGET], draft=tiny_models[draft] if draft == "qwen2_draft" else draft,
+                          max_batch_size=3, max_seq_len=max_seq_len, num_draft_tokens=3, device_memory="1GiB",
+                          kv_block_size=4)
+    k = 3 if draft else 0
+    plan = replace(fixed_plan(3, k, max_seq_len), kv_expected_tokens=expected_tokens)
+    return Engine(config, plan=plan)
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("draft", [None, "qwen2_draft", "self"])
+def test_preempted_rows_finish_with_the_resident_engines_greedy_tokens(tiny_models, resident_greedy, draft) -> None:
+    engine = paged_engine(tiny_models, draft, expected_tokens=4)
+    policy, attention = engine.placement.policy, engine.workers.attention
+    # the pool is the floor, one full row (24 + k + 1 positions) per batch, not the rows' real use
+    assert attention.pool.num_blocks == policy.kv_blocks == policy.num_batches * -(-engine.plan.kv_capacity // 4)
+    out = engine.generate(OFFLOAD_PROMPTS, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert [r.token_ids for r in out] == resident_greedy(TARGET)
+    assert engine.pipeline.batches.preempted > 0
+    assert attention.free_blocks() == attention.pool.num_blocks
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_sampled_row_is_the_same_with_and_without_preemption(tiny_models) -> None:
+    """Random draws are per request (runtime/rng.py): a row fed again whole after preemption draws as it would
+    have, so a roomy pool (no preemption) and a tight one give the same sampled rows."""
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9, seed=11)
+    roomy = paged_engine(tiny_models, "qwen2_draft", expected_tokens=0)
+    tight = paged_engine(tiny_models, "qwen2_draft", expected_tokens=4)
+    wide = [r.token_ids for r in roomy.generate(OFFLOAD_PROMPTS, params)]
+    assert roomy.pipeline.batches.preempted == 0
+    narrow = [r.token_ids for r in tight.generate(OFFLOAD_PROMPTS, params)]
+    assert tight.pipeline.batches.preempted > 0
+    assert narrow == wide
+
+
+def test_a_pass_reserves_only_its_real_positions() -> None:
+    """A ragged pass (one row decoding beside another's prompt chunk) takes the blocks of its real positions: the
+    padded ones go to the sink block, so the blocks a pass needs are known before it runs."""
+    import torch
+
+    from specoffload.runtime.kv_blocks import BlockPool, OutOfBlocksError, PagedKVCache
+
+    pool = BlockPool(num_layers=1, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2)
+    cache = PagedKVCache(pool, batch_size=2, capacity=16)
+    assert cache.blocks_needed([1, 5]) == 1 + 3
+    cache.reserve([1, 5])
+    assert cache.blocks_held() == [1, 3] and pool.free_blocks == 0
+    k = torch.arange(2 * 5 * 2, dtype=torch.float32).view(2, 1, 5, 2)  # [batch, kv_heads, T, dim]
+    cache.write(0, k, k)  # row 0's 4 padded positions land in the sink, not in blocks it does not hold
+    cache.advance(torch.tensor([1, 5]))
+    keys, _ = cache.keys_values(0, 5)  # [batch, kv_heads, 5, dim]
+    assert torch.equal(keys[0, 0, :1], k[0, 0, :1]) and torch.equal(keys[1, 0], k[1, 0])
+    with pytest.raises(OutOfBlocksError):
+        cache.reserve([2, 1])  # row 0 needs a second block: none is free, and nothing changed
+    assert cache.blocks_held() == [1, 3]
