@@ -167,7 +167,8 @@ class JobPlan:
 def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence[int]], params: SamplingParams,
              max_seq_len: int, profile: HardwareProfile | None = None) -> JobPlan:
     """Warm-up (when a drafter may be used and the plan is the planner's), then the search over the job's workload
-    with the warm-up's plausible acceptance range: the plan `Engine(config, plan=...)` runs."""
+    with the warm-up's plausible acceptance range: the plan `Engine(config, plan=...)` runs. Without a drafter, a
+    paged target KV (placed by expected use) gets a no-draft warm-up for the mean output length."""
     workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
     warmup = None
     # a model-free drafter: its acceptance replayed on a no-draft warm-up's outputs (runtime/drafter_replay.py)
@@ -185,6 +186,9 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
             profile = profile.scaled_io(warmup.stream_rate / profile.stream_bytes_per_s)
         if warmup.mean_new_tokens is not None:  # rows stopping at EOS: the steady state's row length
             workload = replace(workload, mean_new_tokens=min(workload.new_tokens, warmup.mean_new_tokens))
+    elif config.planned and config.offloaded and config.kv_block_size:  # a paged KV is placed by expected use
+        _, mean_new = warmup_outputs(config, prompts, params)
+        workload = replace(workload, mean_new_tokens=min(workload.new_tokens, mean_new))
     plan = make_plan(config, models, max_seq_len, workload=workload, profile=profile,
                      alpha=warmup.curve if warmup else None,
                      alpha_range=warmup.alpha_range if warmup else None)

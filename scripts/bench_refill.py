@@ -32,8 +32,8 @@ from specoffload.runtime.sampling import SamplingParams
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 
 
-def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
-    engine = Engine(config)
+def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams, plan: object = None) -> dict:
+    engine = Engine(config, plan=plan)
     try:
         start = time.perf_counter()
         results = engine.generate(prompts, params)
@@ -50,6 +50,7 @@ def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) 
                 "committed_per_row_pass": stats.generated_tokens / row_passes if row_passes else None,
                 "acceptance": stats.acceptance_rate if stats.num_drafted else None,
                 "refilled": engine.pipeline.batches.refilled if engine.pipeline is not None else 0,
+                "preempted": engine.pipeline.batches.preempted if engine.pipeline is not None else 0,
                 "timeline": timeline, "token_ids": [r.token_ids for r in results]}
     finally:
         engine.close()
@@ -67,6 +68,82 @@ def ideal_passes(lengths: list[int], batch: int) -> tuple[int, int]:
     return waves, max(free)
 
 
+def vs_main(args: argparse.Namespace, target: Path, draft: Path, prompts: list[list[int]], params: SamplingParams,
+            budget: int, roof: dict) -> int:
+    """Block KV and refill together against main's contiguous KV in waves, each at the planner's batch for the job
+    (its own best under the same budget): `new_over_main_<system>` and `kv_rows_gain`."""
+    from specoffload.planner.cost import Workload
+    from specoffload.planner.kv_budget import kv_rows
+    from specoffload.runtime.models.model import Transformer
+    from specoffload.runtime.offload.profiler import load_or_measure
+    from specoffload.runtime.planning import ModelPair
+    from specoffload.runtime.warmup import plan_job
+
+    max_seq_len = max(map(len, prompts)) + args.new_tokens
+    base = dict(target=target, device_memory=budget, max_batch_size="auto", replan_interval=0,
+                max_seq_len=max_seq_len)
+    arms = {"main": dict(kv_block_size=0, refill=False), "new": dict(kv_block_size=args.block_size, refill=True)}
+    systems = {"nodraft": dict(num_draft_tokens=0), "draft": dict(draft=draft, num_draft_tokens=args.k)}
+    shape_model = Transformer(target)
+    rows, summary = [], {}
+    for name in args.systems.split(","):
+        plans = {}
+        for arm, extra in arms.items():
+            config = EngineConfig(**base, **systems[name], **extra)
+            profile = load_or_measure(config, open_engine=Engine, log=print)
+            models = ModelPair.for_config(config, shape_model, shares_kv=True)
+            start = time.perf_counter()
+            job = plan_job(config, models, prompts, params, max_seq_len, profile=profile)
+            plans[arm] = (config, job)
+            print(f"  {name} {arm}: {job.plan.describe()} (planned in {time.perf_counter() - start:.0f} s, "
+                  f"mean new tokens {job.workload.mean_new_tokens:.1f})", flush=True)
+        runs: dict[str, list[dict]] = {"main": [], "new": []}
+        for rep in range(args.reps):
+            for arm in (("main", "new") if rep % 2 == 0 else ("new", "main")):  # ABBA
+                config, job = plans[arm]
+                engine_start = time.perf_counter()
+                r = run(config, prompts, params, plan=job.plan)
+                runs[arm].append(r)
+                print(f"  {name:8s} {arm:4s} rep {rep}: {r['tok_s']:.2f} tok/s, batch {job.plan.batch}, "
+                      f"{r['passes']} passes, {r['preempted']} preempted ({time.perf_counter() - engine_start:.0f} s)",
+                      flush=True)
+        same = all(r["token_ids"] == runs["main"][0]["token_ids"] for r in runs["main"] + runs["new"])
+        for arm, rs in runs.items():
+            config, job = plans[arm]
+            med, lo, hi = median_spread(r["tok_s"] for r in rs)
+            rows.append({"system": name, "arm": arm, "batch": job.plan.batch, "k": job.plan.k,
+                         "kv_block_size": config.kv_block_size, "refill": config.refill,
+                         "kv_expected_tokens": job.plan.kv_expected_tokens,
+                         "mean_new_tokens_planned": job.workload.mean_new_tokens,
+                         "tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi, "passes": rs[0]["passes"],
+                         "preempted": rs[0]["preempted"], "acceptance": rs[0]["acceptance"],
+                         "committed_per_row_pass": rs[0]["committed_per_row_pass"], "tokens": rs[0]["tokens"],
+                         "equal_tokens": same, "timeline": rs[0]["timeline"]})
+        new, old = (next(r for r in rows if r["system"] == name and r["arm"] == a) for a in ("new", "main"))
+        summary[f"new_over_main_{name}"] = new["tok_s_median"] / old["tok_s_median"]
+        summary[f"batch_new_over_main_{name}"] = new["batch"] / old["batch"]
+        if name == "nodraft":  # rows of target KV by blocks over by max_seq_len, at the job's expected use
+            config, job = plans["new"]
+            cfg = shape_model.config
+            kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * config.torch_dtype.itemsize
+            workload: Workload = job.workload
+            gain = kv_rows(budget, kv_token, workload, max_seq_len, 0, args.block_size, workload.mean_new_tokens)
+            summary["kv_rows_gain"] = gain.gain
+            summary["kv_positions_by_blocks"] = gain.positions_by_blocks
+            summary["kv_positions_by_max_seq_len"] = gain.positions_by_max_seq_len
+    print(f"\n{'system':8s} {'arm':5s} {'batch':>5s} {'tok/s (min-max)':22s} {'passes':>6s} {'preempted':>9s} "
+          f"{'equal':>5s}")
+    for r in rows:
+        print(f"{r['system']:8s} {r['arm']:5s} {r['batch']:5d} {r['tok_s_median']:6.2f} ({r['tok_s_min']:.2f}-"
+              f"{r['tok_s_max']:.2f}){'':6s} {r['passes']:6d} {r['preempted']:9d} {r['equal_tokens']!s:>5s}")
+    print("summary:", {k: round(v, 3) for k, v in summary.items()})
+    path = write_json(PERF / f"{args.out}.json", {"date": utc_now(), "argv": sys.argv[1:], "target": str(target),
+                                                   "budget": budget, "roofline": roof, "summary": summary,
+                                                   "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="dense", help="dense | moefied | a checkpoint directory")
@@ -80,6 +157,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="8 prompts of <= 96 tokens, 24 new tokens, batch 4, 1 rep")
     ap.add_argument("--out", default="refill")
+    ap.add_argument("--vs-main", action="store_true",
+                    help="block KV + refill against main's contiguous KV in waves, each at the planner's batch")
+    ap.add_argument("--block-size", type=int, default=16, help="KV block size of the new arm (--vs-main)")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.prompt_tokens, args.new_tokens, args.batch, args.reps = 8, 96, 24, 4, 1
@@ -98,6 +178,8 @@ def main() -> int:
           f"{args.reps} reps", flush=True)
     roof = roofline(target)
     print(f"roofline: {roof}", flush=True)
+    if args.vs_main:
+        return vs_main(args, Path(target), draft, prompts, params, budget, roof)
     base = dict(target=target, device_memory=budget, max_batch_size=args.batch, replan_interval=0,
                 max_seq_len=max(map(len, prompts)) + args.new_tokens)
     systems = {"nodraft": dict(num_draft_tokens=0), "draft": dict(draft=draft, num_draft_tokens=args.k)}

@@ -243,7 +243,7 @@ def test_roles_and_proxies_are_derived_from_the_worker_classes(tiny_models, sing
     expected = {
         "prefetch": {"load"},
         "attention": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "reset_rows", "embed",
-                      "attention", "free_blocks", "block_size"},
+                      "attention", "free_blocks", "reserve", "block_size"},
         "verifier": {"ffn", "head", "verify", "routing_counts"},
         "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "reset_rows", "propose", "adapt"},
     }
