@@ -371,7 +371,8 @@ class Coordinator:
                 self.chunks = ChunkStream(engine, roles)
             call = self.chunks.submit(rows)
         results, cost = call.result()
-        keep = ("token_ids", "text", "finish_reason", "num_drafted", "num_accepted", "stop_reason", "logprobs")
+        keep = ("token_ids", "text", "finish_reason", "num_drafted", "num_accepted", "stop_reason", "logprobs",
+                "time_to_first_token_s", "time_s")
         return {"results": [{k: getattr(r, k) for k in keep} for r in results]} | cost
 
     def _end_chunks(self, timeout_s: float | None = None) -> None:

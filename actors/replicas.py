@@ -233,7 +233,8 @@ class ReplicaPool:
                 leases[replica.index] -= 1
                 rows[replica.index] -= len(chunk.rows)
                 results = tuple(RowResult(tuple(r["token_ids"]), r["text"], r["finish_reason"], r["num_drafted"],
-                                          r["num_accepted"], r.get("stop_reason"), frozen_logprobs(r.get("logprobs")))
+                                          r["num_accepted"], r.get("stop_reason"), frozen_logprobs(r.get("logprobs")),
+                                          r.get("time_to_first_token_s"), r.get("time_s"))
                                 for r in out["results"])
                 self._count(replica, chunk, results, out)
                 if chunk.number in redone:

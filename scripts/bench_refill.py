@@ -79,7 +79,8 @@ def vs_main(args: argparse.Namespace, target: Path, draft: Path, prompts: list[l
     from specoffload.runtime.planning import ModelPair
     from specoffload.runtime.warmup import plan_job
 
-    max_seq_len = max(map(len, prompts)) + args.new_tokens
+    job_len = max(map(len, prompts)) + args.new_tokens  # what `specoffload generate` sizes a row for
+    max_seq_len = args.max_seq_len or job_len
     base = dict(target=target, device_memory=budget, max_batch_size="auto", replan_interval=0,
                 max_seq_len=max_seq_len)
     arms = {"main": dict(kv_block_size=0, refill=False), "new": dict(kv_block_size=args.block_size, refill=True)}
@@ -131,6 +132,8 @@ def vs_main(args: argparse.Namespace, target: Path, draft: Path, prompts: list[l
             summary["kv_rows_gain"] = gain.gain
             summary["kv_positions_by_blocks"] = gain.positions_by_blocks
             summary["kv_positions_by_max_seq_len"] = gain.positions_by_max_seq_len
+            at_job = kv_rows(budget, kv_token, workload, job_len, 0, args.block_size, workload.mean_new_tokens)
+            summary["kv_rows_gain_at_job_max_seq_len"] = at_job.gain  # (max_seq_len = longest prompt + new)
     print(f"\n{'system':8s} {'arm':5s} {'batch':>5s} {'tok/s (min-max)':22s} {'passes':>6s} {'preempted':>9s} "
           f"{'equal':>5s}")
     for r in rows:
@@ -160,6 +163,9 @@ def main() -> int:
     ap.add_argument("--vs-main", action="store_true",
                     help="block KV + refill against main's contiguous KV in waves, each at the planner's batch")
     ap.add_argument("--block-size", type=int, default=16, help="KV block size of the new arm (--vs-main)")
+    ap.add_argument("--max-seq-len", type=int, default=0,
+                    help="--vs-main: tokens per row both arms are configured for (main reserves them; 0: the longest "
+                         "prompt + --new-tokens, as `specoffload generate` sizes a job)")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.prompt_tokens, args.new_tokens, args.batch, args.reps = 8, 96, 24, 4, 1

@@ -331,6 +331,12 @@ def test_progress_lines_on_a_timer_whatever_the_chunking(tiny_models, tmp_path, 
     assert "models loaded in" in err and "s loading)" in err
     record = json.loads(summary.read_text())
     assert record["load_s"] >= 0 and record["total_s"] >= record["wall_s"] + record["load_s"] - 1e-6
+    # per-request metrics, one entry per row: 40 new tokens each (EOS ignored), a first token before the end
+    requests = record["requests"]
+    assert requests["new_tokens"] == {"count": 12, "mean": 40.0, "p50": 40.0, "p90": 40.0, "p99": 40.0, "max": 40.0}
+    ttft, total = requests["time_to_first_token_s"], requests["time_s"]
+    assert ttft["count"] == total["count"] == 12 and 0 < ttft["p50"] <= ttft["max"] <= total["max"]
+    assert ttft["p50"] <= ttft["p90"] <= ttft["p99"] <= ttft["max"] and "acceptance" not in requests  # no drafter
 
 
 def test_device_flag_errors_are_one_line(tiny_models, tmp_path, capsys):

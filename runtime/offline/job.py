@@ -35,6 +35,7 @@ from .manifest import Manifest, checkpoint_identity, row_files
 from .output import OutputFile, Resumed, StdoutOutput
 from .prepare import Limits, Preparer
 from .progress import Progress
+from .request_metrics import RequestMetricsLog
 from .rows import RowError, RowJob
 from .source import InputSource
 from .unique import check_unique_ids
@@ -102,7 +103,8 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
             record = {"rows": total, "resumed_rows": resumed.rows, "written_rows": t.rows, "failed_rows": failed,
                       "new_tokens": t.tokens, "chunks": t.chunks, "wall_s": wall, "tokens_per_s": t.tokens / wall,
                       "load_s": progress.load_s, "total_s": time.monotonic() - progress.created,
-                      "acceptance": t.acceptance, "write_s": writer.seconds, "backend": details}
+                      "acceptance": t.acceptance, "write_s": writer.seconds, "requests": writer.metrics.summary(),
+                      "backend": details}
             spec.summary.write_text(json.dumps(record, indent=2) + "\n")
         return 0  # the job ran: failed rows are error rows in the output, counted above (as `vllm run-batch`)
 
@@ -179,6 +181,7 @@ class _Writer:
         self.spec, self.fmt, self.out, self.preparer, self.model = spec, fmt, out, preparer, model_name
         self.errors = 0
         self.seconds = 0.0  # rendering and appending rows
+        self.metrics = RequestMetricsLog()  # per written prompt row (this run's rows only)
 
     def write(self, done: ChunkDone) -> tuple[int, int, int, int, int]:
         """Append the chunk's rows; returns (rows, failed, tokens, drafted, accepted) for the progress."""
@@ -193,6 +196,7 @@ class _Writer:
                 self._report(row)
                 continue
             samples = [self.preparer.finish(row, next(results)) for _ in range(row.params.n)]  # Chunk.jobs' order
+            self.metrics.add(samples)
             lines.append(self.fmt.result_row(row, samples[0] if len(samples) == 1 else samples, self.model,
                                              tokenizer=self.preparer.tokenizer))
             tokens += sum(len(r.token_ids) for r in samples)

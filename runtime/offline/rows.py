@@ -77,6 +77,8 @@ class RowResult:
     stop_reason: int | str | None = None  # the stop string or stop id that ended the row (None: EOS or length)
     #: when params.logprobs is set: per token, (id, logprob, rank) of the chosen token then of the top-N
     logprobs: tuple[tuple[tuple[int, float, int], ...], ...] | None = None
+    time_to_first_token_s: float | None = None  # from the row's admission to its first token
+    time_s: float | None = None  # from the row's admission to its end
 
 
 Row = RowJob | RowError
