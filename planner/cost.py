@@ -233,6 +233,8 @@ class StepEstimate:
 
         T_step = max(T_io, T_chain, compute)  with compute = attention + ffn + head + overhead + draft when
                  shared, else max(attention + overhead [cpu], ffn + head + draft [device]);
+        (host attention beside a GPU: each layer's hidden-state copies to the host and back, `t_link`, lie on
+        the chain only: the copy engine is neither the CPU nor the GPU's compute);
         tokens_per_s = tokens_per_step / T_step.
 
     Times are per step, summed over layers; `bound` names the term that sets T_step.
@@ -250,6 +252,7 @@ class StepEstimate:
     tokens_per_s: float
     bound: str  # "io" | "chain" | "compute" (shared) | "cpu" | "device"
     t_compute: float = 0.0  # the pass's seconds were the stream infinitely fast (the chain without load waits)
+    t_link: float = 0.0  # hidden-state copies host <-> device of host attention (in the chain only)
 
 
 @dataclass(frozen=True)
@@ -557,6 +560,11 @@ def _pass(
     expert_rows = max(1.0, fed * costs.expert_fraction)
     attn = (attention_s if attention_s is not None
             else profile.attention_seconds(attention_tokens or fed, attended_len))  # padded queries (prefill)
+    # attention on the host beside a GPU: the layer's hidden states [rows, T, H] go to the host and back, in the
+    # chain between the layer's ffn and the next layer's (one copy each way)
+    hidden_bytes = (attention_tokens or fed) * target.hidden_bytes_per_token
+    link = 2 * profile.hidden_link_seconds(hidden_bytes) if placement.policy.host_attention else 0.0
+    attn_link = attn + link
     layers = []
     for j in range(target.num_layers):
         units = sorted(g for layer, g in loads if layer == j)
@@ -567,7 +575,7 @@ def _pass(
         streams_attention = attention in placement.tiers and placement.is_streamed(attention)
         # one link per load unit: the layer's ffn runs one expert group after another (an even share each)
         for n, g in enumerate(units or [0]):
-            layers.append(ChainLink(attn if n == 0 else 0.0, ffn / max(len(units), 1), loads.get((j, g)),
+            layers.append(ChainLink(attn_link if n == 0 else 0.0, ffn / max(len(units), 1), loads.get((j, g)),
                                     pre_waits=streams_attention and n == 0))
     head = profile.head_seconds(costs.head_flops * head_rows, head_rows)
     layers.append(ChainLink(0.0, head, loads.get((target.num_layers, 0))))
@@ -595,6 +603,7 @@ def _pass(
         t_chain=t_chain,
         t_step=t_step,
         tokens_per_step=tokens,
+        t_link=link * target.num_layers,
         tokens_per_s=tokens / t_step if t_step > 0 else math.inf,
         bound=bound,
         t_compute=max(free_chain, *(t for name, t in terms.items() if name not in ("io", "chain"))),

@@ -65,6 +65,9 @@ class HardwareProfile:
     # is priced at stream_bytes_per_s like any other).
     read_bytes_per_s: float | None = None
     decompress_bytes_per_s: float | None = None
+    # Host attention beside a GPU: each layer's hidden states cross the link twice (to the host for attention, back
+    # for the FFN): seconds per copy = a + b * bytes (pinned, measured). None: no such copies (a CPU-only machine).
+    hidden_link_fit: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -93,6 +96,11 @@ class HardwareProfile:
         for name in ("read_bytes_per_s", "decompress_bytes_per_s"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.hidden_link_fit is not None:
+            link = tuple(float(c) for c in self.hidden_link_fit)
+            if len(link) != 2 or not all(math.isfinite(c) and c >= 0 for c in link):
+                raise ProfileError(f"hidden_link_fit must be 2 finite coefficients >= 0 (a, b), got {link}")
+            object.__setattr__(self, "hidden_link_fit", link)
         for name in ("pass_overhead_s", "position_overhead_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -132,6 +140,13 @@ class HardwareProfile:
             raise ValueError(f"new_tokens and attended_len must be >= 0, got {new_tokens}, {attended_len}")
         c0, c1, c2 = self.attention_fit
         return c0 + c1 * new_tokens + c2 * new_tokens * attended_len
+
+    def hidden_link_seconds(self, nbytes: float) -> float:
+        """Seconds of one host <-> device copy of `nbytes` bytes of hidden states: a + b * nbytes (0 unmeasured)."""
+        if self.hidden_link_fit is None or nbytes <= 0:
+            return 0.0
+        a, b = self.hidden_link_fit
+        return a + b * nbytes
 
     def load_seconds(self, nbytes: float, stored: float | None = None) -> float:
         """Seconds the loader takes to deliver a part of `nbytes` compute-dtype bytes into a slot: nbytes /
@@ -186,6 +201,7 @@ class HardwareProfile:
             "calibration": [dict(c) for c in self.calibration],
             "read_bytes_per_s": self.read_bytes_per_s,
             "decompress_bytes_per_s": self.decompress_bytes_per_s,
+            "hidden_link_fit": None if self.hidden_link_fit is None else list(self.hidden_link_fit),
         }
 
     @classmethod
@@ -210,6 +226,7 @@ class HardwareProfile:
                 calibration=tuple(data.get("calibration", ())),
                 read_bytes_per_s=data.get("read_bytes_per_s"),
                 decompress_bytes_per_s=data.get("decompress_bytes_per_s"),
+                hidden_link_fit=data.get("hidden_link_fit"),
             )
         except (TypeError, ValueError) as exc:  # ProfileError is a ValueError: re-raised with the same message
             raise ProfileError(f"invalid hardware profile: {exc}") from exc

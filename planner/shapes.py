@@ -37,6 +37,7 @@ class ModelShape:
     # parts stored compressed, with their stored bytes (read from disk, held in the RAM tier); the rest are
     # stored as they are computed with (their bytes in `parts`)
     stored: tuple[tuple[PartKey, int], ...] = ()
+    hidden_bytes_per_token: int = 0  # one token's hidden state (hidden_size x compute-dtype bytes); 0: unknown
 
     def __post_init__(self) -> None:
         if self.num_layers < 0 or self.kv_bytes_per_token < 0:
@@ -88,4 +89,4 @@ def self_draft_shape(target: ModelShape, experts_per_layer: int, name: str = "se
                   if (key.expert < experts_per_layer if key.kind == "expert" else not shares_kv))
     kept = {key for key, _ in parts}
     return ModelShape(name, parts, target.num_layers, 0 if shares_kv else target.kv_bytes_per_token,
-                      tuple((key, n) for key, n in target.stored if key in kept))
+                      tuple((key, n) for key, n in target.stored if key in kept), target.hidden_bytes_per_token)

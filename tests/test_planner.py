@@ -8,6 +8,7 @@ import math
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
@@ -569,3 +570,30 @@ def manual_placement_for(shape: ModelShape, policy: PlacementPolicy, resident: s
     streamed = tuple(sorted({shape.num_layers if k.kind == "head" else k.layer for k, t in tiers.items()
                              if t == "disk" and k.kind != "embedding"}))
     return Placement(MappingProxyType(tiers), streamed, 1000, policy.num_buffers, policy, (), 0, 0)
+
+
+def test_host_attention_prices_the_hidden_state_copies_in_the_chain() -> None:
+    """Attention on the host beside a GPU: each layer's hidden states [rows, T, H] cross the link twice (a + b *
+    bytes per copy, `hidden_link_fit`), on the chain between layers; the io and device terms do not change, and a
+    placement with attention on the device (or a profile without the fit) copies nothing."""
+    shape = replace(TARGET, hidden_bytes_per_token=100)
+    costs = ModelCosts.from_shapes(shape, None, dtype_bytes=2)
+    tiers = {key: ("disk" if key.kind == "dense_mlp" else "device") for key, _ in shape.parts}
+    on_host = PlacementPolicy(batch_size=4, num_buffers=2, weights_tier="ram", unified_memory=False,
+                              host_attention=True)
+    placement = Placement(MappingProxyType(tiers), (0, 1, 2, 3), 800, 2, on_host, (), 0, 0)
+    on_device = replace(placement, policy=replace(on_host, host_attention=False))
+    gpu = dict(device="cuda", shared_compute=False, weights_tier="ram", stream_bytes_per_s=1e9)
+    linked = make_profile(**gpu, hidden_link_fit=(0.01, 1e-4))
+    plain = make_profile(**gpu)
+    a = estimate_step(linked, costs, placement, batch=4, k=0, alpha=0.5, attended_len=8)
+    b = estimate_step(plain, costs, placement, batch=4, k=0, alpha=0.5, attended_len=8)
+    c = estimate_step(linked, costs, on_device, batch=4, k=0, alpha=0.5, attended_len=8)
+    per_copy = 0.01 + 1e-4 * 4 * 100  # 4 rows x 1 token x 100 bytes
+    assert a.t_link == pytest.approx(4 * 2 * per_copy) and b.t_link == 0.0 and c.t_link == 0.0
+    assert a.t_chain == pytest.approx(b.t_chain + a.t_link)  # serial in the chain: every link waits for it
+    assert (a.t_io, a.t_ffn, a.t_attention) == (b.t_io, b.t_ffn, b.t_attention)
+    assert linked.hidden_link_seconds(0) == 0.0 and plain.hidden_link_seconds(1e6) == 0.0
+    assert HardwareProfile.from_json(linked.to_json()) == linked
+    with pytest.raises(ProfileError, match="hidden_link_fit"):
+        make_profile(hidden_link_fit=(0.1, -1.0))

@@ -173,7 +173,9 @@ def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, t
     kept = ref.read_text().splitlines(keepends=True)
     out.write_text("".join(kept[:2]) + kept[2][:20])
     Path(f"{out}.manifest.json").write_text(Path(f"{ref}.manifest.json").read_text())
-    job = _submit(env, address, *cli, "-o", str(out), "--backend", "ray", "--replicas", "2", "--resume", wait=False)
+    summary = tmp_path / "summary.json"
+    job = _submit(env, address, *cli, "-o", str(out), "--backend", "ray", "--replicas", "2", "--resume",
+                  "--summary", str(summary), wait=False)
     victim = ray_cluster.nodes[2]
     deadline = time.monotonic() + 180
     while out.read_text().count("\n") < 4:  # a chunk of this job is written: both replicas are busy
@@ -196,6 +198,10 @@ def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, t
     assert {i for i, row in enumerate(rows) if row["error"] is not None} == bad
     reference = [json.loads(line) for line in ref.read_text().splitlines()]
     assert [_comparable(r) for r in rows] == [_comparable(r) for r in reference]  # the local backend's output
+    requests = json.loads(summary.read_text())["requests"]  # per-request metrics came back from the replicas
+    written = ROWS - 2 - len(bad - {0, 1})  # (this run's rows: not the two resumed ones, not the error rows)
+    assert requests["time_to_first_token_s"]["count"] == requests["new_tokens"]["count"] == written
+    assert requests["acceptance"]["count"] == written and 0 <= requests["acceptance"]["mean"] <= 1
     deadline = time.monotonic() + 30
     while _arenas_of(victim_pids) and time.monotonic() < deadline:  # the dead replica's shared memory is swept
         time.sleep(0.5)

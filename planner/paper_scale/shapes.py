@@ -47,4 +47,4 @@ def shape_from_config(name: str, config: Mapping[str, Any], dtype_bytes: int = 2
     parts.append((PartKey("head"), hidden + vocab * hidden))
     sized = tuple((key, params * dtype_bytes) for key, params in parts)
     kv = 2 * layers * kv_heads * head_dim * dtype_bytes
-    return ModelShape(name, sized, layers, kv), top_k
+    return ModelShape(name, sized, layers, kv, hidden_bytes_per_token=hidden * dtype_bytes), top_k

@@ -173,7 +173,8 @@ class WeightLoader:
         keys = self.parts()
         stored = tuple((key, n) for key in keys if (n := self.stored_nbytes(key)) is not None)
         return ModelShape(name=name, parts=tuple((key, self.nbytes(key)) for key in keys),
-                          num_layers=cfg.num_layers, kv_bytes_per_token=kv, stored=stored)
+                          num_layers=cfg.num_layers, kv_bytes_per_token=kv, stored=stored,
+                          hidden_bytes_per_token=cfg.hidden_size * self.dtype.itemsize)
 
     def stored_nbytes(self, key: PartKey) -> int | None:
         """Bytes a part with compressed weights (a `specoffload quantize` checkpoint) is stored and streamed as:

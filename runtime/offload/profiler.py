@@ -145,6 +145,7 @@ def measure(config: EngineConfig, quick: bool = False, open_engine: EngineFactor
         head_rate = 2 * head.lm_head.numel() * 16 / _time(lambda h=head: layers.head_logits(cfg, h, x), reps)
         del head
         draft_steps = _draft_steps(config, reps, quick)
+        link = _hidden_link_fit(cfg.hidden_size, dtype, device, reps) if config.host_attention else None
     provenance = fingerprint(config) | {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "quick": quick,
         "tool": "specoffload.runtime.offload.profiler",
@@ -163,7 +164,30 @@ def measure(config: EngineConfig, quick: bool = False, open_engine: EngineFactor
         pass_overhead_s=0.0,
         read_bytes_per_s=read_rate,
         decompress_bytes_per_s=decompress_rate,
+        hidden_link_fit=link,
     ), open_engine or _default_engine, quick=quick)
+
+
+#: rows of hidden states the host <-> device copy fit is timed at (a decode pass's and a prefill chunk's sizes)
+LINK_ROWS = (16, 4096)
+
+
+def _hidden_link_fit(hidden: int, dtype: torch.dtype, device: torch.device,
+                     reps: int) -> tuple[float, float] | None:
+    """(a, b) of a pinned host <-> device copy of hidden states, seconds = a + b * bytes: the mean of the two
+    directions, fitted through LINK_ROWS rows. None off CUDA (host attention on the CPU itself copies nothing)."""
+    if device.type != "cuda":
+        return None
+    points = []
+    for rows in LINK_ROWS:
+        host = torch.empty(rows, hidden, dtype=dtype).pin_memory()
+        dev = torch.empty(rows, hidden, dtype=dtype, device=device)
+        there = _time(lambda d=dev, h=host: d.copy_(h, non_blocking=True), reps)
+        back = _time(lambda d=dev, h=host: h.copy_(d, non_blocking=True), reps)
+        points.append((host.numel() * host.element_size(), (there + back) / 2))
+    (x0, y0), (x1, y1) = points
+    b = max(0.0, (y1 - y0) / (x1 - x0))
+    return max(0.0, y0 - b * x0), b
 
 
 def _default_engine(config: EngineConfig) -> Engine:
