@@ -15,6 +15,7 @@ docs/perf/<out>.json with a top-level "summary" and <out>.png (tokens committed 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -144,7 +145,26 @@ def vs_main(args: argparse.Namespace, target: Path, draft: Path, prompts: list[l
                                                    "budget": budget, "roofline": roof, "summary": summary,
                                                    "rows": rows})
     print(f"wrote {path}")
+    print(f"wrote {plot_vs_main(path)}")
     return 0
+
+
+def plot_vs_main(path: Path) -> Path:
+    """Tokens committed over time, main (contiguous KV, waves) against new (block KV, refill), from a --vs-main
+    JSON: the before/after figure. `python -m scripts.bench_refill --plot PATH` redraws it."""
+    record = json.loads(Path(path).read_text())
+    out = Path(path).with_suffix(".png")
+    with figure(out, (7.0, 4.0)) as ax:
+        for r in record["rows"]:
+            ts, tokens = zip(*r["timeline"]) if r["timeline"] else ((), ())
+            label = (f"{r['system']}, {r['arm']}: batch {r['batch']}, "
+                     f"{'block KV + refill' if r['arm'] == 'new' else 'max_seq_len KV, waves'} ({r['passes']} passes)")
+            ax.plot(ts, tokens, label=label, linestyle="-" if r["arm"] == "new" else "--")
+        ax.set_xlabel("seconds (first repetition)")
+        ax.set_ylabel("tokens committed")
+        ax.set_title(f"{Path(record['target']).name}, {record['budget'] / 2**30:.1f} GiB, EOS honoured")
+        ax.legend(fontsize=8)
+    return out
 
 
 def main() -> int:
@@ -166,7 +186,11 @@ def main() -> int:
     ap.add_argument("--max-seq-len", type=int, default=0,
                     help="--vs-main: tokens per row both arms are configured for (main reserves them; 0: the longest "
                          "prompt + --new-tokens, as `specoffload generate` sizes a job)")
+    ap.add_argument("--plot", type=Path, default=None, help="redraw the figure of a --vs-main JSON and exit")
     args = ap.parse_args()
+    if args.plot is not None:
+        print(f"wrote {plot_vs_main(args.plot)}")
+        return 0
     if args.quick:
         args.prompts, args.prompt_tokens, args.new_tokens, args.batch, args.reps = 8, 96, 24, 4, 1
     target = model_dir(TARGETS.get(args.target, "")) if args.target in TARGETS else args.target
