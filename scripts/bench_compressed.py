@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from scripts.common import PERF, median_spread, utc_now, write_json
+from scripts.common import PERF, median_spread, timed_generate, utc_now, write_json
 from scripts.get_models import model_dir
 from scripts.quant_accuracy import compare, held_out
 from specoffload.planner.units import format_bytes, parse_bytes
@@ -49,11 +48,7 @@ def variant_dir(source: Path, name: str, spec: QuantSpec | None, where: Path | N
 
 
 def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
-    engine = Engine(config)
-    try:
-        start = time.perf_counter()
-        engine.generate(prompts, params)
-        wall = time.perf_counter() - start
+    def extra(engine: Engine, _: float) -> dict:
         stats = engine.last_stats
         spans = engine.tracer.spans if engine.tracer is not None else []
         by_name: dict[str, float] = {}
@@ -63,15 +58,16 @@ def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) 
         # the local backend's loader: its decompression and read seconds (the trace has the whole load op only)
         streamer = getattr(getattr(getattr(engine.pipeline, "workers", None), "prefetch", None), "streamer", None)
         compute = sum(by_name.get(n, 0.0) for n in COMPUTE)
-        return {"wall_s": wall, "tokens": stats.generated_tokens, "tok_s": stats.generated_tokens / wall,
-                "batch": engine.plan.batch, "passes": stats.passes, "bytes_per_pass": stats.bytes_read / passes,
+        return {"batch": engine.plan.batch, "bytes_per_pass": stats.bytes_read / passes,
                 "load_s_per_pass": by_name.get("load", 0.0) / passes,
                 "decompress_s_per_pass": (streamer.decompress_seconds if streamer else 0.0) / passes,
                 "read_s_per_pass": (streamer.read_seconds if streamer else 0.0) / passes,
                 "compute_s_per_pass": compute / passes,
                 "io_over_compute": by_name.get("load", 0.0) / compute if compute else None}
-    finally:
-        engine.close()
+
+    out = timed_generate(config, prompts, params, extra=extra)
+    del out["token_ids"]  # (this benchmark compares formats: their tokens may differ)
+    return out
 
 
 def main() -> int:

@@ -22,9 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
-from scripts.common import PERF, median_spread, utc_now, write_json
+from scripts.common import PERF, median_spread, timed_generate, utc_now, write_json
 from scripts.get_models import model_dir
 from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime.config import EngineConfig
@@ -39,25 +38,17 @@ WORKLOADS = {"summarization": lambda: dataset_prompts("aclsum"), "code": humanev
 
 
 def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
-    engine = Engine(config)
-    try:
-        start = time.perf_counter()
-        results = engine.generate(prompts, params)
-        wall = time.perf_counter() - start
+    def extra(engine: Engine, _: float) -> dict:
         stats = engine.last_stats
         log = engine.pipeline.verify_log if engine.pipeline is not None else []
         row_passes = sum(rows for *_, rows in log) or 1
         drafter = engine.workers.drafter if engine.workers is not None else None
         asked = getattr(drafter, "proposed", 0)  # rows a model-free drafter proposed for (round-start calls)
-        return {"wall_s": wall, "tokens": stats.generated_tokens, "tok_s": stats.generated_tokens / wall,
-                "passes": stats.passes, "committed_per_row_pass": stats.generated_tokens / row_passes,
-                "verified_per_row_pass": 1 + stats.num_drafted / row_passes,
-                "acceptance": stats.acceptance_rate if stats.num_drafted else None,
-                "draft_s": stats.draft_s, "draft_us_per_row_round": 1e6 * stats.draft_s / asked if asked else None,
-                "matched_rate": getattr(drafter, "matched", 0) / asked if asked else None,
-                "token_ids": [r.token_ids for r in results]}
-    finally:
-        engine.close()
+        return {"verified_per_row_pass": 1 + stats.num_drafted / row_passes, "draft_s": stats.draft_s,
+                "draft_us_per_row_round": 1e6 * stats.draft_s / asked if asked else None,
+                "matched_rate": getattr(drafter, "matched", 0) / asked if asked else None}
+
+    return timed_generate(config, prompts, params, extra=extra)
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from scripts.bench_offload import roofline
-from scripts.common import PERF, figure, median_spread, utc_now, write_json
+from scripts.common import PERF, figure, median_spread, timed_generate, utc_now, write_json
 from scripts.get_models import model_dir
 from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime.config import EngineConfig
@@ -34,27 +34,17 @@ TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 
 
 def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams, plan: object = None) -> dict:
-    engine = Engine(config, plan=plan)
-    try:
-        start = time.perf_counter()
-        results = engine.generate(prompts, params)
-        wall = time.perf_counter() - start
-        stats = engine.last_stats
-        log = engine.pipeline.verify_log if engine.pipeline is not None else []
-        row_passes = sum(rows for *_, rows in log)
+    def extra(engine: Engine, start: float) -> dict:
+        pipeline = engine.pipeline
+        log = pipeline.verify_log if pipeline is not None else []
         timeline, total = [], 0
         for at, _, tokens, _ in log:  # (seconds since the start, tokens committed so far) per verified pass
             total += tokens
             timeline.append((round(at - start, 3), total))
-        return {"wall_s": wall, "tokens": stats.generated_tokens, "tok_s": stats.generated_tokens / wall,
-                "passes": stats.passes, "row_passes": row_passes,
-                "committed_per_row_pass": stats.generated_tokens / row_passes if row_passes else None,
-                "acceptance": stats.acceptance_rate if stats.num_drafted else None,
-                "refilled": engine.pipeline.batches.refilled if engine.pipeline is not None else 0,
-                "preempted": engine.pipeline.batches.preempted if engine.pipeline is not None else 0,
-                "timeline": timeline, "token_ids": [r.token_ids for r in results]}
-    finally:
-        engine.close()
+        return {"refilled": pipeline.batches.refilled if pipeline is not None else 0,
+                "preempted": pipeline.batches.preempted if pipeline is not None else 0, "timeline": timeline}
+
+    return timed_generate(config, prompts, params, plan, extra)
 
 
 def ideal_passes(lengths: list[int], batch: int) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """What the benchmark scripts share: where results go, the page-cache drop, the result file, median and spread,
 the plots' figure.
 
-Only code that was the same in several scripts lives here. The scripts' rooflines and machine descriptions
+Only code that was the same in several scripts lives here (`timed_generate`: one timed generate call and the fields
+every benchmark reports; each script adds its own through `extra`). The scripts' rooflines and machine descriptions
 stay with them: they measure and record different things (memory bandwidth and GEMM rates per dtype in
 bench_generate, cold O_DIRECT disk reads in bench_offload; each JSON keeps its own keys).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from specoffload.runtime.offload.direct_io import drop_page_cache as drop_caches
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 PERF = ROOT / "docs" / "perf"  # benchmark results: JSON per benchmark, sections of its README.md
 
-__all__ = ["PERF", "ROOT", "drop_caches", "figure", "median_spread", "utc_now", "write_json"]
+__all__ = ["PERF", "ROOT", "drop_caches", "figure", "median_spread", "timed_generate", "utc_now", "write_json"]
 
 
 def utc_now() -> str:
@@ -34,6 +35,34 @@ def write_json(path: Path, data: object) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+def timed_generate(config: Any, prompts: list[list[int]], params: Any, plan: Any = None,
+                   extra: Callable[[Any, float], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Build `Engine(config, plan=plan)`, time one `generate` call (loading excluded) and close the engine. Returns
+    what the benchmarks share: wall_s, tokens, tok_s, passes, row_passes (rows summed over verified passes),
+    committed_per_row_pass, acceptance (None without drafts), token_ids; and `extra(engine, start)`, a script's own
+    fields read before the engine closes (its stats are `engine.last_stats`; start: perf_counter at the call)."""
+    import time
+
+    from specoffload.runtime.engine import Engine
+
+    engine = Engine(config, plan=plan)
+    try:
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        wall = time.perf_counter() - start
+        stats = engine.last_stats
+        log = engine.pipeline.verify_log if engine.pipeline is not None else []
+        row_passes = sum(rows for *_, rows in log)
+        out = {"wall_s": wall, "tokens": stats.generated_tokens, "tok_s": stats.generated_tokens / wall,
+               "passes": getattr(stats, "passes", 0), "row_passes": row_passes,
+               "committed_per_row_pass": stats.generated_tokens / row_passes if row_passes else None,
+               "acceptance": stats.acceptance_rate if stats.num_drafted else None,
+               "token_ids": [r.token_ids for r in results]}
+        return out | (extra(engine, start) if extra is not None else {})
+    finally:
+        engine.close()
 
 
 def median_spread(values: Iterable[float]) -> tuple[float, float, float]:
