@@ -104,6 +104,17 @@ class KVCache:
         new_lengths[torch.as_tensor(rows, dtype=torch.long)] = 0
         self._set_lengths(new_lengths)
 
+    def add_rows(self, n: int) -> None:
+        """Append `n` empty rows (length 0) at the current capacity, e.g. to regrow a batch that lost rows."""
+        if n < 0:
+            raise ValueError(f"add_rows: n = {n} < 0")
+        with torch.inference_mode():
+            extra = torch.zeros((self.num_layers, n, *self.k.shape[2:]), dtype=self.dtype, device=self.device)
+            self.k = torch.cat([self.k, extra], dim=1)  # [layers, batch + n, kv_heads, capacity, head_dim]
+            self.v = torch.cat([self.v, extra], dim=1)
+        self.batch_size += n
+        self._set_lengths(torch.cat([self._lengths, torch.zeros(n, dtype=torch.long)]))
+
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows`, in that order (the batch shrinks to len(rows)), e.g. when requests finish."""
         index = torch.as_tensor(rows, dtype=torch.long)

@@ -243,9 +243,10 @@ def test_roles_and_proxies_are_derived_from_the_worker_classes(tiny_models, sing
     expected = {
         "prefetch": {"load"},
         "attention": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "reset_rows", "embed",
-                      "attention", "free_blocks", "reserve", "block_size"},
+                      "attention", "free_blocks", "reserve", "block_size", "add_rows"},
         "verifier": {"ffn", "head", "verify", "routing_counts"},
-        "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "reset_rows", "propose", "adapt"},
+        "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "reset_rows", "add_rows", "propose",
+                  "adapt"},
     }
     for role, cls in classes.items():
         methods = wire_methods(cls)

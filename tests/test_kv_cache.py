@@ -176,3 +176,15 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 test_cache_machine = CacheMachine.TestCase
+
+
+def test_add_rows_appends_empty_rows_and_keeps_the_others() -> None:
+    cache = new_cache(capacity=4)
+    write_all_layers(cache, [[1.0, 2.0]] + [[3.0, 4.0]] * (BATCH - 1))
+    cache.advance(2)
+    cache.add_rows(2)
+    assert cache.batch_size == BATCH + 2 and cache.lengths.tolist() == [2] * BATCH + [0, 0]
+    assert cache.k.shape[1] == BATCH + 2 and cache.capacity == 4
+    assert read_back(cache, 1, 0) == [1.0, 2.0] and read_back(cache, 0, BATCH + 1) == []
+    with pytest.raises(ValueError):
+        cache.add_rows(-1)

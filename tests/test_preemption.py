@@ -15,6 +15,7 @@ import pytest
 from specoffload.planner.plan import fixed_plan
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
+from specoffload.runtime.offload.batches import Batches
 from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 
@@ -78,3 +79,30 @@ def test_a_pass_reserves_only_its_real_positions() -> None:
     with pytest.raises(OutOfBlocksError):
         cache.reserve([2, 1])  # row 0 needs a second block: none is free, and nothing changed
     assert cache.blocks_held() == [1, 3]
+
+
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("draft", [None, "qwen2_draft"])
+def test_a_batch_that_lost_rows_regrows(tiny_models, resident_greedy, draft) -> None:
+    """After a preemption the batch runs with fewer rows; once rows finish and blocks are free it takes waiting
+    requests into new rows again (no other row moves), so a long job does not run short for the rest of its life."""
+    engine = paged_engine(tiny_models, draft, expected_tokens=4, max_seq_len=32)
+    pipeline = engine.pipeline
+    marks: list[int] = []
+    original = Batches.preempt
+
+    def spy(self, b):  # noqa: ANN001, ANN202
+        marks.append(len(pipeline.verify_log))
+        return original(self, b)
+
+    prompts = OFFLOAD_PROMPTS * 3  # 21 requests: many wait while the first ones run
+    try:
+        Batches.preempt = spy
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    finally:
+        Batches.preempt = original
+    assert [r.token_ids for r in out] == resident_greedy(TARGET) * 3
+    assert marks, "no row was preempted: the pool is too roomy for this test"
+    rows_after = [rows for _, b, _, rows in pipeline.verify_log[marks[0]:] if b == 0]  # batch 0's passes from then
+    first_short = next(i for i, rows in enumerate(rows_after) if rows < 3)
+    assert 3 in rows_after[first_short:], rows_after  # ... and full again later

@@ -59,6 +59,14 @@ class BatchKV:
         self.caches[batch].select_rows(list(keep))
 
     @wire
+    def add_rows(self, batch: int, n: int, capacity: int) -> None:
+        """Append n empty rows to batch `batch` (new requests in a batch that lost rows), with room for `capacity`
+        positions per row."""
+        cache = self.caches[batch]
+        cache.add_rows(n)
+        cache.ensure_capacity(capacity)
+
+    @wire
     def reset_rows(self, batch: int, rows: Sequence[int], capacity: int) -> None:
         """Empty rows `rows` of batch `batch` for new requests (their slots are reused: no other row moves), with
         room for `capacity` positions per row."""

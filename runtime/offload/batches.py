@@ -20,8 +20,8 @@ tokens up to `prefill_chunk`, plus k_max + 1 positions); with no row running the
 anyway. When a pass's blocks do not fit, the pipeline preempts the batch's youngest row (`preempt`): it leaves its
 batch, its blocks go back to the pool and it returns to the head of the queue, to be fed again whole (prompt and
 output so far, in chunks) when admitted: recompute preemption, never an error and never a lost row. A batch that
-lost rows to preemption runs smaller until it is empty or a wave begins; an empty one takes rows again once blocks
-are free (`can_admit`).
+lost rows to preemption regrows at its next retirement, new rows appended at its end as blocks admit them
+(`_regrow`); an empty one takes rows again once blocks are free (`can_admit`).
 """
 
 from __future__ import annotations
@@ -175,12 +175,14 @@ class Batches:
             self.refilled += take
         gone = set(finished[take:])
         if not gone:
+            self._regrow(b)
             return
         keep = [n for n in range(len(b.rows)) if n not in gone]
         b.rows = [b.rows[n] for n in keep]
         if keep:
             self.workers.attention.select_rows(b.index, keep)
             self.workers.drafter.select_rows(b.index, keep)
+            self._regrow(b)
             return
         self.admit(b)
         if self.rows() <= self.plan.batch:  # speculating: a batch left empty by merging takes rows again
@@ -223,6 +225,19 @@ class Batches:
         if limit > self.plan.batch and any(o.rows for o in self.items if o is not b):
             limit = 0
         return limit
+
+    def _regrow(self, b: Batch) -> None:
+        """Paged KV, refilling: a running batch below its size (it lost rows to preemption) takes waiting requests
+        into new rows at its end, as blocks admit them (no other row moves)."""
+        if not (self.block_size and self.refill and b.rows and self.rows() <= self.plan.batch and self.waiting):
+            return
+        new = self._take(self._limit(b) - len(b.rows))
+        if new:
+            b.rows += new
+            capacity = self._capacity(b.rows)
+            self.workers.attention.add_rows(b.index, len(new), capacity)
+            self.workers.drafter.add_rows(b.index, len(new), capacity)
+            self.refilled += len(new)
 
     def _take(self, n: int, retiring: int = 0) -> list[Request]:
         """Pop up to n waiting requests, as many as the KV pool's free blocks admit now (module docstring);

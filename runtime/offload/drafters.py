@@ -66,6 +66,9 @@ class Drafter(Protocol):
     def reset_rows(self, batch: int, rows: Sequence[int], capacity: int) -> None:
         """Empty these rows for new requests (refill: the other rows keep their state)."""
         ...
+    def add_rows(self, batch: int, n: int, capacity: int) -> None:
+        """Append n empty rows for new requests (a batch that lost rows to preemption regrows)."""
+        ...
 
     def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
                 seeds: Sequence[int] | None = None,
@@ -171,6 +174,9 @@ class NoDrafter(DrafterTraits):
         pass
 
     def reset_rows(self, batch: int, rows: Sequence[int], capacity: int) -> None:
+        pass
+
+    def add_rows(self, batch: int, n: int, capacity: int) -> None:
         pass
 
     def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
@@ -355,6 +361,13 @@ class ResidentExpertDrafter(BatchKV, DrafterTraits):
         if self.target_kv is None:
             super().reset_rows(batch, rows, capacity)
         else:
+            self.caches.pop(batch, None)
+
+    @wire
+    def add_rows(self, batch: int, n: int, capacity: int) -> None:
+        if self.target_kv is None:
+            super().add_rows(batch, n, capacity)
+        else:  # the target's attention worker adds them to its cache
             self.caches.pop(batch, None)
 
     @wire

@@ -109,6 +109,10 @@ class LookupDrafter(DrafterTraits):
         self.rows[batch] = [rows[n] for n in keep]
 
     @wire
+    def add_rows(self, batch: int, n: int, capacity: int) -> None:
+        self.rows[batch] += [self.new_row() for _ in range(n)]
+
+    @wire
     def reset_rows(self, batch: int, rows: Sequence[int], capacity: int) -> None:
         for n in rows:
             self.finished(self.rows[batch][n])
