@@ -106,3 +106,25 @@ def test_a_batch_that_lost_rows_regrows(tiny_models, resident_greedy, draft) -> 
     rows_after = [rows for _, b, _, rows in pipeline.verify_log[marks[0]:] if b == 0]  # batch 0's passes from then
     first_short = next(i for i, rows in enumerate(rows_after) if rows < 3)
     assert 3 in rows_after[first_short:], rows_after  # ... and full again later
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_preemption_over_the_wire_matches_the_local_backend(tiny_models, resident_greedy) -> None:
+    """The Ray backend's wiring (roles over their sockets and arenas, served by threads here): reserve, preempt
+    and regrow are worker calls like any other, and the draft role's own KV cache follows the batch."""
+    from specoffload.actors.coordinator import RoleWorkers
+    from tests.test_actors import InProcessGroup
+
+    local = paged_engine(tiny_models, "qwen2_draft", expected_tokens=4)
+    config, plan = local.config, local.plan
+    local.close()
+    roles = RoleWorkers(InProcessGroup(config, ["prefetch", "attention", "verifier", "draft"]))
+    engine = Engine(config, plan=plan, workers=roles, recovery=roles)
+    try:
+        out = engine.generate(OFFLOAD_PROMPTS * 2, SamplingParams(max_new_tokens=10, ignore_eos=True))
+        assert [r.token_ids for r in out] == resident_greedy(TARGET) * 2
+        assert engine.pipeline.batches.preempted > 0
+        assert roles.proxies["attention"].free_blocks() == engine.placement.policy.kv_blocks
+    finally:
+        engine.close()
+        roles.close()
