@@ -337,6 +337,9 @@ def test_progress_lines_on_a_timer_whatever_the_chunking(tiny_models, tmp_path, 
     ttft, total = requests["time_to_first_token_s"], requests["time_s"]
     assert ttft["count"] == total["count"] == 12 and 0 < ttft["p50"] <= ttft["max"] <= total["max"]
     assert ttft["p50"] <= ttft["p90"] <= ttft["p99"] <= ttft["max"] and "acceptance" not in requests  # no drafter
+    phases = record["phases"]
+    assert phases["load_s"] == record["load_s"] and phases["generate_s"] == record["wall_s"]
+    assert 0 <= phases["write_s"] <= phases["generate_s"] and phases["close_s"] >= 0
 
 
 def test_device_flag_errors_are_one_line(tiny_models, tmp_path, capsys):

@@ -104,6 +104,9 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
                       "new_tokens": t.tokens, "chunks": t.chunks, "wall_s": wall, "tokens_per_s": t.tokens / wall,
                       "load_s": progress.load_s, "total_s": time.monotonic() - progress.created,
                       "acceptance": t.acceptance, "write_s": writer.seconds, "requests": writer.metrics.summary(),
+                      # the job's phases, in order: loading (models, actors), generating (writing included), closing
+                      "phases": {"load_s": progress.load_s, "generate_s": wall, "write_s": writer.seconds,
+                                 "close_s": details.get("close_s")},
                       "backend": details}
             spec.summary.write_text(json.dumps(record, indent=2) + "\n")
         return 0  # the job ran: failed rows are error rows in the output, counted above (as `vllm run-batch`)
@@ -167,10 +170,12 @@ def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[Engin
         progress.close()
         _summary(progress, wall, config.drafter_class.proposes, progress.load_s or 0.0)
         backend.report()
-        return wall, backend.summary()
+        details = backend.summary()
     finally:
         progress.close()
+        closing_at = time.perf_counter()
         backend.close()
+    return wall, details | {"close_s": time.perf_counter() - closing_at}  # (e.g. Ray replicas shutting down)
 
 
 class _Writer:
