@@ -100,7 +100,12 @@ def vs_main(args: argparse.Namespace, target: Path, draft: Path, prompts: list[l
                       f"{r['passes']} passes, {r['preempted']} preempted ({time.perf_counter() - engine_start:.0f} s)",
                       flush=True)
         same = all(r["token_ids"] == runs["main"][0]["token_ids"] for r in runs["main"] + runs["new"])
+        reference = runs["main"][0]["token_ids"]
         for arm, rs in runs.items():
+            # rows whose greedy tokens differ from main's first repetition, and the first position where they do
+            differ = {n: next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                      for n, (x, y) in enumerate(zip(reference, rs[0]["token_ids"])) if x != y}
+            reps_agree = all(r["token_ids"] == rs[0]["token_ids"] for r in rs)
             config, job = plans[arm]
             med, lo, hi = median_spread(r["tok_s"] for r in rs)
             rows.append({"system": name, "arm": arm, "batch": job.plan.batch, "k": job.plan.k,
@@ -110,7 +115,8 @@ def vs_main(args: argparse.Namespace, target: Path, draft: Path, prompts: list[l
                          "tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi, "passes": rs[0]["passes"],
                          "preempted": rs[0]["preempted"], "acceptance": rs[0]["acceptance"],
                          "committed_per_row_pass": rs[0]["committed_per_row_pass"], "tokens": rs[0]["tokens"],
-                         "equal_tokens": same, "timeline": rs[0]["timeline"]})
+                         "equal_tokens": same, "rows_differing_from_main": differ, "reps_agree": reps_agree,
+                         "timeline": rs[0]["timeline"]})
         new, old = (next(r for r in rows if r["system"] == name and r["arm"] == a) for a in ("new", "main"))
         summary[f"new_over_main_{name}"] = new["tok_s_median"] / old["tok_s_median"]
         summary[f"batch_new_over_main_{name}"] = new["batch"] / old["batch"]
