@@ -49,6 +49,7 @@ class OffloadStats(GenerateStats):
     migrated_experts: int = 0
     migrations: int = 0
     expert_hotness: tuple[tuple[int, ...], ...] = ()
+    preempted: int = 0  # rows preempted to free paged KV blocks (each fed again whole later)
 
     @property
     def expert_hit_rate(self) -> float | None:

@@ -41,7 +41,7 @@ def test_preempted_rows_finish_with_the_resident_engines_greedy_tokens(tiny_mode
     assert attention.pool.num_blocks == policy.kv_blocks == policy.num_batches * -(-engine.plan.kv_capacity // 4)
     out = engine.generate(OFFLOAD_PROMPTS, SamplingParams(max_new_tokens=10, ignore_eos=True))
     assert [r.token_ids for r in out] == resident_greedy(TARGET)
-    assert engine.pipeline.batches.preempted > 0
+    assert engine.pipeline.batches.preempted > 0 and engine.last_stats.preempted == engine.pipeline.batches.preempted
     assert attention.free_blocks() == attention.pool.num_blocks
 
 

@@ -189,6 +189,7 @@ class Pipeline:
             migrated_experts=self.adaptation[3],
             migrations=self.adapted,
             expert_hotness=tuple(tuple(layer) for layer in self.hotness),
+            preempted=self.batches.preempted,
         )
 
     def _recover(self, error: SpecOffloadError) -> None:
