@@ -151,11 +151,13 @@ def _arenas_of(pids: set[int]) -> list[str]:
     return [p.name for p in SHM_DIR.iterdir() if (n := ArenaName.parse(p.name)) is not None and n.pid in pids]
 
 
-ROWS = 48
+#: rows of the lost-node job: enough that the victim still holds leases when the first chunk is written, even on a
+#: fast run (48 rows once finished on both replicas, 3 s of generation, before the kill took effect: a flake)
+ROWS = 96
 
 
 def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, tiny_models, tmp_path):
-    """Runs last: it kills a worker node. 48 rows: a replica leases chunks while its rows in flight fill its batches
+    """Runs last: it kills a worker node. ROWS rows: a replica leases chunks while its rows in flight fill its batches
     twice (replicas.py), so the victim still holds leases when the first chunk is written."""
     address, env = ray_cluster.dashboard, {k: v for k, v in ray_cluster.env.items() if k != "RAY_ADDRESS"}
     lines, bad = _batch(ROWS)
