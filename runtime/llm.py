@@ -1,6 +1,6 @@
 """`LLM`: the front door a vLLM user expects, over `Engine` (the lower layer, unchanged).
 
-    from specoffload.runtime import LLM, SamplingParams
+    from specoffload import LLM, SamplingParams
 
     with LLM(model="~/models/target", draft="~/models/draft", device_memory="4GiB") as llm:
         for out in llm.generate(["def add(a, b):"], SamplingParams(max_tokens=32)):
