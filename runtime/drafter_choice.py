@@ -85,6 +85,13 @@ class DrafterChoice:
     skipped: tuple[tuple[str, str], ...]  # (drafter, why) of candidates that could not run here
     seconds: float  # measuring them
 
+    def config(self, config: EngineConfig) -> EngineConfig:
+        """`config` running the chosen drafter at the chosen plan's batch and k (fixed: the measured acceptance
+        chose them; the engine's own plan would start from the prior)."""
+        best = self.best
+        return replace(candidate_config(config, best.drafter), max_batch_size=best.plan.batch,
+                       num_draft_tokens=best.plan.k, interleave=best.plan.interleave if best.plan.k else None)
+
     def table(self) -> str:
         """The comparison, one row per candidate (markdown)."""
         lines = ["| drafter | k | batch | measured acceptance / match rate | tokens / verified per row-pass "

@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from scripts.common import PERF, median_spread, timed_generate, utc_now, write_json
+from scripts.common import PERF, io_compute_seconds, median_spread, timed_generate, utc_now, write_json
 from scripts.get_models import model_dir
 from scripts.quant_accuracy import compare, held_out
 from specoffload.planner.units import format_bytes, parse_bytes
@@ -32,9 +32,6 @@ from specoffload.runtime.sampling import SamplingParams
 
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 VARIANTS = {"fp16": None, "int8": QuantSpec("int8"), "int4": QuantSpec("int4", 64)}
-COMPUTE = ("attention", "ffn", "head")
-
-
 def variant_dir(source: Path, name: str, spec: QuantSpec | None, where: Path | None) -> Path:
     """The checkpoint of a variant: the source for fp16, else its compressed copy (built once)."""
     if spec is None:
@@ -50,20 +47,16 @@ def variant_dir(source: Path, name: str, spec: QuantSpec | None, where: Path | N
 def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
     def extra(engine: Engine, _: float) -> dict:
         stats = engine.last_stats
-        spans = engine.tracer.spans if engine.tracer is not None else []
-        by_name: dict[str, float] = {}
-        for s in spans:
-            by_name[s.name] = by_name.get(s.name, 0.0) + s.end - s.start
+        load, compute = io_compute_seconds(engine)
         passes = max(stats.passes, 1)
         # the local backend's loader: its decompression and read seconds (the trace has the whole load op only)
         streamer = getattr(getattr(getattr(engine.pipeline, "workers", None), "prefetch", None), "streamer", None)
-        compute = sum(by_name.get(n, 0.0) for n in COMPUTE)
         return {"batch": engine.plan.batch, "bytes_per_pass": stats.bytes_read / passes,
-                "load_s_per_pass": by_name.get("load", 0.0) / passes,
+                "load_s_per_pass": load / passes,
                 "decompress_s_per_pass": (streamer.decompress_seconds if streamer else 0.0) / passes,
                 "read_s_per_pass": (streamer.read_seconds if streamer else 0.0) / passes,
                 "compute_s_per_pass": compute / passes,
-                "io_over_compute": by_name.get("load", 0.0) / compute if compute else None}
+                "io_over_compute": load / compute if compute else None}
 
     out = timed_generate(config, prompts, params, extra=extra)
     del out["token_ids"]  # (this benchmark compares formats: their tokens may differ)

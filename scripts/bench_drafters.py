@@ -7,10 +7,20 @@ budget), --reps repetitions alternating the systems' order; EOS honoured. Report
 the acceptance rate, tokens committed per row per pass, row-tokens verified per row per pass (1 + drafts fed),
 the drafter's microseconds per row-round (its draft ops' wall time over the rows it proposed for), and whether the
 greedy outputs equal no-draft's (bf16 may flip near-ties: a pass over several tokens does not round like one per
-token). Writes docs/perf/<out>.json with a top-level "summary": ngram_over_nodraft_summarization,
-suffix_over_nodraft_summarization, best_modelfree_over_nodraft_code, best_modelfree_over_nodraft_chat.
+token), and from the trace the no-draft pass's loader time over its compute time (attention + ffn + head) at its
+best batch: the bound on what any drafter can gain there (`io_over_compute_nodraft_<workload>`; a drafter's gain
+is at most min(its tokens per row-pass E[n], that ratio), `modelfree_bound_<workload>`).
 
-    python -m scripts.bench_drafters [--target moefied|dense|small|DIR] [--budget 2.5GiB] [--quick]
+Then, unless --no-pick, the planner's own pick (`--drafter auto`, runtime/drafter_choice.py: each candidate of
+--systems measured on the workload's prompts, planned from the hardware profile, the best predicted one chosen at
+its batch and k) is run --reps times: `planner_pick_over_best_<workload>` is its tokens/s over the best measured
+(system, batch) of the grid.
+
+Writes docs/perf/<out>.json with a top-level "summary": <system>_over_nodraft_<workload> (each at its own best
+batch), best_modelfree_over_nodraft_<workload>, io_over_compute_nodraft_<workload>, modelfree_bound_<workload>,
+planner_pick_over_best_<workload>; every key ends in --tag (e.g. "_roomy" for a run at a budget with rows to spare).
+
+    python -m scripts.bench_drafters [--target moefied|dense|small|DIR] [--budget 2.5GiB] [--tag _roomy] [--quick]
 
 --quick: the 0.5B dense target, 4 prompts per workload (aclsum and HumanEval, the shortest), 24 new tokens,
 batch 4, none / ngram / suffix, 1 rep: a smoke run of the whole path, not the issue's measurement (that is the
@@ -23,7 +33,7 @@ import argparse
 import statistics
 import sys
 
-from scripts.common import PERF, median_spread, timed_generate, utc_now, write_json
+from scripts.common import PERF, io_compute_seconds, median_spread, timed_generate, utc_now, write_json
 from scripts.get_models import model_dir
 from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime.config import EngineConfig
@@ -44,11 +54,49 @@ def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) 
         row_passes = sum(rows for *_, rows in log) or 1
         drafter = engine.workers.drafter if engine.workers is not None else None
         asked = getattr(drafter, "proposed", 0)  # rows a model-free drafter proposed for (round-start calls)
-        return {"verified_per_row_pass": 1 + stats.num_drafted / row_passes, "draft_s": stats.draft_s,
+        io_s, compute_s = io_compute_seconds(engine)
+        return {"batch": engine.plan.batch, "k": engine.plan.k, "io_s": io_s, "compute_s": compute_s,
+                "io_over_compute": io_s / compute_s if compute_s else None,
+                "verified_per_row_pass": 1 + stats.num_drafted / row_passes, "draft_s": stats.draft_s,
                 "draft_us_per_row_round": 1e6 * stats.draft_s / asked if asked else None,
                 "matched_rate": getattr(drafter, "matched", 0) / asked if asked else None}
 
     return timed_generate(config, prompts, params, extra=extra)
+
+
+def _row(workload: str, system: str, batch: int, runs: list[dict]) -> dict:
+    """One (workload, system, batch) row of the JSON from its repetitions (medians of tokens/s and io / compute)."""
+    med, lo, hi = median_spread(r["tok_s"] for r in runs)
+    first = runs[0]
+    ratios = [r["io_over_compute"] for r in runs if r["io_over_compute"] is not None]
+    return {"workload": workload, "system": system, "batch": batch, "k": first["k"], "tok_s_median": med,
+            "tok_s_min": lo, "tok_s_max": hi, "passes": first["passes"], "acceptance": first["acceptance"],
+            "committed_per_row_pass": first["committed_per_row_pass"],
+            "verified_per_row_pass": first["verified_per_row_pass"],
+            "draft_us_per_row_round": first["draft_us_per_row_round"], "matched_rate": first["matched_rate"],
+            "io_over_compute": statistics.median(ratios) if ratios else None, "tokens": first["tokens"]}
+
+
+def _pick(workload: str, config: EngineConfig, names: list[str], prompts: list[list[int]], params: SamplingParams,
+          reps: int) -> dict:
+    """The planner's pick among `names` (`--drafter auto`: measured on these prompts, planned from the profile),
+    run `reps` times; its JSON row, with the comparison table the planner printed."""
+    from specoffload.runtime.drafter_choice import choose_drafter
+    from specoffload.runtime.models.model import Transformer
+    from specoffload.runtime.offload.profiler import load_or_measure
+
+    profile = load_or_measure(config, log=lambda m: print(f"  {m}", flush=True), open_engine=Engine)
+    choice = choose_drafter(config, Transformer(config.target, dtype=config.torch_dtype), prompts, params,
+                            config.max_seq_len, profile, names=names)
+    print(f"  planner's pick: {choice.best.drafter}, batch {choice.best.plan.batch}, k {choice.best.plan.k} (measured "
+          f"in {choice.seconds:.0f} s)\n{choice.table()}", flush=True)
+    chosen = choice.config(config)
+    runs = []
+    for rep in range(reps):
+        runs.append(run(chosen, prompts, params))
+        print(f"  pick {choice.best.drafter} rep {rep}: {runs[-1]['tok_s']:.2f} tok/s", flush=True)
+    return _row(workload, f"pick:{choice.best.drafter}", choice.best.plan.batch, runs) | {
+        "predicted_tok_s": choice.best.predicted, "choice_s": choice.seconds, "table": choice.table()}
 
 
 def main() -> int:
@@ -65,6 +113,8 @@ def main() -> int:
     ap.add_argument("--systems", default=None, help="default: none,ngram,suffix + model (dense) or self (MoE)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="see the module docstring")
+    ap.add_argument("--no-pick", action="store_true", help="skip the planner's pick (--drafter auto)")
+    ap.add_argument("--tag", default="", help="suffix of every summary key, e.g. _roomy")
     ap.add_argument("--out", default="drafters")
     args = ap.parse_args()
     if args.quick:
@@ -84,6 +134,7 @@ def main() -> int:
     budget = parse_bytes(args.budget)
     params = SamplingParams(max_new_tokens=args.new_tokens)  # greedy, EOS honoured
     rows: list[dict] = []
+    picks: list[dict] = []
     for workload in args.workloads.split(","):
         encoded = [tok.encode(p) for p in WORKLOADS[workload]()[: 4 * args.prompts]]
         prompts = sorted((p for p in encoded if len(p) <= args.max_prompt_tokens), key=len)[: args.prompts]
@@ -103,45 +154,52 @@ def main() -> int:
                           f"per row per pass", flush=True)
             reference = runs[systems[0]][0]["token_ids"]
             for name, rs in runs.items():
-                med, lo, hi = median_spread(r["tok_s"] for r in rs)
-                first = rs[0]
-                rows.append({"workload": workload, "system": name, "batch": batch, "tok_s_median": med,
-                             "tok_s_min": lo, "tok_s_max": hi, "passes": first["passes"],
-                             "acceptance": first["acceptance"],
-                             "committed_per_row_pass": first["committed_per_row_pass"],
-                             "verified_per_row_pass": first["verified_per_row_pass"],
-                             "draft_us_per_row_round": first["draft_us_per_row_round"],
-                             "matched_rate": first["matched_rate"], "tokens": first["tokens"],
-                             "equal_to_" + systems[0]: first["token_ids"] == reference})
+                rows.append(_row(workload, name, batch, rs) | {"equal_to_" + systems[0]: rs[0]["token_ids"] ==
+                                                               reference})
+        if not args.no_pick:
+            picks.append(_pick(workload, EngineConfig(**base, max_batch_size="auto", num_draft_tokens="auto"),
+                               [n for n in systems if n in extra], prompts, params, args.reps))
     best = {}
     for r in rows:  # each system at its own best batch
         key = (r["workload"], r["system"])
         if key not in best or r["tok_s_median"] > best[key]["tok_s_median"]:
             best[key] = r
     print(f"\n{'workload':14s} {'system':7s} {'batch':>5s} {'tok/s (min-max)':20s} {'accept':>6s} {'commit':>6s} "
-          f"{'verify':>6s} {'us/row':>7s} equal")
-    for r in best.values():
+          f"{'verify':>6s} {'us/row':>7s} {'io/cmp':>6s} equal")
+    for r in [*best.values(), *picks]:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         us = f"{r['draft_us_per_row_round']:.0f}" if r["draft_us_per_row_round"] is not None else "-"
+        io = f"{r['io_over_compute']:.2f}" if r["io_over_compute"] is not None else "-"
         print(f"{r['workload']:14s} {r['system']:7s} {r['batch']:5d} {r['tok_s_median']:6.2f} ({r['tok_s_min']:.2f}-"
               f"{r['tok_s_max']:.2f})     {acc:>6s} {r['committed_per_row_pass']:6.2f} "
-              f"{r['verified_per_row_pass']:6.2f} {us:>7s} {r['equal_to_' + systems[0]]}")
+              f"{r['verified_per_row_pass']:6.2f} {us:>7s} {io:>6s} {r.get('equal_to_' + systems[0], '')}")
     summary: dict[str, float] = {}
     tok_s = {key: r["tok_s_median"] for key, r in best.items()}
-    for workload, tag in (("summarization", "summarization"), ("code", "code"), ("chat", "chat")):
+    for workload in args.workloads.split(","):
         if (workload, "none") not in tok_s:
             continue
-        for name in ("ngram", "suffix"):
+        none = best[(workload, "none")]
+        for name in systems[1:]:
             if (workload, name) in tok_s:
-                summary[f"{name}_over_nodraft_{tag}"] = tok_s[(workload, name)] / tok_s[(workload, "none")]
-        free = [tok_s[(workload, n)] for n in ("ngram", "suffix") if (workload, n) in tok_s]
+                summary[f"{name}_over_nodraft_{workload}"] = tok_s[(workload, name)] / tok_s[(workload, "none")]
+        free = [best[(workload, n)] for n in ("ngram", "suffix") if (workload, n) in best]
         if free:
-            summary[f"best_modelfree_over_nodraft_{tag}"] = max(free) / tok_s[(workload, "none")]
+            top = max(free, key=lambda r: r["tok_s_median"])
+            summary[f"best_modelfree_over_nodraft_{workload}"] = top["tok_s_median"] / none["tok_s_median"]
+            if none["io_over_compute"]:
+                summary[f"modelfree_bound_{workload}"] = min(top["committed_per_row_pass"], none["io_over_compute"])
+        if none["io_over_compute"]:
+            summary[f"io_over_compute_nodraft_{workload}"] = none["io_over_compute"]
+        pick = next((p for p in picks if p["workload"] == workload), None)
+        if pick is not None:
+            grid = max(r["tok_s_median"] for r in rows if r["workload"] == workload)
+            summary[f"planner_pick_over_best_{workload}"] = pick["tok_s_median"] / grid
+    summary = {key + args.tag: value for key, value in summary.items()}
     print("summary:", {k: round(v, 3) for k, v in summary.items()})
     path = write_json(PERF / f"{args.out}.json", {
         "date": utc_now(), "argv": sys.argv[1:], "target": str(target), "budget": budget, "quick": args.quick,
         "note": "quick: a smoke run (0.5B dense, 4 short prompts, 24 new tokens, 1 rep), not the issue's measurement"
-        if args.quick else "", "summary": summary, "best": list(best.values()), "rows": rows})
+        if args.quick else "", "summary": summary, "best": list(best.values()), "picks": picks, "rows": rows})
     print(f"wrote {path}")
     return 0
 

@@ -65,6 +65,20 @@ def timed_generate(config: Any, prompts: list[list[int]], params: Any, plan: Any
         engine.close()
 
 
+#: the trace's compute spans of a target pass (the loader's is "load")
+COMPUTE_SPANS = ("attention", "ffn", "head")
+
+
+def io_compute_seconds(engine: Any) -> tuple[float, float]:
+    """(the loader's busy seconds, the pass's compute seconds: attention + ffn + head) summed over the engine's
+    trace of its last generate call (config trace=True); (0, 0) without a trace."""
+    spans = engine.tracer.spans if engine.tracer is not None else []
+    by_name: dict[str, float] = {}
+    for s in spans:
+        by_name[s.name] = by_name.get(s.name, 0.0) + s.end - s.start
+    return by_name.get("load", 0.0), sum(by_name.get(n, 0.0) for n in COMPUTE_SPANS)
+
+
 def median_spread(values: Iterable[float]) -> tuple[float, float, float]:
     """(median, min, max) of the repetitions' values: what every benchmark table reports."""
     xs = list(values)

@@ -106,6 +106,9 @@ def test_auto_picks_a_model_free_drafter_on_a_copy_task(slow_disk) -> None:  # n
     assert by_name["ngram"].acceptance.match_rate > 0.5
     assert choice.best.predicted > by_name["none"].predicted
     assert choice.workload.mean_new_tokens == 32
+    chosen = choice.config(config)  # what the job and the benchmark then run
+    assert chosen.drafter_name == choice.best.drafter and chosen.max_batch_size == choice.best.plan.batch
+    assert chosen.num_draft_tokens == choice.best.plan.k and chosen.device_memory == config.device_memory
 
 
 def test_auto_picks_none_on_random_tokens(slow_disk) -> None:  # noqa: ANN001

@@ -134,7 +134,7 @@ def _auto_drafter(spec: JobSpec, config: EngineConfig, fmt: Format, preparer: Pr
     """--drafter auto: every candidate drafter measured on the job's prompts and planned (runtime/drafter_choice.py;
     the table on stderr); the config then runs the chosen drafter at the chosen plan's batch and k (fixed: the
     measured acceptance chose them, the engine's own plan would use the prior)."""
-    from ..drafter_choice import candidate_config, choose_drafter
+    from ..drafter_choice import choose_drafter
     from ..engine import Engine
     from ..models.model import Transformer
     from ..offload.profiler import load_or_measure
@@ -150,8 +150,7 @@ def _auto_drafter(spec: JobSpec, config: EngineConfig, fmt: Format, preparer: Pr
     print(f"--drafter auto: {best.drafter}, batch {best.plan.batch}, k = {best.plan.k} (predicted "
           f"{best.predicted:.4g} tokens/s; measured on the job's prompts in {choice.seconds:.0f} s)\n"
           f"{choice.table()}", file=sys.stderr)
-    return replace(candidate_config(config, best.drafter), max_batch_size=best.plan.batch,
-                   num_draft_tokens=best.plan.k, interleave=best.plan.interleave if best.plan.k else None)
+    return choice.config(config)
 
 
 def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineConfig], JobBackend],
