@@ -230,6 +230,32 @@ def test_seeded_sampling_over_the_wire_matches_the_local_backend(tiny_models, re
         roles.close()
 
 
+def test_penalties_min_tokens_and_logprobs_over_the_wire_match_the_local_backend(tiny_models, single_thread):
+    """The head's logits stay in the verifier's arena over the wire: rows that process them (penalties, min_tokens)
+    or report logprobs read them once (`VerifierWorker.logits`), and get what the local backend gets."""
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, seed=7, ignore_eos=False, min_tokens=6,
+                            repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2, logprobs=2)
+    config = _config(tiny_models, "llama", "qwen2_draft", _min_budget(tiny_models, "llama", "qwen2_draft"))
+    old = torch.get_num_threads()
+    try:
+        local = Engine(config).generate(PROMPTS, params)
+    finally:
+        torch.set_num_threads(old)
+    engine, roles = in_process_engine(config)
+    try:
+        remote = engine.generate(PROMPTS, params)
+        assert engine.last_stats.num_drafted > 0
+    finally:
+        engine.close()
+        roles.close()
+    assert [r.token_ids for r in remote] == [r.token_ids for r in local]
+    assert all(r.logprobs and len(r.logprobs) == len(r.token_ids) for r in remote)
+    for a, b in zip(remote, local):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert [t for t, *_ in x] == [t for t, *_ in y] and [lp for _, lp, _ in x] == pytest.approx(
+                [lp for _, lp, _ in y], rel=1e-5, abs=1e-6)
+
+
 def test_roles_and_proxies_are_derived_from_the_worker_classes(tiny_models, single_thread):
     """The worker interface is declared once (@wire): each role serves exactly its worker class's wire methods, and
     the generated proxy has each of them with the worker's own signature, and nothing else public."""
@@ -244,7 +270,7 @@ def test_roles_and_proxies_are_derived_from_the_worker_classes(tiny_models, sing
         "prefetch": {"load"},
         "attention": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "reset_rows", "embed",
                       "attention", "free_blocks", "reserve", "block_size", "add_rows"},
-        "verifier": {"ffn", "head", "verify", "routing_counts"},
+        "verifier": {"ffn", "head", "logits", "verify", "routing_counts"},
         "draft": {"reset", "drop", "lengths", "advance", "truncate", "select_rows", "reset_rows", "add_rows", "propose",
                   "adapt"},
     }

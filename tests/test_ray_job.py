@@ -122,12 +122,15 @@ def test_job_submit_runs_the_cli_on_the_ray_backend(ray_head, tiny_models, tmp_p
 
 
 def _batch(rows: int) -> tuple[list[str], set[int]]:
-    """An OpenAI batch: completions on token ids, every fourth sampled with its own seed, and three bad rows."""
+    """An OpenAI batch: completions on token ids, every fourth sampled with its own seed (every eighth with n = 2
+    and logprobs), and three bad rows."""
     lines = []
     for i in range(rows):
         body: dict = {"prompt": [1, 5 + i % 7, 9, 33 + i, 70 + i % 5][: 2 + i % 4], "max_tokens": 10 + i % 3}
         if i % 4 == 1:
             body |= {"temperature": 0.9, "seed": 100 + i}
+        if i % 8 == 5:  # two samples, each with its top-2 logprobs per token (one sample row each on the replicas)
+            body |= {"n": 2, "logprobs": 2}
         lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body}))
     bad = {3: "{broken", 11: json.dumps({"custom_id": "req-11", "url": "/v1/embeddings", "body": {"input": "x"}}),
            17: json.dumps({"custom_id": "req-17", "url": "/v1/completions", "body": {"prompt": list(range(1, 60))}})}
@@ -137,14 +140,31 @@ def _batch(rows: int) -> tuple[list[str], set[int]]:
 
 
 def _comparable(row: dict) -> dict:
-    """An output line without what differs between runs (the creation time and the random ids)."""
+    """An output line without what differs between runs (the creation time and the random ids) and without its
+    logprob values (rows batched with other rows add in another order: the floats differ in the last bits; see
+    `_logprob_values`)."""
     row = json.loads(json.dumps(row))
     del row["id"]
     if row.get("response"):
         for key in ("created", "id"):
             del row["response"]["body"][key]
         del row["response"]["request_id"]
+        for choice in row["response"]["body"]["choices"]:
+            if choice.get("logprobs"):
+                lp = choice["logprobs"]
+                lp["token_logprobs"] = None
+                lp["top_logprobs"] = [sorted(top) for top in lp["top_logprobs"]]
     return row
+
+
+def _logprob_values(row: dict) -> list[float]:
+    """Every logprob value of an output line, in order."""
+    values: list[float] = []
+    for choice in (row.get("response") or {}).get("body", {}).get("choices", []):
+        if choice.get("logprobs"):
+            values += choice["logprobs"]["token_logprobs"]
+            values += [x for top in choice["logprobs"]["top_logprobs"] for _, x in sorted(top.items())]
+    return values
 
 
 def _arenas_of(pids: set[int]) -> list[str]:
@@ -200,6 +220,10 @@ def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, t
     assert {i for i, row in enumerate(rows) if row["error"] is not None} == bad
     reference = [json.loads(line) for line in ref.read_text().splitlines()]
     assert [_comparable(r) for r in rows] == [_comparable(r) for r in reference]  # the local backend's output
+    for row, ref_row in zip(rows, reference):
+        assert _logprob_values(row) == pytest.approx(_logprob_values(ref_row), rel=1e-4, abs=1e-5)
+    sampled = rows[5]["response"]["body"]  # n = 2 with logprobs came back through the replicas as on the local one
+    assert [c["index"] for c in sampled["choices"]] == [0, 1] and all(c["logprobs"] for c in sampled["choices"])
     requests = json.loads(summary.read_text())["requests"]  # per-request metrics came back from the replicas
     written = ROWS - 2 - len(bad - {0, 1})  # (this run's rows: not the two resumed ones, not the error rows)
     assert requests["time_to_first_token_s"]["count"] == requests["new_tokens"]["count"] == written

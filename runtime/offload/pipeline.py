@@ -353,7 +353,10 @@ class Pipeline:
         drafts = b.drafts if b.drafts is not None else torch.zeros((len(b.rows), 0), dtype=torch.long)  # [rows, k]
         warps = row_warps(b.rows)
         seeds = None if warps is None else draw_seeds(b.rows, VERIFY)
-        logits = process_rows(b.rows, b.logits, drafts)  # penalties, min_tokens: q is the processed target
+        logits = b.logits  # [rows, k + 1, vocab]
+        if any(r.processed or r.logprobs is not None for r in b.rows):  # read here: over the wire, copied out once
+            logits = self.workers.verifier.logits(logits)
+        logits = process_rows(b.rows, logits, drafts)  # penalties, min_tokens: q is the processed target
         accepted, emitted = self.workers.verifier.verify(logits, drafts, b.num_drafts, b.p, GREEDY, seeds, warps)
         ready = [n for n, ok in enumerate(b.ready) if ok]
         accepted = [a if ok else 0 for a, ok in zip(accepted, b.ready)]

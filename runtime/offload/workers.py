@@ -347,6 +347,13 @@ class VerifierWorker:
             return self.model.logits(torch.gather(hidden, 1, index)).to(HOST)  # (verification runs on the host)
 
     @wire
+    def logits(self, logits: Tensor) -> Tensor:
+        """The head's logits [rows, P, vocab] in the caller's hands: the identity here; over the wire (where the
+        head's output stays in this role's arena) a copy for the caller, for rows whose logits it processes itself
+        (penalties, min_tokens, logprobs: runtime/logits_process.py) before handing them back to `verify`."""
+        return logits
+
+    @wire
     def routing_counts(self, batch: int) -> list[list[int]]:
         """Tokens the target routed to each (layer, expert) in batch `batch`'s passes since the last call (expert
         hotness; [] for a dense layer), counting every valid token, prefill included; resets them. Per batch, so a
