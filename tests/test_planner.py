@@ -503,6 +503,27 @@ def test_paper_scale_prediction_is_the_io_roofline_derived_by_hand() -> None:
     assert result.best_where(lambda p: p.k >= 1).memory["device_footprint"] <= predict.DEVICE_MEMORY
 
 
+def test_paper_scale_measured_profile_takes_the_gpu_checks_link_and_gemm() -> None:
+    """h200_measured.json is derive_measured(docs/perf/gpu.json): the measured link rate and GEMM points replace
+    the modelled ones, CPU attention's per-key term stays modelled, and a draft step at r rows costs the draft's
+    FLOPs at the GEMM rate measured at r rows (+ KV read + launches), so it grows with rows."""
+    from pathlib import Path
+
+    from specoffload.planner.paper_scale.derive import DRAFT_LAUNCH_S, MEASURED_PROFILE_PATH, derive, derive_measured
+
+    gpu = json.loads((Path(__file__).resolve().parent.parent / "docs" / "perf" / "gpu.json").read_text())
+    measured = derive_measured(gpu)
+    assert HardwareProfile.load(MEASURED_PROFILE_PATH) == measured  # the shipped file is what gpu.json gives
+    link = gpu["realistic"]["link"]["h2d_pinned_GBps"] * 1e9
+    assert measured.stream_bytes_per_s == link != derive().stream_bytes_per_s
+    assert dict(measured.ffn_flops_per_s) == {int(r): f * 1e12 for r, f in gpu["realistic"]["gemm"].items()}
+    assert measured.attention_fit[2] == derive().attention_fit[2]
+    assert measured.attention_fit[1] == pytest.approx(2 * (2 * 32 * 128 + 2 * 8 * 128) / link)
+    steps = dict(measured.draft_step_s)
+    assert list(steps) == sorted(int(r) for r in gpu["realistic"]["gemm"])
+    assert all(t > DRAFT_LAUNCH_S for t in steps.values()) and steps[2048] > 10 * steps[8]
+
+
 def _resident_items(policy) -> str:  # noqa: ANN001
     """The device part of a policy's placement table."""
     return "\n".join(line for line in policy.placement_table.splitlines() if "  device  " in line)

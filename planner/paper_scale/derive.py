@@ -1,6 +1,8 @@
 """Derive `rtx4090_pcie4.json`: a *modelled* (not measured) HardwareProfile of a 24 GB consumer GPU on PCIe 4.0 x16.
 
 Run `python -m specoffload.planner.paper_scale.derive` to rewrite the JSON; README.md explains each number.
+`--from-gpu-check docs/perf/gpu.json` also writes `h200_measured.json`: the same profile with the terms that
+scripts/gpu_check.py measured on a GPU machine put in place of the modelled ones (`derive_measured`).
 
     stream    pinned host RAM -> device over PCIe 4.0 x16: 32 GB/s raw, ~25 GB/s effective
     GEMM      bf16, weights read from device memory: FLOP/s(rows) = min(0.6 * 165.2e12, rows * 0.8 * 1008e9)
@@ -17,13 +19,19 @@ Run `python -m specoffload.planner.paper_scale.derive` to rewrite the JSON; READ
 
 from __future__ import annotations
 
+import argparse
+import json
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from ..profile import HardwareProfile
 from .shapes import load_config, shape_from_config
 
 HERE = Path(__file__).resolve().parent
 PROFILE_PATH = HERE / "rtx4090_pcie4.json"
+MEASURED_PROFILE_PATH = HERE / "h200_measured.json"  # from docs/perf/gpu.json (derive_measured)
 
 PCIE_BYTES_PER_S = 25e9  # pinned RAM -> GPU, PCIe 4.0 x16 effective
 GPU_BANDWIDTH = 0.8 * 1008e9  # achievable share of the RTX 4090's 1008 GB/s GDDR6X
@@ -75,9 +83,67 @@ def derive() -> HardwareProfile:
     )
 
 
-def main() -> None:
+def derive_measured(gpu_check: Mapping[str, Any]) -> HardwareProfile:
+    """The modelled profile with what scripts/gpu_check.py measured (its JSON) in place of the modelled terms:
+
+        stream    the pinned host -> device copy rate (`realistic.link.h2d_pinned_GBps`)
+        GEMM      TFLOP/s versus rows of one Mixtral-shaped expert's gated MLP (hidden 4096, intermediate 14336:
+                  Mistral 7B's MLP has the same shape), in the measured dtype (`realistic.gemm`)
+        draft     Mistral 7B's step at each measured row count: 2 FLOPs per parameter per row at the GEMM rate
+                  measured there, + its KV read at the rate one row reaches (a 1-row bf16 GEMM is bound by reading its
+                  weights: FLOP/s = bytes/s) + DRAFT_LAUNCH_S
+        attention the projections' weight read at that same one-row rate, q/k/v over the measured link; the CPU
+                  attention core stays modelled (c2: a 16-core CPU as in `derive`; gpu_check's CPU time per pass
+                  mixes prefill and decode at 64-96 keys, too few to fit c2)
+    Still modelled: c2, the launch overheads, the pass overhead."""
+    run = gpu_check["realistic"]
+    link = float(run["link"]["h2d_pinned_GBps"]) * 1e9
+    gemm = sorted((int(rows), float(tflops) * 1e12) for rows, tflops in run["gemm"].items())
+    one_row_bytes_per_s = gemm[0][1] / gemm[0][0]  # bf16: 2 FLOPs per 2-byte weight per row
+
+    target_cfg, draft_cfg = load_config("mixtral_8x7b"), load_config("mistral_7b")
+    draft, _ = shape_from_config("mistral_7b", draft_cfg)
+    hidden, heads = target_cfg["hidden_size"], target_cfg["num_attention_heads"]
+    kv_heads, head_dim = target_cfg["num_key_value_heads"], target_cfg["head_dim"]
+    projection_bytes = 2 * (2 * heads * head_dim * hidden + 2 * kv_heads * head_dim * hidden)
+    modelled = derive()
+    c0 = LAUNCH_S + projection_bytes / one_row_bytes_per_s
+    c1 = 2 * (2 * heads * head_dim + 2 * kv_heads * head_dim) / link
+    draft_flops = sum(n for key, n in draft.parts if key.kind != "embedding")  # 2 FLOPs per 2-byte parameter
+    draft_kv = draft.kv_bytes_per_token * DRAFT_CONTEXT
+
+    def draft_step(rows: int, flops_per_s: float) -> float:
+        return rows * draft_flops / flops_per_s + rows * draft_kv / one_row_bytes_per_s + DRAFT_LAUNCH_S
+
+    machine = gpu_check.get("machine", {})
+    return replace(
+        modelled,
+        provenance={
+            "kind": "measured link and GEMM (scripts/gpu_check.py), the rest modelled: see README.md",
+            "machine": f"{machine.get('gpu', '?')} ({machine.get('gpu_memory_GiB', 0):.0f} GiB), "
+                       f"{machine.get('cpus', '?')} CPUs; torch {machine.get('torch', '?')}",
+            "device": "cuda",
+            "models": ["mistralai/Mixtral-8x7B-v0.1", "mistralai/Mistral-7B-v0.1"],
+            "dtype": str(run.get("dtype", "bfloat16")).removeprefix("torch."),
+            "measured": {"h2d_pinned_GBps": link / 1e9, "gemm_tflops": dict((str(r), f / 1e12) for r, f in gemm)},
+        },
+        stream_bytes_per_s=link,
+        ffn_flops_per_s=tuple(gemm),
+        attention_fit=(c0, c1, modelled.attention_fit[2]),
+        draft_step_s=tuple((r, draft_step(r, f)) for r, f in gemm),  # at the measured rows (linear between)
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--from-gpu-check", type=Path, metavar="JSON",
+                        help="also write h200_measured.json from a scripts/gpu_check.py result")
+    args = parser.parse_args(argv)
     derive().save(PROFILE_PATH)
     print(f"wrote {PROFILE_PATH}")
+    if args.from_gpu_check is not None:
+        derive_measured(json.loads(args.from_gpu_check.read_text())).save(MEASURED_PROFILE_PATH)
+        print(f"wrote {MEASURED_PROFILE_PATH}")
 
 
 if __name__ == "__main__":

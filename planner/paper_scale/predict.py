@@ -2,7 +2,9 @@
 
 Mixtral 8x7B (target, bf16, weights streamed from pinned host RAM) with Mistral 7B (draft, resident on the GPU)
 on the modelled RTX 4090 profile (`rtx4090_pcie4.json`, derive.py): `search` over (batch, k) at an assumed
-acceptance rate, side by side with the paper's reported numbers.
+acceptance rate, side by side with the paper's reported numbers; then the same search on the profile whose link
+and GEMM terms were measured on a GPU machine (`h200_measured.json`, derive.py `derive_measured`), under the same
+24 GB budget.
 
     python -m specoffload.planner.paper_scale.predict            # print the markdown
     python -m specoffload.planner.paper_scale.predict --write    # also rewrite prediction.json and README.md's table
@@ -18,7 +20,7 @@ from typing import Any
 from ..cost import Workload
 from ..profile import HardwareProfile
 from ..search import Policy, SearchResult, search
-from .derive import PROFILE_PATH
+from .derive import MEASURED_PROFILE_PATH, PROFILE_PATH
 from .shapes import load_config, shape_from_config
 
 HERE = Path(__file__).resolve().parent
@@ -36,11 +38,11 @@ KS = range(0, 9)
 PAPER = {"specoffload_tokens_per_s": 24.7, "speedup_over_flexgen": 2.54}
 
 
-def run(alpha: float = ALPHA) -> SearchResult:
+def run(alpha: float = ALPHA, profile: Path = PROFILE_PATH) -> SearchResult:
     target, top_k = shape_from_config("mixtral_8x7b", load_config("mixtral_8x7b"))
     draft, _ = shape_from_config("mistral_7b", load_config("mistral_7b"))
     return search(
-        HardwareProfile.load(PROFILE_PATH),
+        HardwareProfile.load(profile),
         target,
         draft,
         WORKLOAD,
@@ -70,11 +72,11 @@ def summary(result: SearchResult, alpha: float) -> dict[str, Any]:
     }
 
 
-def markdown(main: dict[str, Any], sensitivity: list[dict[str, Any]]) -> str:
+def markdown(main: dict[str, Any], sensitivity: list[dict[str, Any]], source: str = "modelled profile") -> str:
     spec, plain = main["best_with_speculation"], main["best_without_speculation"]
     flexgen = PAPER["specoffload_tokens_per_s"] / PAPER["speedup_over_flexgen"]
     lines = [
-        f"**Prediction** (cost model + modelled profile, alpha = {main['alpha']} assumed; workload "
+        f"**Prediction** (cost model + {source}, alpha = {main['alpha']} assumed; workload "
         f"{WORKLOAD.num_prompts} prompts x {WORKLOAD.prompt_len:g} tokens, {WORKLOAD.new_tokens} new tokens each):",
         "",
         "| system | policy (batch, k) | tokens/s | speculation speedup | source |",
@@ -119,10 +121,19 @@ def main(argv: list[str] | None = None) -> None:
     main_summary = summary(run(ALPHA), ALPHA)
     sensitivity = [main_summary if a == ALPHA else summary(run(a), a) for a in ALPHAS]
     text = markdown(main_summary, sensitivity)
+    results: dict[str, Any] = {"prediction": main_summary, "sensitivity": sensitivity, "paper": PAPER}
+    if MEASURED_PROFILE_PATH.exists():
+        measured = HardwareProfile.load(MEASURED_PROFILE_PATH)
+        m_summary = summary(run(ALPHA, MEASURED_PROFILE_PATH), ALPHA)
+        m_sensitivity = [m_summary if a == ALPHA else summary(run(a, MEASURED_PROFILE_PATH), a) for a in ALPHAS]
+        text += (f"\nThe same search on the profile measured on {measured.provenance.get('machine', '?')} (link and "
+                 "GEMM measured by scripts/gpu_check.py, CPU attention and overheads modelled), under the same 24 GB "
+                 "device budget:\n\n" + markdown(m_summary, m_sensitivity, "measured link and GEMM"))
+        results["measured"] = {"profile": MEASURED_PROFILE_PATH.name, "provenance": dict(measured.provenance),
+                               "prediction": m_summary, "sensitivity": m_sensitivity}
     print(text)
     if args.write:
-        RESULTS.write_text(json.dumps({"prediction": main_summary, "sensitivity": sensitivity, "paper": PAPER},
-                                      indent=2) + "\n")
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
         readme = README.read_text()
         head, rest = readme.split(BEGIN, 1)
         _, tail = rest.split(END, 1)
