@@ -6,6 +6,10 @@ Measured on the 2-core AVX2 CI machine (torch 2.13 CPU, MKL), W [8960, 1536]:
   - bfloat16 / float16 (no native support on AVX2): F.linear is best up to a few dozen rows; beyond that,
     upcasting W and x to float32 (exact) and doing one fp32 GEMM wins (130 ms vs 75 ms at 80 rows). oneDNN's
     bf16 GEMM accumulates in fp32 too, so this changes only the summation order, not the precision class.
+    Where oneDNN has native 16-bit GEMMs (`native_16bit`: AVX512-BF16 / AMX, AVX512-FP16; measured on a 2-core
+    machine with AMX, W [8960, 1536] bf16 at 48 / 80 / 256 rows: F.linear 1.6 / 2.2 / 3.3 ms, upcast 17 / 21 /
+    35 ms; the 151936-row head at 48 rows: 34 ms against 329 ms) the upcast only converts W on every call, so
+    F.linear is used at every row count.
   - float32 weights packed for oneDNN (`pack_weights`): 1.4-1.9x faster than either orientation above at
     1 row (the weight-bandwidth-bound decode of batch 1: 4.1 ms vs 7.7 ms), and on par at 5-80 rows.
 On CUDA F.linear is used as is.
@@ -14,6 +18,7 @@ On CUDA F.linear is used as is.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TypeVar
 
 import torch
@@ -21,8 +26,21 @@ import torch.nn.functional as F
 
 W = TypeVar("W")
 
-#: rows from which a 16-bit CPU matmul is done in float32 (see module docstring)
+#: rows from which a 16-bit CPU matmul is done in float32 where the CPU has no native 16-bit GEMM (docstring)
 UPCAST_MIN_ROWS = 48
+
+
+@functools.cache
+def native_16bit(dtype: torch.dtype) -> bool:
+    """oneDNN computes `dtype` (bfloat16 / float16) GEMMs natively on this CPU (AVX512 / AMX kernels), so F.linear
+    beats upcasting to float32 at every row count (module docstring)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,7 +53,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         out = torch._C._nn.mkldnn_linear(x2.contiguous().to_mkldnn(), w, None).to_dense()  # [N, out]
     elif w.dtype == torch.float32:
         out = (w @ x2.T).T  # [N, out] (transposed view)
-    elif rows >= UPCAST_MIN_ROWS:
+    elif rows >= UPCAST_MIN_ROWS and not native_16bit(w.dtype):
         out = (w.float() @ x2.float().T).T.to(x.dtype)  # [N, out]
     else:
         out = F.linear(x2, w)  # [N, out]
