@@ -45,18 +45,29 @@ PASS_OVERHEAD_S = 2e-3  # embed, verify, bookkeeping per target pass
 ROWS = tuple(2**i for i in range(14))  # 1 .. 8192
 
 
-def derive() -> HardwareProfile:
-    target_cfg, draft_cfg = load_config("mixtral_8x7b"), load_config("mistral_7b")
-    draft, _ = shape_from_config("mistral_7b", draft_cfg)
-    hidden, heads = target_cfg["hidden_size"], target_cfg["num_attention_heads"]
-    kv_heads, head_dim = target_cfg["num_key_value_heads"], target_cfg["head_dim"]
+def attention_fit(gpu_bytes_per_s: float, link_bytes_per_s: float) -> tuple[float, float, float]:
+    """(c0, c1, c2) of Mixtral's attention per layer (module docstring): the projections' weights read on the GPU
+    at `gpu_bytes_per_s`, q / k / v to the host and the output back at `link_bytes_per_s`, the CPU core modelled."""
+    cfg = load_config("mixtral_8x7b")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads, head_dim = cfg["num_key_value_heads"], cfg["head_dim"]
     projection_bytes = 2 * (2 * heads * head_dim * hidden + 2 * kv_heads * head_dim * hidden)
-    c0 = LAUNCH_S + projection_bytes / GPU_BANDWIDTH
-    c1 = 2 * (2 * heads * head_dim + 2 * kv_heads * head_dim) / PCIE_BYTES_PER_S  # q, k, v down; output up
+    c0 = LAUNCH_S + projection_bytes / gpu_bytes_per_s
+    c1 = 2 * (2 * heads * head_dim + 2 * kv_heads * head_dim) / link_bytes_per_s  # q, k, v down; output up
     c2 = max(4 * heads * head_dim / CPU_ATTENTION_FLOPS, 2 * kv_heads * head_dim * 2 / CPU_BANDWIDTH)
-    draft_weights = sum(n for key, n in draft.parts if key.kind != "embedding")
-    draft_flops = 2 * draft_weights / 2  # 2 FLOPs per bf16 parameter (2 bytes)
-    draft_kv = draft.kv_bytes_per_token * DRAFT_CONTEXT
+    return c0, c1, c2
+
+
+def draft_sizes() -> tuple[float, float]:
+    """Mistral 7B's (weight bytes without the embedding, KV bytes read per row at DRAFT_CONTEXT keys); in bf16 its
+    FLOPs per row-token equal its weight bytes (2 FLOPs per 2-byte parameter)."""
+    draft, _ = shape_from_config("mistral_7b", load_config("mistral_7b"))
+    return sum(n for key, n in draft.parts if key.kind != "embedding"), draft.kv_bytes_per_token * DRAFT_CONTEXT
+
+
+def derive() -> HardwareProfile:
+    draft_weights, draft_kv = draft_sizes()
+    draft_flops = draft_weights  # 2 FLOPs per bf16 parameter (2 bytes)
 
     def draft_step(rows: int) -> float:
         return max(draft_weights / GPU_BANDWIDTH, rows * draft_flops / GPU_ROOF) + rows * draft_kv / GPU_BANDWIDTH + (
@@ -76,7 +87,7 @@ def derive() -> HardwareProfile:
         weights_tier="ram",
         stream_bytes_per_s=PCIE_BYTES_PER_S,
         ffn_flops_per_s=tuple((r, min(GPU_ROOF, r * GPU_BANDWIDTH)) for r in ROWS),
-        attention_fit=(c0, c1, c2),
+        attention_fit=attention_fit(GPU_BANDWIDTH, PCIE_BYTES_PER_S),
         draft_step_s=tuple((r, draft_step(r)) for r in ROWS),
         head_flops_per_s=None,
         pass_overhead_s=PASS_OVERHEAD_S,
@@ -101,23 +112,14 @@ def derive_measured(gpu_check: Mapping[str, Any]) -> HardwareProfile:
     gemm = sorted((int(rows), float(tflops) * 1e12) for rows, tflops in run["gemm"].items())
     one_row_bytes_per_s = gemm[0][1] / gemm[0][0]  # bf16: 2 FLOPs per 2-byte weight per row
 
-    target_cfg, draft_cfg = load_config("mixtral_8x7b"), load_config("mistral_7b")
-    draft, _ = shape_from_config("mistral_7b", draft_cfg)
-    hidden, heads = target_cfg["hidden_size"], target_cfg["num_attention_heads"]
-    kv_heads, head_dim = target_cfg["num_key_value_heads"], target_cfg["head_dim"]
-    projection_bytes = 2 * (2 * heads * head_dim * hidden + 2 * kv_heads * head_dim * hidden)
-    modelled = derive()
-    c0 = LAUNCH_S + projection_bytes / one_row_bytes_per_s
-    c1 = 2 * (2 * heads * head_dim + 2 * kv_heads * head_dim) / link
-    draft_flops = sum(n for key, n in draft.parts if key.kind != "embedding")  # 2 FLOPs per 2-byte parameter
-    draft_kv = draft.kv_bytes_per_token * DRAFT_CONTEXT
+    draft_flops, draft_kv = draft_sizes()  # (bf16: FLOPs per row-token = weight bytes)
 
     def draft_step(rows: int, flops_per_s: float) -> float:
         return rows * draft_flops / flops_per_s + rows * draft_kv / one_row_bytes_per_s + DRAFT_LAUNCH_S
 
     machine = gpu_check.get("machine", {})
     return replace(
-        modelled,
+        derive(),
         provenance={
             "kind": "measured link and GEMM (scripts/gpu_check.py), the rest modelled: see README.md",
             "machine": f"{machine.get('gpu', '?')} ({machine.get('gpu_memory_GiB', 0):.0f} GiB), "
@@ -129,7 +131,7 @@ def derive_measured(gpu_check: Mapping[str, Any]) -> HardwareProfile:
         },
         stream_bytes_per_s=link,
         ffn_flops_per_s=tuple(gemm),
-        attention_fit=(c0, c1, modelled.attention_fit[2]),
+        attention_fit=attention_fit(one_row_bytes_per_s, link),
         draft_step_s=tuple((r, draft_step(r, f)) for r, f in gemm),  # at the measured rows (linear between)
     )
 
