@@ -32,6 +32,8 @@ from specoffload.runtime.sampling import SamplingParams
 
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 VARIANTS = {"fp16": None, "int8": QuantSpec("int8"), "int4": QuantSpec("int4", 64)}
+
+
 def variant_dir(source: Path, name: str, spec: QuantSpec | None, where: Path | None) -> Path:
     """The checkpoint of a variant: the source for fp16, else its compressed copy (built once)."""
     if spec is None:
