@@ -25,10 +25,14 @@ def test_linear_is_x_w_transposed_on_every_path(monkeypatch, dtype, rows, native
     assert torch.allclose(out.double(), expected, rtol=tol, atol=tol * 8)
 
 
-def test_native_16bit_is_a_cached_capability() -> None:
+def test_native_16bit_is_onednns_capability_asked_once() -> None:
+    """float32 is never "native 16-bit"; bf16 / fp16 follow oneDNN's own capability checks, asked once per dtype."""
+    lin.native_16bit.cache_clear()
     assert lin.native_16bit(torch.float32) is False
-    for dtype in (torch.bfloat16, torch.float16):
-        assert lin.native_16bit(dtype) in (True, False) and lin.native_16bit(dtype) is lin.native_16bit(dtype)
+    assert lin.native_16bit(torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert lin.native_16bit(torch.float16) == bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    lin.native_16bit(torch.bfloat16)
+    assert lin.native_16bit.cache_info().hits == 1 and lin.native_16bit.cache_info().misses == 3
 
 
 def test_sixteen_bit_rows_upcast_only_without_native_kernels(monkeypatch) -> None:
