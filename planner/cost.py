@@ -45,10 +45,11 @@ tokens a row generates, P = the mean prompt length):
     p        = f P                prompt tokens per pass (the prefill share)
     T_pass   = the step of B (k + 1) decode tokens (an upper bound: a row in its prefill pass or its last, ragged,
                rounds feeds fewer) plus p prompt tokens: the FFN sees B (k + 1) + p tokens; the share min(1, f) of
-               passes that carry a prompt compute attention for every row padded to it (B x max(W, k + 1) queries,
-               W = the expected longest of round(f) prompts, `Workload.padded_len`; the runtime pads a pass's rows
-               to its longest feed), at the decode rows' mean KV length P + N / 2; the draft prefills the prompt
-               too (draft_seconds(p / min(1, f)) on that share of passes). The io is a decode pass's.
+               passes that carry a prompt add that prompt's own attention, p / min(1, f) queries at its mean KV
+               length P / 2 (the runtime computes a ragged pass's valid tokens only, the decode rows' scores apart
+               from the prompt's: runtime/models/layers.py `attention_forward`), beside the decode rows' B (k + 1)
+               at their mean KV length P + N / 2; the draft prefills the prompt too (draft_seconds(p / min(1, f))
+               on that share of passes). The io is a decode pass's.
     tokens/s = B E_row / T_pass
 
 and the per-pass prompt token budget (`Plan.prefill_chunk`) is what the compute headroom under the io holds
@@ -447,18 +448,19 @@ def steady_pass(
     prefill_tokens = starts * prompt
     burst = min(1.0, starts)  # the share of passes that carry a prompt
     decode_fed, decode_padded = _decode_feed(alpha, rows, k)
-    width = max(workload.padded_len(max(1, round(starts))), decode_padded / rows)  # rows padded to the longest feed
     share = _expert_share(costs, placement, expert_loading, rows * (k + 1), round(decode_fed))  # a decode pass's io
     t_draft = _decode_draft_s(profile, costs, alpha, rows, k)
     attn = profile.attention_seconds(decode_padded, attended)
     decode = _pass(profile, costs, placement, decode_fed, decode_padded, attended, t_draft, rows * per_row, share,
                    serial_draft=not interleave, attention_s=attn)
-    padded_attn = profile.attention_seconds(round(rows * width), attended)
+    # a pass that carries a prompt: the decode rows' attention and the prompt's own (its tokens at P / 2 keys)
+    burst_attn = (attn + profile.attention_seconds(round(prefill_tokens / burst), round(prompt / 2))
+                  - profile.attention_fit[0])  # (one op: its fixed cost once)
     prefills_draft = k and not costs.draft_model_free  # a draft model prefills the prompt too; matching does not
     t_draft_prefill = t_draft + (burst * profile.draft_seconds(prefill_tokens / burst) if prefills_draft else 0.0)
     step = _pass(profile, costs, placement, decode_fed + prefill_tokens, decode_padded, attended, t_draft_prefill,
                  rows * per_row, share, serial_draft=not interleave,
-                 attention_s=(1 - burst) * attn + burst * padded_attn)
+                 attention_s=(1 - burst) * attn + burst * burst_attn)
     return SteadyPass(step=step, decode=decode, rounds=rounds, tokens_per_row=per_row, starts=starts,
                       prefill_tokens=prefill_tokens, prefill_chunk=prefill_budget(step, decode, prefill_tokens))
 

@@ -37,18 +37,22 @@ import statistics
 import sys
 from pathlib import Path
 
-from scripts.common import PERF, io_compute_seconds, median_spread, timed_generate, utc_now, write_json
+from scripts.common import (
+    PERF,
+    io_compute_seconds,
+    median_spread,
+    timed_generate,
+    utc_now,
+    workload_prompts,
+    write_json,
+)
 from scripts.get_models import model_dir
 from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime.config import EngineConfig
-from specoffload.runtime.corpora import dataset_prompts
 from specoffload.runtime.engine import Engine
-from specoffload.runtime.prompts import humaneval_prompts
 from specoffload.runtime.sampling import SamplingParams
 
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied", "small": "qwen2.5-coder-0.5b-instruct"}
-WORKLOADS = {"summarization": lambda: dataset_prompts("aclsum"), "code": humaneval_prompts,
-             "chat": lambda: dataset_prompts("sharegpt:0:400")}
 
 
 def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -196,7 +200,7 @@ def main() -> int:
     rows: list[dict] = []
     picks: list[dict] = []
     for workload in args.workloads.split(","):
-        encoded = [tok.encode(p) for p in WORKLOADS[workload]()[: 4 * args.prompts]]
+        encoded = [tok.encode(p) for p in workload_prompts(workload)[: 4 * args.prompts]]
         prompts = sorted((p for p in encoded if len(p) <= args.max_prompt_tokens), key=len)[: args.prompts]
         print(f"\n{workload}: {len(prompts)} prompts (mean {statistics.fmean(map(len, prompts)):.0f} tokens), up to "
               f"{args.new_tokens} new, budget {format_bytes(budget)}, {args.reps} reps", flush=True)

@@ -3,13 +3,15 @@
 
 The same engine config (target streamed from disk under one budget, one batch cap, no draft or the 0.5B draft),
 with `refill=True` (a finished row's slot takes a waiting prompt at once) and `refill=False` (a batch waits for its
-slowest row, then takes a new wave). HumanEval prompts, EOS honoured, so rows end anywhere up to --new-tokens.
+slowest row, then takes a new wave). HumanEval prompts by default (--corpus: aclsum summaries or ShareGPT chat,
+in corpus order, each at most --max-prompt-tokens), EOS honoured, so rows end anywhere up to --new-tokens.
 Reports tokens/s (median and spread over the repetitions), target passes, tokens committed per row per pass,
 greedy tokens equal across the two, and the ideal gain: the passes one batch needs for the measured row lengths
 in waves over those it needs with refill (list scheduling; one token per row per pass). Writes
 docs/perf/<out>.json with a top-level "summary" and <out>.png (tokens committed over time).
 
-    python -m scripts.bench_refill [--target dense|moefied|DIR] [--budget 4.5GiB] [--batch 8] [--quick]
+    python -m scripts.bench_refill [--target dense|moefied|DIR] [--budget 4.5GiB] [--batch 8] [--corpus code]
+                                   [--dtype float32] [--quick]
 """
 
 from __future__ import annotations
@@ -22,12 +24,11 @@ import time
 from pathlib import Path
 
 from scripts.bench_offload import roofline
-from scripts.common import PERF, figure, median_spread, timed_generate, utc_now, write_json
+from scripts.common import PERF, WORKLOADS, figure, median_spread, timed_generate, utc_now, workload_prompts, write_json
 from scripts.get_models import model_dir
 from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
-from specoffload.runtime.prompts import humaneval_prompts
 from specoffload.runtime.sampling import SamplingParams
 
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
@@ -73,7 +74,7 @@ def vs_main(args: argparse.Namespace, target: Path, draft: Path, prompts: list[l
     job_len = max(map(len, prompts)) + args.new_tokens  # what `specoffload generate` sizes a row for
     max_seq_len = args.max_seq_len or job_len
     base = dict(target=target, device_memory=budget, max_batch_size="auto", replan_interval=0,
-                max_seq_len=max_seq_len)
+                max_seq_len=max_seq_len, dtype=args.dtype)
     arms = {"main": dict(kv_block_size=0, refill=False), "new": dict(kv_block_size=args.block_size, refill=True)}
     systems = {"nodraft": dict(num_draft_tokens=0), "draft": dict(draft=draft, num_draft_tokens=args.k)}
     shape_model = Transformer(target)
@@ -167,6 +168,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="dense", help="dense | moefied | a checkpoint directory")
     ap.add_argument("--budget", default="4.5GiB")
+    ap.add_argument("--corpus", default="code", choices=WORKLOADS,
+                    help="code: HumanEval; summarization: aclsum; chat: ShareGPT (EOS ends rows early)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024,
+                    help="skip prompts longer than this (in corpus order; code prompts are all shorter)")
+    ap.add_argument("--dtype", default="float32", help="compute dtype of target and draft")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=0, help="cut prompts to this many tokens (0: whole)")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -194,12 +200,13 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = [tok.encode(p) for p in humaneval_prompts(args.prompts)]
+    encoded = (tok.encode(p) for p in workload_prompts(args.corpus))
+    prompts = [p for p in encoded if len(p) <= args.max_prompt_tokens][: args.prompts]
     if args.prompt_tokens:
         prompts = [p[: args.prompt_tokens] for p in prompts]
     params = SamplingParams(max_new_tokens=args.new_tokens)  # EOS honoured
     budget = parse_bytes(args.budget)
-    print(f"{args.target}, budget {format_bytes(budget)}, {len(prompts)} prompts (mean "
+    print(f"{args.target}, {args.dtype}, budget {format_bytes(budget)}, {len(prompts)} {args.corpus} prompts (mean "
           f"{statistics.fmean(map(len, prompts)):.0f} tokens), up to {args.new_tokens} new, batch {args.batch}, "
           f"{args.reps} reps", flush=True)
     roof = roofline(target)
@@ -207,7 +214,7 @@ def main() -> int:
     if args.vs_main:
         return vs_main(args, Path(target), draft, prompts, params, budget, roof)
     base = dict(target=target, device_memory=budget, max_batch_size=args.batch, replan_interval=0,
-                max_seq_len=max(map(len, prompts)) + args.new_tokens)
+                max_seq_len=max(map(len, prompts)) + args.new_tokens, dtype=args.dtype)
     systems = {"nodraft": dict(num_draft_tokens=0), "draft": dict(draft=draft, num_draft_tokens=args.k)}
     rows = []
     for name in args.systems.split(","):
@@ -252,8 +259,8 @@ def main() -> int:
         summary["draft_over_nodraft"] = on["draft"] / on["nodraft"]
     print("summary:", {k: round(v, 3) for k, v in summary.items()})
     path = write_json(PERF / f"{args.out}.json", {"date": utc_now(), "argv": sys.argv[1:], "target": str(target),
-                                                   "budget": budget, "roofline": roof, "summary": summary,
-                                                   "rows": rows})
+                                                   "corpus": args.corpus, "dtype": args.dtype, "budget": budget,
+                                                   "roofline": roof, "summary": summary, "rows": rows})
     print(f"wrote {path}")
     print(f"wrote {plot(args, rows)}")
     return 0
@@ -269,7 +276,8 @@ def plot(args: argparse.Namespace, rows: list[dict]) -> Path:
             ax.plot(ts, tokens, label=label, linestyle="-" if r["refill"] else "--")
         ax.set_xlabel("seconds")
         ax.set_ylabel("tokens committed")
-        ax.set_title(f"{args.target}, batch {args.batch}, up to {args.new_tokens} new tokens, EOS honoured")
+        ax.set_title(f"{args.target}, {args.corpus}, batch {args.batch}, up to {args.new_tokens} new tokens, "
+                     "EOS honoured")
         ax.legend()
     return out
 

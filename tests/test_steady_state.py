@@ -36,9 +36,9 @@ def test_steady_pass_by_hand() -> None:
     # decode pass (4 tokens fed): attention 4 x 0.04, ffn 4 x 0.4, head 0.2, draft 1 x draft_seconds(2) = 0.4,
     # on shared cores: 2.36 s, over the io (4 x 0.1 s)
     assert steady.decode.t_step == pytest.approx(2.36) and steady.decode.bound == "compute"
-    # + the prefill share: ffn on 72/59 more tokens (0.4 s per token over 4 layers), 18/59 of the passes pad both
-    # rows to the 4-token prompt (attention 2 x 4 queries: + 0.04 s per layer), the draft prefills the prompt then
-    # (draft_seconds(4) = 0.8 s)
+    # + the prefill share: ffn on 72/59 more tokens (0.4 s per token over 4 layers), 18/59 of the passes add the
+    # 4-token prompt's own attention (4 queries: + 0.04 s per layer; the decode rows are not padded to it), the
+    # draft prefills the prompt then (draft_seconds(4) = 0.8 s)
     t_pass = 2.36 + 0.4 * 72 / 59 + 4 * 0.04 * 18 / 59 + 0.8 * 18 / 59
     assert t_pass == pytest.approx(2.36 + 46.08 / 59)
     assert steady.step.t_step == pytest.approx(t_pass) and steady.step.bound == "compute"

@@ -111,19 +111,28 @@ def attention_mask(positions: Tensor, num_keys: int, window: int | None) -> Tens
 
 
 def attention_forward(
-    cfg: ModelConfig, w: AttentionWeights, hidden: Tensor, cache: KVCache, layer: int, rope: Rope
+    cfg: ModelConfig, w: AttentionWeights, hidden: Tensor, cache: KVCache, layer: int, rope: Rope,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """Pre-norm self-attention block with residual: hidden [B, T, H] -> [B, T, H].
 
     Writes this call's keys/values at positions cache.lengths[b] + t and attends causally over positions
     0..lengths[b] + t. Does not advance the cache.
+
+    token_mask [B, T] bool (right padding: row b's first n_b positions are valid): the projections run on the
+    valid tokens only and the scores in two row groups (`_split_rows`), so a pass that prefills one prompt beside
+    decode rows (row refill) costs its tokens, not rows x its length; padded positions keep their input and write
+    junk K/V past the row's length that no valid query reads (and a later call overwrites).
     """
     batch, steps, _ = hidden.shape
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)  # [B, T, H]
-    q = linear(x, w.q, w.q_bias).reshape(batch, steps, heads, dim).transpose(1, 2)  # [B, heads, T, D]
-    k = linear(x, w.k, w.k_bias).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, T, D]
-    v = linear(x, w.v, w.v_bias).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv_heads, T, D]
+    mask = None
+    if token_mask is not None and steps > 1 and not bool(token_mask.all()):
+        mask = token_mask.to(hidden.device)  # [B, T]
+    q = _project(x, w.q, w.q_bias, mask).reshape(batch, steps, heads, dim).transpose(1, 2)  # [B, heads, T, D]
+    k = _project(x, w.k, w.k_bias, mask).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, D]
+    v = _project(x, w.v, w.v_bias, mask).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, D]
 
     positions = cache.device_lengths()[:, None] + torch.arange(steps, device=hidden.device)  # [B, T]
     cos, sin = rope_cos_sin(rope, positions, x.dtype)  # [B, T, D]
@@ -132,12 +141,54 @@ def attention_forward(
     cache.write(layer, k, v)
     num_keys = int(cache.lengths.max()) + steps
     keys, values = cache.keys_values(layer, num_keys)  # [B, kv_heads, S, D]
-    mask = attention_mask(positions, num_keys, cfg.window_of(layer))  # [B, 1, T, S]
-    out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=dim**-0.5, enable_gqa=heads != kv_heads
-    )  # [B, heads, T, D]
+    attn_mask = attention_mask(positions, num_keys, cfg.window_of(layer))  # [B, 1, T, S]
+    groups = _split_rows(mask.sum(dim=1), steps) if mask is not None else None
+    if groups is None:
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=attn_mask, scale=dim**-0.5, enable_gqa=heads != kv_heads
+        )  # [B, heads, T, D]
+    else:  # the short rows' queries cut to their longest feed, and their keys to what those queries see
+        out = q.new_zeros(q.shape)  # [B, heads, T, D]
+        lengths = cache.device_lengths()
+        for rows, width in groups:
+            seen = int(lengths[rows].max()) + width
+            out[rows, :, :width] = F.scaled_dot_product_attention(
+                q[rows, :, :width], keys[rows, :, :seen], values[rows, :, :seen],
+                attn_mask=attn_mask[rows, :, :width, :seen], scale=dim**-0.5, enable_gqa=heads != kv_heads,
+            )  # [rows, heads, width, D]
     out = out.transpose(1, 2).reshape(batch, steps, heads * dim)  # [B, T, heads * D]
-    return hidden + linear(out, w.o)
+    if mask is None:
+        return hidden + linear(out, w.o)
+    result = hidden.clone()
+    result[mask] = hidden[mask] + linear(out[mask], w.o)  # [n valid, H]
+    return result
+
+
+def _project(x: Tensor, weight: Tensor, bias: Tensor | None, mask: Tensor | None) -> Tensor:
+    """linear(x) [B, T, out], computed on the valid tokens only when mask [B, T] is given (zeros elsewhere)."""
+    if mask is None:
+        return linear(x, weight, bias)
+    y = linear(x[mask], weight, bias)  # [n valid, out]
+    full = y.new_zeros((*x.shape[:2], y.shape[-1]))  # [B, T, out]
+    full[mask] = y
+    return full
+
+
+def _split_rows(lengths: Tensor, steps: int) -> list[tuple[Tensor, int]] | None:
+    """Two row groups for the scores of a ragged pass, lengths [B] the valid tokens per row: rows of at most w
+    tokens computed at width w, the others at the full `steps`, w chosen to minimise the query rows computed
+    (count(len <= w) w + count(len > w) steps). None when that saves less than a quarter (one padded call)."""
+    values = lengths.tolist()
+    best_w, best = steps, len(values) * steps
+    for w in sorted(set(values)):
+        cost = sum(w if n <= w else steps for n in values)
+        if cost < best:
+            best_w, best = w, cost
+    if best_w >= steps or best > 0.75 * len(values) * steps:
+        return None
+    short = torch.tensor([i for i, n in enumerate(values) if n <= best_w], dtype=torch.long)
+    long = torch.tensor([i for i, n in enumerate(values) if n > best_w], dtype=torch.long)
+    return [(rows, width) for rows, width in ((short, best_w), (long, steps)) if len(rows)]
 
 
 # --- feed-forward ------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class MoEPartial:
     token_mask: Tensor | None  # [N] bool
     out: Tensor  # [N, H]: the experts added so far
     shared: Tensor | None  # [N, H]: the shared expert's output (Qwen2-MoE), added at the end
+    packed: Tensor | None = None  # [B, T] bool: N counts only these (valid) tokens of hidden; None: N = B x T
 
 
 class Transformer:
@@ -86,10 +87,11 @@ class Transformer:
         return layers.embed(self._weights(PartKey("embedding")), input_ids.to(self.device))
 
     @torch.inference_mode()
-    def attention(self, layer: int, hidden: Tensor, cache: KVCache) -> Tensor:
-        """Attention block of `layer` (writes K/V, does not advance the cache): [B, T, H] -> [B, T, H]."""
+    def attention(self, layer: int, hidden: Tensor, cache: KVCache, token_mask: Tensor | None = None) -> Tensor:
+        """Attention block of `layer` (writes K/V, does not advance the cache): [B, T, H] -> [B, T, H];
+        token_mask [B, T] marks valid tokens (projections on those only, layers.attention_forward)."""
         w = self._weights(PartKey("attention", layer))
-        return layers.attention_forward(self.config, w, hidden, cache, layer, self.rope)
+        return layers.attention_forward(self.config, w, hidden, cache, layer, self.rope, token_mask)
 
     @torch.inference_mode()
     def ffn(self, layer: int, hidden: Tensor, token_mask: Tensor | None = None,
@@ -118,14 +120,19 @@ class Transformer:
     # in the same order as in one `ffn` call, so the result is the same, bit for bit.
     def moe_route(self, layer: int, hidden: Tensor, token_mask: Tensor | None = None,
                   allowed: Tensor | None = None) -> MoEPartial:
-        """Routing of `layer` for hidden [B, T, H] (and its shared expert's output, Qwen2-MoE)."""
+        """Routing of `layer` for hidden [B, T, H] (and its shared expert's output, Qwen2-MoE). With a token_mask
+        that pads some positions, routing, the shared expert and the experts run on the valid tokens only."""
         router = self._weights(PartKey("router", layer))
+        packed = None
+        if token_mask is not None and not bool(token_mask.all()):
+            packed = token_mask.to(hidden.device)  # [B, T]
+            hidden, token_mask = hidden[packed], None  # [n valid, H]: every token valid
         normed, topk_ids, topk_weights = layers.route(self.config, router, hidden, allowed)
         if self.on_route is not None:
             self.on_route(layer, topk_ids, None if token_mask is None else token_mask.reshape(-1))
         shared = layers.shared_expert_forward(self.config, router, normed) if router.shared_expert is not None else None
         mask = None if token_mask is None else token_mask.reshape(-1)
-        return MoEPartial(layer, normed, topk_ids, topk_weights, mask, torch.zeros_like(normed), shared)
+        return MoEPartial(layer, normed, topk_ids, topk_weights, mask, torch.zeros_like(normed), shared, packed)
 
     def moe_experts(self, state: MoEPartial, experts: range) -> None:
         """Add the outputs of the experts in `experts` that some valid token selected (loads only those)."""
@@ -137,9 +144,14 @@ class Transformer:
 
     @staticmethod
     def moe_finish(state: MoEPartial, hidden: Tensor) -> Tensor:
-        """Experts (+ shared expert) + residual: hidden [B, T, H] -> [B, T, H]."""
-        out = state.out if state.shared is None else state.out + state.shared
-        return hidden + out.view(hidden.shape)
+        """Experts (+ shared expert) + residual: hidden [B, T, H] -> [B, T, H] (padded positions, when the block
+        ran packed, keep their input)."""
+        out = state.out if state.shared is None else state.out + state.shared  # [N, H]
+        if state.packed is None:
+            return hidden + out.view(hidden.shape)
+        result = hidden.clone()
+        result[state.packed] = hidden[state.packed] + out
+        return result
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:
@@ -171,7 +183,7 @@ class Transformer:
             token_mask = token_mask.to(self.device)
         hidden = self.embed(input_ids)  # [B, T, H]
         for layer in range(self.config.num_layers):
-            hidden = self.attention(layer, hidden, cache)
+            hidden = self.attention(layer, hidden, cache, token_mask)
             allowed = allowed_experts.get(layer) if allowed_experts is not None else None
             hidden = self.ffn(layer, hidden, token_mask, allowed)
         cache.advance(num_new if num_new is not None else steps)

@@ -324,7 +324,7 @@ class Pipeline:
     def _attention(self, op: Op) -> None:
         b = self.batches[op.batch]
         if b.hidden is not None:
-            b.hidden = self.workers.attention.attention(b.index, op.layer, op.slot, b.hidden)
+            b.hidden = self.workers.attention.attention(b.index, op.layer, op.slot, b.hidden, b.token_mask)
 
     def _ffn(self, op: Op) -> None:
         b = self.batches[op.batch]

@@ -272,10 +272,11 @@ class AttentionWorker(BatchKV):
             return self.rows(ids) if self.rows is not None else self.model.embed(ids)
 
     @wire(keep_outputs=True)
-    def attention(self, batch: int, layer: int, slot: int, hidden: Tensor) -> Tensor:
-        """hidden [rows, T, H] -> [rows, T, H]; writes K/V of the T new positions (advance comes later)."""
+    def attention(self, batch: int, layer: int, slot: int, hidden: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        """hidden [rows, T, H] -> [rows, T, H]; writes K/V of the T new positions (advance comes later);
+        token_mask [rows, T]: the valid ones (a ragged pass computes those only)."""
         with self.reader.bind(layer, slot):
-            return self.model.attention(layer, hidden.to(HOST), self.caches[batch])
+            return self.model.attention(layer, hidden.to(HOST), self.caches[batch], token_mask)
 
     def close(self) -> None:
         if self.rows is not None:
