@@ -60,6 +60,25 @@ def ideal_passes(lengths: list[int], batch: int) -> tuple[int, int]:
     return waves, max(free)
 
 
+def planned_chunk(config: EngineConfig, prompts: list[list[int]], new_tokens: int) -> int | None:
+    """The per-pass prompt token budget the planner sets for this config's refilled batch (planner/cost.py
+    `prefill_budget`: what the compute headroom under the pass's io holds), from the measured hardware profile,
+    the prompts' lengths and new_tokens as the mean output (no warm-up); None when nothing streams."""
+    from specoffload.planner.cost import Workload, steady_pass
+    from specoffload.planner.plan import fixed_plan
+    from specoffload.runtime.models.model import Transformer
+    from specoffload.runtime.offload.profiler import load_or_measure
+    from specoffload.runtime.planning import ModelPair, place_plan
+
+    profile = load_or_measure(config, open_engine=Engine, log=print)
+    models = ModelPair.for_config(config, Transformer(config.target, dtype=config.torch_dtype), shares_kv=True)
+    batch, k = int(config.max_batch_size), int(config.num_draft_tokens)
+    plan = fixed_plan(batch, k, config.max_seq_len)
+    placement = place_plan(config, plan, models)
+    workload = Workload.of_prompts([len(p) for p in prompts], new_tokens)
+    return steady_pass(profile, models.costs(plan.drafting), placement, batch, k, 0.8, workload).prefill_chunk
+
+
 def vs_main(args: argparse.Namespace, target: Path, draft: Path, prompts: list[list[int]], params: SamplingParams,
             budget: int, roof: dict) -> int:
     """Block KV and refill together against main's contiguous KV in waves, each at the planner's batch for the job
@@ -77,7 +96,7 @@ def vs_main(args: argparse.Namespace, target: Path, draft: Path, prompts: list[l
                 max_seq_len=max_seq_len, dtype=args.dtype)
     arms = {"main": dict(kv_block_size=0, refill=False), "new": dict(kv_block_size=args.block_size, refill=True)}
     systems = {"nodraft": dict(num_draft_tokens=0), "draft": dict(draft=draft, num_draft_tokens=args.k)}
-    shape_model = Transformer(target)
+    shape_model = Transformer(target, dtype=EngineConfig(target=target, dtype=args.dtype).torch_dtype)
     rows, summary = [], {}
     for name in args.systems.split(","):
         plans = {}
@@ -188,6 +207,9 @@ def main() -> int:
     ap.add_argument("--max-seq-len", type=int, default=0,
                     help="--vs-main: tokens per row both arms are configured for (main reserves them; 0: the longest "
                          "prompt + --new-tokens, as `specoffload generate` sizes a job)")
+    ap.add_argument("--prefill-chunk", default="0",
+                    help="prompt tokens one pass feeds, refill arm only (waves prefill whole): an integer, 0 for "
+                         "whole prompts, or 'plan' for the planner's budget (planned_chunk)")
     ap.add_argument("--plot", type=Path, default=None, help="redraw the figure of a --vs-main JSON and exit")
     args = ap.parse_args()
     if args.plot is not None:
@@ -216,12 +238,18 @@ def main() -> int:
     base = dict(target=target, device_memory=budget, max_batch_size=args.batch, replan_interval=0,
                 max_seq_len=max(map(len, prompts)) + args.new_tokens, dtype=args.dtype)
     systems = {"nodraft": dict(num_draft_tokens=0), "draft": dict(draft=draft, num_draft_tokens=args.k)}
-    rows = []
+    rows, chunks = [], {}
     for name in args.systems.split(","):
         runs: dict[bool, list[dict]] = {True: [], False: []}
+        chunk = None if args.prefill_chunk == "0" else (
+            planned_chunk(EngineConfig(**base, **systems[name]), prompts, args.new_tokens)
+            if args.prefill_chunk == "plan" else int(args.prefill_chunk))
+        chunks[name] = chunk
+        print(f"  {name}: refill arm's prefill_chunk {chunk}", flush=True)
         for rep in range(args.reps):
             for refill in ((False, True) if rep % 2 == 0 else (True, False)):  # ABBA
-                r = run(EngineConfig(**base, **systems[name], refill=refill), prompts, params)
+                config = EngineConfig(**base, **systems[name], refill=refill, prefill_chunk=chunk if refill else None)
+                r = run(config, prompts, params)
                 runs[refill].append(r)
                 print(f"  {name:8s} refill={refill!s:5s} rep {rep}: {r['tok_s']:.2f} tok/s, {r['passes']} passes, "
                       f"{r['committed_per_row_pass']:.2f} tokens per row per pass", flush=True)
@@ -233,6 +261,7 @@ def main() -> int:
             rows.append({"system": name, "refill": refill, "tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi,
                          "passes": rs[0]["passes"], "committed_per_row_pass": rs[0]["committed_per_row_pass"],
                          "acceptance": rs[0]["acceptance"], "refilled": rs[0]["refilled"],
+                         "prefill_chunk": chunks[name] if refill else None,
                          "tokens": rs[0]["tokens"], "equal_tokens": same, "timeline": rs[0]["timeline"],
                          "lengths": lengths, "ideal_passes_waves": waves, "ideal_passes_refill": refilled,
                          "ideal_gain": waves / refilled})

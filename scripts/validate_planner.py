@@ -97,7 +97,8 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
     base = EngineConfig(target=target, draft=draft, device_memory=budget, max_seq_len=max_seq_len,
                         num_draft_tokens="auto", max_batch_size="auto", dtype=args.dtype)
     profile = load_or_measure(base, log=lambda m: print(f"[{name}] {m}", flush=True), open_engine=Engine)
-    models = ModelPair.of(Transformer(target), Transformer(draft))  # shapes only: nothing is loaded
+    models = ModelPair.of(Transformer(target, dtype=base.torch_dtype),  # shapes only: nothing is loaded
+                          Transformer(draft, dtype=base.draft_torch_dtype))
     t = time.perf_counter()
     job = plan_job(base, models, prompts, params, max_seq_len, profile=profile)
     plan_s = time.perf_counter() - t
