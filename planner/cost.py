@@ -43,13 +43,14 @@ tokens a row generates, P = the mean prompt length):
                                   prefill pass carries no drafts); N / (1 + N - 1) = 1 at k = 0
     f        = B E_row / N = B / (1 + R)     rows finishing per pass, each replaced by a waiting prompt
     p        = f P                prompt tokens per pass (the prefill share)
-    T_pass   = the step of B (k + 1) decode tokens (an upper bound: a row in its prefill pass or its last, ragged,
-               rounds feeds fewer) plus p prompt tokens: the FFN sees B (k + 1) + p tokens; the share min(1, f) of
-               passes that carry a prompt add that prompt's own attention, p / min(1, f) queries at its mean KV
-               length P / 2 (the runtime computes a ragged pass's valid tokens only, the decode rows' scores apart
-               from the prompt's: runtime/models/layers.py `attention_forward`), beside the decode rows' B (k + 1)
-               at their mean KV length P + N / 2; the draft prefills the prompt too (draft_seconds(p / min(1, f))
-               on that share of passes). The io is a decode pass's.
+    T_pass   = the mean of two kinds of pass, each max(io, compute) of its own (an average pass would hide a
+               prompt's compute under the other passes' io): a decode pass, B (k + 1) tokens (an upper bound: a
+               row in its prefill pass or its last, ragged, rounds feeds fewer), and, on the share min(1, f) of
+               passes, one that also carries p / min(1, f) prompt tokens: they add to the FFN's tokens, bring their
+               own attention (queries at the prompt's mean KV length P / 2; the runtime computes a ragged pass's
+               valid tokens only, the decode rows' scores apart from the prompt's: runtime/models/layers.py
+               `attention_forward`) beside the decode rows' at P + N / 2, and the draft prefills them too
+               (draft_seconds(p / min(1, f))). The io is a decode pass's.
     tokens/s = B E_row / T_pass
 
 and the per-pass prompt token budget (`Plan.prefill_chunk`) is what the compute headroom under the io holds
@@ -459,16 +460,31 @@ def steady_pass(
     attn = profile.attention_seconds(decode_padded, attended)
     decode = _pass(profile, costs, placement, decode_fed, decode_padded, attended, t_draft, rows * per_row, share,
                    serial_draft=not interleave, attention_s=attn)
-    # a pass that carries a prompt: the decode rows' attention and the prompt's own (its tokens at P / 2 keys)
-    burst_attn = (attn + profile.attention_seconds(round(prefill_tokens / burst), round(prompt / 2))
+    # a pass that carries a prompt (the share `burst` of passes): the decode rows' attention and the prompt's own
+    # (its tokens at P / 2 keys); priced as a pass of its own, since max(io, compute) of the average pass would
+    # hide a prompt's compute under the other passes' io
+    carried = prefill_tokens / burst  # [prompt tokens per carrying pass]
+    burst_attn = (attn + profile.attention_seconds(round(carried), round(prompt / 2))
                   - profile.attention_fit[0])  # (one op: its fixed cost once)
     prefills_draft = k and not costs.draft_model_free  # a draft model prefills the prompt too; matching does not
-    t_draft_prefill = t_draft + (burst * profile.draft_seconds(prefill_tokens / burst) if prefills_draft else 0.0)
-    step = _pass(profile, costs, placement, decode_fed + prefill_tokens, decode_padded, attended, t_draft_prefill,
-                 rows * per_row, share, serial_draft=not interleave,
-                 attention_s=(1 - burst) * attn + burst * burst_attn)
+    t_draft_prefill = t_draft + (profile.draft_seconds(carried) if prefills_draft else 0.0)
+    carrying = _pass(profile, costs, placement, decode_fed + carried, decode_padded, attended, t_draft_prefill,
+                     rows * per_row, share, serial_draft=not interleave, attention_s=burst_attn)
+    step = _blend(decode, carrying, burst)
     return SteadyPass(step=step, decode=decode, rounds=rounds, tokens_per_row=per_row, starts=starts,
                       prefill_tokens=prefill_tokens, prefill_chunk=prefill_budget(step, decode, prefill_tokens))
+
+
+def _blend(plain: StepEstimate, carrying: StepEstimate, share: float) -> StepEstimate:
+    """The mean pass of a refilled batch: `share` of its passes carry a prompt (`carrying`), the rest only decode
+    (`plain`); every time term is the share-weighted mean, tokens_per_s the tokens per pass over that mean."""
+    if share >= 1.0:
+        return carrying
+    mix = {f: (1 - share) * getattr(plain, f) + share * getattr(carrying, f)
+           for f in ("t_io", "t_attention", "t_ffn", "t_head", "t_overhead", "t_draft", "t_chain", "t_step",
+                     "tokens_per_step", "t_compute", "t_link")}
+    bound = carrying.bound if share * carrying.t_step >= (1 - share) * plain.t_step else plain.bound
+    return StepEstimate(**mix, tokens_per_s=mix["tokens_per_step"] / mix["t_step"], bound=bound)
 
 
 def prefill_budget(step: StepEstimate, decode: StepEstimate, prefill_tokens: float) -> int | None:

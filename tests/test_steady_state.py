@@ -199,3 +199,19 @@ def test_plans_carry_refill_and_the_prefill_chunk(tiny_models) -> None:
         assert engine.pipeline is not None and engine.pipeline.prefill_chunk == 5  # the config's wins
     finally:
         engine.close()
+
+
+def test_a_pass_carrying_a_prompt_is_priced_on_its_own() -> None:
+    # io-bound decode passes (8 s of io over 2.36 s of compute): a 4-token prompt fits under a pass's io, so the
+    # mean pass is the io; a 16-token prompt does not (its pass computes ~12 s): the 18/59 passes carrying one
+    # cost their compute, the rest their io. Priced at the average pass (4.9 prompt tokens each, under the io)
+    # the job would look io-bound, 8 s a pass.
+    small = steady_pass(profile(400.0), COSTS, PLACEMENT, 2, 1, 0.5, WORKLOAD)
+    assert small.step.t_step == pytest.approx(8.0)
+    long = Workload(num_prompts=16, prompt_len=16, new_tokens=9)
+    big = steady_pass(profile(400.0), COSTS, PLACEMENT, 2, 1, 0.5, long)
+    assert big.decode.t_step == pytest.approx(8.0) and big.starts == pytest.approx(18 / 59)
+    carrying = (big.step.t_step - (1 - big.starts) * 8.0) / big.starts  # the carrying pass's own seconds
+    assert carrying > 8.0 + 0.4 * 16 * 0.5  # its compute: 2.36 + 6.4 (ffn) + its attention and draft, over the io
+    assert big.step.t_step > 8.0 + 1.0
+    assert big.step.tokens_per_s == pytest.approx(2 * big.tokens_per_row / big.step.t_step)
