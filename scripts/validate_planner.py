@@ -361,7 +361,7 @@ def main() -> int:
         summ = summary(jobs)
         write_json(args.out, {"meta": meta, "summary": summ, "jobs": jobs})
         has_plot = plot(jobs, args.out.with_suffix(".png"))
-        if args.out.parent == PERF:  # the section of that name (planner_validation, planner_validation_eos)
+        if args.out.resolve().parent == PERF:  # the section of that name (planner_validation, planner_validation_eos)
             write_section(PERF / "README.md", args.out.stem, section(meta, jobs, summ, has_plot, args.out.stem),
                           heading=f"{args.out.stem.replace('_', ' ')} (`scripts/validate_planner.py`)")
     print(json.dumps(summary(jobs), indent=1))
