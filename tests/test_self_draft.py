@@ -96,7 +96,7 @@ def test_migration_moves_the_resident_set_to_the_hottest_experts(tiny_models, si
 def test_restricted_routing_only_uses_allowed_experts(tiny_models):
     model = Transformer(tiny_models["qwen2_moe"])
     picked: list[torch.Tensor] = []
-    model.on_route = lambda layer, ids, mask: picked.append(ids)
+    model.on_route = lambda layer, ids: picked.append(ids)
     allowed = torch.tensor([False, True, False, False])
     ids = torch.tensor([PROMPTS[3]])
     full = model.forward(ids, model.new_cache(1, 8))

@@ -110,6 +110,14 @@ def attention_mask(positions: Tensor, num_keys: int, window: int | None) -> Tens
     return mask[:, None]
 
 
+def padding_mask(token_mask: Tensor | None, device: torch.device) -> Tensor | None:
+    """token_mask [B, T] bool on `device` when it marks some position as padding; None when every token is valid
+    (the blocks then run on the whole [B, T] as one GEMM)."""
+    if token_mask is None or bool(token_mask.all()):
+        return None
+    return token_mask.to(device)
+
+
 def attention_forward(
     cfg: ModelConfig, w: AttentionWeights, hidden: Tensor, cache: KVCache, layer: int, rope: Rope,
     token_mask: Tensor | None = None,
@@ -127,9 +135,7 @@ def attention_forward(
     batch, steps, _ = hidden.shape
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)  # [B, T, H]
-    mask = None
-    if token_mask is not None and steps > 1 and not bool(token_mask.all()):
-        mask = token_mask.to(hidden.device)  # [B, T]
+    mask = padding_mask(token_mask, hidden.device) if steps > 1 else None  # [B, T] or None
     q = _project(x, w.q, w.q_bias, mask).reshape(batch, steps, heads, dim).transpose(1, 2)  # [B, heads, T, D]
     k = _project(x, w.k, w.k_bias, mask).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, D]
     v = _project(x, w.v, w.v_bias, mask).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, D]

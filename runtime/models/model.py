@@ -32,7 +32,6 @@ class MoEPartial:
     normed: Tensor  # [N, H]
     topk_ids: Tensor  # [N, k]
     topk_weights: Tensor  # [N, k]
-    token_mask: Tensor | None  # [N] bool
     out: Tensor  # [N, H]: the experts added so far
     shared: Tensor | None  # [N, H]: the shared expert's output (Qwen2-MoE), added at the end
     packed: Tensor | None = None  # [B, T] bool: N counts only these (valid) tokens of hidden; None: N = B x T
@@ -62,8 +61,8 @@ class Transformer:
         self.fetch: Callable[[list[PartKey]], dict[PartKey, Weights]] | None = None
         #: keep linear weights in oneDNN's packed layout (float32 on CPU; faster GEMV/GEMM, see linear.py)
         self.pack = can_pack(dtype, self.device)
-        #: observer of MoE routing: called with (layer, topk_ids [N, k], token_mask [N] or None) after each route
-        self.on_route: Callable[[int, Tensor, Tensor | None], None] | None = None
+        #: observer of MoE routing: called with (layer, topk_ids [N, k] of the valid tokens) after each route
+        self.on_route: Callable[[int, Tensor], None] | None = None
         #: embeds input ids instead of the embedding part (e.g. another worker's on-demand embedding rows)
         self.embedder: Callable[[Tensor], Tensor] | None = None
 
@@ -105,9 +104,9 @@ class Transformer:
         """
         if not self.config.is_moe_layer(layer):
             weights = self._weights(PartKey("dense_mlp", layer))
-            if token_mask is None or bool(token_mask.all()):
+            mask = layers.padding_mask(token_mask, hidden.device)  # [B, T] or None
+            if mask is None:
                 return layers.dense_mlp_forward(self.config, weights, hidden)
-            mask = token_mask.to(hidden.device)  # [B, T]
             out = hidden.clone()
             out[mask] = layers.dense_mlp_forward(self.config, weights, hidden[mask])  # [n valid, H]
             return out
@@ -123,24 +122,22 @@ class Transformer:
         """Routing of `layer` for hidden [B, T, H] (and its shared expert's output, Qwen2-MoE). With a token_mask
         that pads some positions, routing, the shared expert and the experts run on the valid tokens only."""
         router = self._weights(PartKey("router", layer))
-        packed = None
-        if token_mask is not None and not bool(token_mask.all()):
-            packed = token_mask.to(hidden.device)  # [B, T]
-            hidden, token_mask = hidden[packed], None  # [n valid, H]: every token valid
+        packed = layers.padding_mask(token_mask, hidden.device)  # [B, T] or None
+        if packed is not None:
+            hidden = hidden[packed]  # [n valid, H]: from here every token is valid
         normed, topk_ids, topk_weights = layers.route(self.config, router, hidden, allowed)
         if self.on_route is not None:
-            self.on_route(layer, topk_ids, None if token_mask is None else token_mask.reshape(-1))
+            self.on_route(layer, topk_ids)
         shared = layers.shared_expert_forward(self.config, router, normed) if router.shared_expert is not None else None
-        mask = None if token_mask is None else token_mask.reshape(-1)
-        return MoEPartial(layer, normed, topk_ids, topk_weights, mask, torch.zeros_like(normed), shared, packed)
+        return MoEPartial(layer, normed, topk_ids, topk_weights, torch.zeros_like(normed), shared, packed)
 
     def moe_experts(self, state: MoEPartial, experts: range) -> None:
         """Add the outputs of the experts in `experts` that some valid token selected (loads only those)."""
-        chosen = [e for e in layers.selected_experts(state.topk_ids, state.token_mask) if e in experts]
+        chosen = [e for e in layers.selected_experts(state.topk_ids) if e in experts]
         keys = [PartKey("expert", state.layer, e) for e in chosen]
         weights = {key.expert: w for key, w in self._weights_many(keys).items()}
         layers.experts_forward(self.config, state.normed, state.topk_ids, state.topk_weights, weights,
-                               state.token_mask, out=state.out, only=experts)
+                               out=state.out, only=experts)
 
     @staticmethod
     def moe_finish(state: MoEPartial, hidden: Tensor) -> Tensor:

@@ -365,8 +365,8 @@ class VerifierWorker:
             counts = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.long)
         return [counts[j].tolist() if cfg.is_moe_layer(j) else [] for j in range(cfg.num_layers)]
 
-    def _count_routing(self, layer: int, topk_ids: Tensor, token_mask: Tensor | None) -> None:
-        ids = topk_ids if token_mask is None else topk_ids[token_mask.to(topk_ids.device)]  # [n, k]
+    def _count_routing(self, layer: int, ids: Tensor) -> None:
+        """Add the routing of the valid tokens, ids [n, k], to the current batch's counts."""
         cfg = self.model.config
         counts = self.routing.setdefault(self._batch, torch.zeros(cfg.num_layers, max(cfg.num_experts, 1),
                                                                    dtype=torch.long))
