@@ -25,21 +25,21 @@ PERF = ROOT / "docs" / "perf"  # benchmark results: JSON per benchmark, sections
 __all__ = ["PERF", "ROOT", "drop_caches", "figure", "median_spread", "timed_generate", "utc_now", "write_json"]
 
 
+#: benchmark workload -> its prompts' source ("DATASET[:start:end]" of runtime/corpora.py, or "humaneval")
+_WORKLOAD_SOURCES = {"summarization": "aclsum", "code": "humaneval", "chat": "sharegpt:0:400"}
+WORKLOADS = tuple(_WORKLOAD_SOURCES)
+
+
 def workload_prompts(workload: str) -> list[str]:
     """The prompt texts of a benchmark workload, in corpus order: "summarization" (aclsum papers), "code"
     (HumanEval), "chat" (ShareGPT's first human turns, the first 400 conversations)."""
     from specoffload.runtime.corpora import dataset_prompts
     from specoffload.runtime.prompts import humaneval_prompts
 
-    loaders: dict[str, Callable[[], list[str]]] = {
-        "summarization": lambda: dataset_prompts("aclsum"), "code": humaneval_prompts,
-        "chat": lambda: dataset_prompts("sharegpt:0:400")}
-    if workload not in loaders:
-        raise SystemExit(f"unknown workload {workload!r}: one of {', '.join(loaders)}")
-    return loaders[workload]()
-
-
-WORKLOADS = ("summarization", "code", "chat")
+    if workload not in _WORKLOAD_SOURCES:
+        raise SystemExit(f"unknown workload {workload!r}: one of {', '.join(WORKLOADS)}")
+    source = _WORKLOAD_SOURCES[workload]
+    return humaneval_prompts() if source == "humaneval" else dataset_prompts(source)
 
 
 def utc_now() -> str:

@@ -93,6 +93,15 @@ def job_prompts(corpus: str, tok, n: int, max_tokens: int) -> list[list[int]]:  
     return [p for p in encoded if len(p) <= max_tokens][:n]
 
 
+def job_config(budget: str, max_seq_len: int, dtype: str) -> tuple[EngineConfig, ModelPair]:
+    """The job's engine config (batch and k "auto") and the shapes its planning counts (nothing is loaded)."""
+    target, draft = model_dir("target"), model_dir("draft")
+    base = EngineConfig(target=target, draft=draft, device_memory=budget, max_seq_len=max_seq_len,
+                        num_draft_tokens="auto", max_batch_size="auto", dtype=dtype)
+    return base, ModelPair.of(Transformer(target, dtype=base.torch_dtype),
+                              Transformer(draft, dtype=base.draft_torch_dtype))
+
+
 def repredict(path: Path) -> int:
     """Predict a saved run's grid again with today's cost model, from what the run saved (its profile, the
     warm-up's curve, stream rate and mean output, the same prompts): measured against saved and new predictions,
@@ -104,16 +113,12 @@ def repredict(path: Path) -> int:
     record = json.loads(path.read_text())
     meta = record["meta"]
     tok = load_tokenizer(model_dir("target"))
-    target, draft = model_dir("target"), model_dir("draft")
     errors: dict[str, dict[str, list[float]]] = {"saved": {"draft": [], "no_draft": []},
                                                  "now": {"draft": [], "no_draft": []}}
     rows: list[dict] = []
     for job in record["jobs"]:
         prompts = job_prompts(job["corpus"], tok, job["prompts"], meta.get("max_prompt_tokens", 1024))
-        base = EngineConfig(target=target, draft=draft, device_memory=job["budget"], max_seq_len=job["max_seq_len"],
-                            num_draft_tokens="auto", max_batch_size="auto", dtype=meta.get("dtype", "float32"))
-        models = ModelPair.of(Transformer(target, dtype=base.torch_dtype),
-                              Transformer(draft, dtype=base.draft_torch_dtype))
+        base, models = job_config(job["budget"], job["max_seq_len"], meta.get("dtype", "float32"))
         warm = job["warmup"]
         profile = HardwareProfile.from_json(job["profile"])
         if warm.get("stream_rate"):
@@ -153,12 +158,8 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
     prompts = job_prompts(corpus, tok, args.prompts, args.max_prompt_tokens)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=not args.eos)
     max_seq_len = max(map(len, prompts)) + args.new_tokens
-    target, draft = model_dir("target"), model_dir("draft")
-    base = EngineConfig(target=target, draft=draft, device_memory=budget, max_seq_len=max_seq_len,
-                        num_draft_tokens="auto", max_batch_size="auto", dtype=args.dtype)
+    base, models = job_config(budget, max_seq_len, args.dtype)
     profile = load_or_measure(base, log=lambda m: print(f"[{name}] {m}", flush=True), open_engine=Engine)
-    models = ModelPair.of(Transformer(target, dtype=base.torch_dtype),  # shapes only: nothing is loaded
-                          Transformer(draft, dtype=base.draft_torch_dtype))
     t = time.perf_counter()
     job = plan_job(base, models, prompts, params, max_seq_len, profile=profile)
     plan_s = time.perf_counter() - t
