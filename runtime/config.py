@@ -91,6 +91,10 @@ class EngineConfig:
         every expert of a layer ahead of use, "auto" picks by the expected number of distinct experts.
     expert_group: MoE only: experts per ring slot of a streamed MoE layer (None: a whole layer per slot); the
         ffn then runs one group after another, so the ring holds a group, not a layer (smaller by up to E / g).
+    packed_weights: a compressed int8 target's streamed weights: "auto" keeps them packed in the ring slots where
+        the layers multiply by them faster than they can be dequantized (bfloat16 compute on a CPU with native
+        bfloat16 GEMMs, runtime/models/packed.py), "on" keeps them packed on any CPU, "off" always dequantizes
+        them into the slots.
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
     kv_block_size: offloaded: the target's KV caches hold blocks of this many positions from one pool of the
         attention worker, sized by the placement (runtime/kv_blocks.py): a row holds the blocks its tokens use, not
@@ -136,6 +140,7 @@ class EngineConfig:
     max_seq_len: int | None = None
     expert_loading: str = "auto"
     expert_group: int | None = None
+    packed_weights: str = "auto"
     trace: bool = False
     acceptance_prior: float = 0.7
     replan_interval: int = 8
@@ -231,6 +236,19 @@ class EngineConfig:
         self._check_lookup()
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
+        if self.packed_weights not in ("auto", "on", "off"):
+            raise ConfigError(f"packed_weights must be 'auto', 'on' or 'off', got {self.packed_weights!r}")
+        if self.packed_weights == "on" and torch.device(self.device).type != "cpu":
+            raise ConfigError("packed_weights 'on' is for CPU compute; use 'auto' or 'off' on a GPU")
+
+    @property
+    def packed_slots(self) -> bool:
+        """Streamed int8 weights stay packed in the ring slots (`packed_weights`, runtime/models/packed.py)."""
+        from .models.linear import packed_kernel
+
+        if self.packed_weights == "auto":
+            return packed_kernel(self.torch_dtype, torch.device(self.device))
+        return self.packed_weights == "on"
 
     def _check_drafter(self) -> None:
         """The drafter is registered and has what its class needs (a checkpoint, a budget)."""

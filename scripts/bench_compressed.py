@@ -1,15 +1,21 @@
 """Compressed weight streaming (issue 23): fp16, int8 and int4 of one model streamed under the same budget, in one run.
 
-    python -m scripts.bench_compressed [--target dense|moefied|DIR] [--budget 4.5GiB] [--quick]
+    python -m scripts.bench_compressed [--target dense|moefied|DIR] [--budget 4.5GiB] [--dtype bfloat16]
+                                       [--regime tight|moe|dense] [--packed-weights auto|on|off] [--quick]
 
 Each variant runs without a draft at its own batch (`--batch auto`: the planner's pick for that checkpoint under the
 budget; an integer: the same for all), HumanEval prompts, greedy, `--reps` repetitions (median and spread of
 decode tokens/s). The compressed variants are built with `specoffload quantize` beside the source (or in
 `--variants-dir`) unless they exist. Reported per variant: tokens/s, bytes read per target pass, and from the
-trace the loader's busy time (its decompression share) against the compute (attention + ffn + head) per pass;
-the fp16 run's io / compute is the bound no format can beat (`io_over_compute_fp16`). Accuracy beside the speed:
-scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens; --quick: 4 windows, 4
-prompts). JSON under docs/perf/ with a top-level "summary" holding the ratios the issue names.
+trace the loader's busy time (its decompression share) against the compute (attention + ffn + head) per pass.
+int8 weights stay packed in the slots where `EngineConfig.packed_weights` "auto" says (bfloat16 on a CPU with
+native bfloat16 GEMMs; `--packed-weights off` measures the dequantizing loader instead). The fp16 run's io /
+compute is the bound no format can beat (`io_over_compute_fp16`). The summary's ratios are named by `--regime` (the
+issue's `int8_over_fp16_tight` at the smallest budget where fp16 runs a batch of 8; `_moe` / `_dense` roomy;
+default: by target). `--dtype` is the compute dtype (bfloat16 where the CPU has native 16-bit GEMMs,
+runtime/models/linear.py). Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1
+agreement, mean KL, greedy 32 tokens; --quick: 4 windows, 4 prompts). JSON under docs/perf/ with a top-level
+"summary" holding the ratios the issue names.
 """
 
 from __future__ import annotations
@@ -31,18 +37,20 @@ from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
 
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
-VARIANTS = {"fp16": None, "int8": QuantSpec("int8"), "int4": QuantSpec("int4", 64)}
+VARIANTS = {"fp16": None, "int8": QuantSpec("int8"), "int4": QuantSpec("int4", 64), "int8a": QuantSpec("int8")}
+#: variants that compress the attention projections too (`specoffload quantize --attention`)
+WITH_ATTENTION = {"int8a"}
 
 
 def variant_dir(source: Path, name: str, spec: QuantSpec | None, where: Path | None) -> Path:
     """The checkpoint of a variant: the source for fp16, else its compressed copy (built once)."""
     if spec is None:
         return source
-    suffix = "int8" if spec.scheme == "int8" else f"int4g{spec.group}"
+    suffix = ("int8" if spec.scheme == "int8" else f"int4g{spec.group}") + ("-attn" if name in WITH_ATTENTION else "")
     out = (where or source.parent) / f"{source.name}-{suffix}"
     if not out.exists():
         print(f"quantizing {source.name} -> {out}", file=sys.stderr)
-        quantize_checkpoint(source, out, spec)
+        quantize_checkpoint(source, out, spec, attention=name in WITH_ATTENTION)
     return out
 
 
@@ -53,7 +61,8 @@ def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) 
         passes = max(stats.passes, 1)
         # the local backend's loader: its decompression and read seconds (the trace has the whole load op only)
         streamer = getattr(getattr(getattr(engine.pipeline, "workers", None), "prefetch", None), "streamer", None)
-        return {"batch": engine.plan.batch, "bytes_per_pass": stats.bytes_read / passes,
+        return {"batch": engine.plan.batch, "packed_slots": engine.config.packed_slots,
+                "bytes_per_pass": stats.bytes_read / passes,
                 "load_s_per_pass": load / passes,
                 "decompress_s_per_pass": (streamer.decompress_seconds if streamer else 0.0) / passes,
                 "read_s_per_pass": (streamer.read_seconds if streamer else 0.0) / passes,
@@ -69,12 +78,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="dense", help="dense | moefied | a checkpoint directory")
     ap.add_argument("--budget", default="4.5GiB")
+    ap.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16 | float16")
+    ap.add_argument("--regime", default=None, choices=["tight", "moe", "dense"],
+                    help="names the summary's ratios (default: moe for the moefied target, else dense)")
+    ap.add_argument("--packed-weights", default="auto", choices=["auto", "on", "off"],
+                    help="int8 weights kept packed in the slots (runtime/models/packed.py)")
     ap.add_argument("--weights-tier", default="disk", choices=["disk", "ram"])
     ap.add_argument("--batch", default="auto", help="rows per batch, or auto: the planner's pick per variant")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--variants", default="fp16,int8,int4")
+    ap.add_argument("--variants", default="fp16,int8,int4",
+                    help="comma-separated: fp16, int8, int4 (group 64), int8a (int8 with the attention projections)")
     ap.add_argument("--variants-dir", type=Path, default=None, help="where compressed copies are built / found")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens, batch 4, 1 rep, quick accuracy")
@@ -97,7 +112,8 @@ def main() -> int:
     for rep in range(args.reps):  # variants interleaved per repetition: the disk's drift hits all alike
         for n in names:
             config = EngineConfig(target=dirs[n], device_memory=args.budget, weights_tier=args.weights_tier,
-                                  max_batch_size=batch, num_draft_tokens=0, max_seq_len=seq, trace=True)
+                                  max_batch_size=batch, num_draft_tokens=0, max_seq_len=seq, trace=True,
+                                  dtype=args.dtype, packed_weights=args.packed_weights)
             r = run(config, prompts, params)
             results.setdefault(n, {"runs": []})["runs"].append(r)
             print(f"rep {rep} {n}: {r['tok_s']:.2f} tok/s at batch {r['batch']}, "
@@ -114,12 +130,13 @@ def main() -> int:
             if VARIANTS[n] is not None:
                 accuracy[n] = compare(source, dirs[n], rows, greedy_prompts, 32)
     fp16 = results.get("fp16")
-    summary: dict[str, object] = {"target": source.name, "budget": args.budget, "quick": args.quick}
-    regime = "moe" if args.target == "moefied" else args.target
+    summary: dict[str, object] = {"target": source.name, "budget": args.budget, "dtype": args.dtype,
+                                  "quick": args.quick}
+    regime = args.regime or ("moe" if args.target == "moefied" else "dense")
     if fp16:
         io = statistics.median(r["io_over_compute"] or 0.0 for r in fp16["runs"])
         summary["io_over_compute_fp16"] = round(io, 3)
-        for n in ("int8", "int4"):
+        for n in ("int8", "int4", "int8a"):
             if n in results:
                 summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
         if "int4" in results and fp16["bytes_per_pass"]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specoffload.runtime import quant
 from specoffload.runtime.quant import INT4_LEVELS, QuantSpec, dequantize, dequantize_into, quantize, storage_dtype
 
 SPECS = st.one_of(st.just(QuantSpec("int8")), st.sampled_from([2, 4, 8, 32, 64]).map(lambda g: QuantSpec("int4", g)))
@@ -95,6 +97,20 @@ def test_dequantize_into_a_slot_view_equals_dequantize(w: torch.Tensor, spec: Qu
     assert torch.equal(dest, ref)
     assert (slot[:64] == 0xAB).all()  # nothing written outside the view
     assert torch.equal(ref, dequantize(parts, spec, tuple(w.shape)).to(dtype))  # float32 arithmetic, then cast
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=weights(), spec=SPECS, dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       block=st.integers(1, 700))
+def test_dequantize_into_16_bit_in_row_blocks_equals_one_float32_pass(w: torch.Tensor, spec: QuantSpec,
+                                                                      dtype: torch.dtype, block: int) -> None:
+    """A 16-bit dest is filled in blocks of rows through a small float32 scratch (several blocks here: the block
+    is shrunk): exactly the float32 dequantization, cast once."""
+    parts = quantize(w, spec)
+    dest = torch.full(tuple(w.shape), float("nan"), dtype=dtype)
+    with mock.patch.object(quant, "BLOCK_ELEMENTS", block):
+        dequantize_into(dest, parts, spec)
+    assert torch.equal(dest, dequantize(parts, spec, tuple(w.shape)).to(dtype))
 
 
 def test_int4_is_4_5_bits_at_group_64_and_int8_about_8() -> None:

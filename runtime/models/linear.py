@@ -12,7 +12,8 @@ Measured on the 2-core AVX2 CI machine (torch 2.13 CPU, MKL), W [8960, 1536]:
     F.linear is used at every row count.
   - float32 weights packed for oneDNN (`pack_weights`): 1.4-1.9x faster than either orientation above at
     1 row (the weight-bandwidth-bound decode of batch 1: 4.1 ms vs 7.7 ms), and on par at 5-80 rows.
-On CUDA F.linear is used as is.
+On CUDA F.linear is used as is. An int8 weight kept packed in its ring slot (`PackedInt8`, where `packed_kernel`
+holds) goes to torch's weight-only int8 kernel at decode row counts (runtime/models/packed.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+
+from .packed import PackedInt8, packed_linear
 
 W = TypeVar("W")
 
@@ -43,8 +46,21 @@ def native_16bit(dtype: torch.dtype) -> bool:
     return False
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ w[out, in]^T + bias[out] -> [..., out] in x's dtype."""
+@functools.cache
+def packed_kernel(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether streamed int8 weights stay packed in their slots: bfloat16 compute on a CPU whose oneDNN has native
+    bfloat16 GEMMs (the kernel's fast path), and a torch that has the kernel."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and native_16bit(torch.bfloat16)
+            and hasattr(torch, "_weight_int8pack_mm"))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ w[out, in]^T + bias[out] -> [..., out] in x's dtype (w: a tensor, or an int8 weight kept
+    packed in its slot, runtime/models/packed.py)."""
+    if isinstance(w, PackedInt8):
+        rows = x.numel() // x.shape[-1]
+        out = packed_linear(x.reshape(rows, x.shape[-1]), w).to(x.dtype)  # [N, out]
+        return (out if bias is None else out + bias).reshape(*x.shape[:-1], w.shape[0])
     if x.device.type != "cpu":
         return F.linear(x, w, bias)
     rows = x.numel() // x.shape[-1]

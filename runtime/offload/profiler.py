@@ -41,9 +41,10 @@ if TYPE_CHECKING:
 PROFILE_DIR = Path(os.environ.get("SPECOFFLOAD_CACHE", Path.home() / ".cache" / "specoffload")) / "profiles"
 FFN_ROWS = (1, 4, 16, 64, 256)
 DRAFT_ROWS = (1, 4, 16, 64)
-# 2: resident (packed) GEMM rates; 3: calibrated on measured passes (calibrate.py). Bumping it re-measures every
+# 2: resident (packed) GEMM rates; 3: calibrated on measured passes (calibrate.py); 4: the loader converts float16
+# -> bfloat16 through float32 blocks (runtime/cast.py, 3x its rate). Bumping it re-measures every
 # cached profile
-PROFILER_VERSION = 3
+PROFILER_VERSION = 4
 ATTENTION_POINTS = ((1, 1, 64), (4, 4, 64), (16, 4, 64), (16, 4, 512), (64, 4, 256), (4, 4, 1024), (32, 32, 32))
 
 
@@ -58,7 +59,7 @@ def fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "device": torch.device(config.device).type, "target": Path(config.target).name,
         "draft": _draft_name(config), "dtype": config.dtype if not config.draft_dtype else
         f"{config.dtype}/{config.draft_dtype}",
-        "weights_tier": config.weights_tier, "threads": torch.get_num_threads(),
+        "weights_tier": config.weights_tier, "threads": torch.get_num_threads(), "packed": config.packed_slots,
         "profiler": PROFILER_VERSION,
     }
 
@@ -213,11 +214,13 @@ def _stream_rate(config: EngineConfig, target: Transformer,
         else:
             groups.append([PartKey("dense_mlp", layer)])
     parts = [k for g in groups for k in g]
-    probe = WeightStreamer(target.loader, 1, 1, "disk", target.device, staging_bytes=4 * 4096)
+    packed = config.packed_slots
+    probe = WeightStreamer(target.loader, 1, 1, "disk", target.device, staging_bytes=4 * 4096, packed=packed)
     slot_bytes = max(probe.nbytes(g) for g in groups)
     probe.close()
     drop_page_cache()
-    streamer = WeightStreamer(target.loader, slot_bytes, 2, config.weights_tier, target.device, parts=parts)
+    streamer = WeightStreamer(target.loader, slot_bytes, 2, config.weights_tier, target.device, parts=parts,
+                              packed=packed)
     try:
         t = time.perf_counter()
         moved = 0

@@ -17,14 +17,18 @@ before a load and records the load's event, which a reader's stream waits on bef
 file bytes go host->device first (in the file dtype,
 e.g. float16: half the PCIe bytes of float32) into a device scratch buffer, and are converted on the device; two
 pinned staging buffers let the read of one chunk overlap the transfer of the previous one. On CPU every copy is
-synchronous in the calling thread, and the conversion reads straight from the staging buffer.
+synchronous in the calling thread, and the conversion reads straight from the staging buffer (float16 into a
+bfloat16 slot through small float32 blocks, 3x faster than torch's direct conversion: runtime/cast.py).
 
 Compressed checkpoints (`specoffload quantize`, runtime/quant.py): a compressed weight's stored bytes (codes,
 scales, zero points) are read from disk into a packed scratch buffer, or kept as such in the host tier, and
 `dequantize_into` writes the weight into its place in the slot in the compute dtype, on the loading thread (a
 "decompress" span; `decompress_seconds`). Only the streamed bytes shrink: a slot holds the same compute-dtype
-weights either way. In the host tier a part is laid out by `FieldLayout.host_offset` (compute-dtype fields as in a
-slot, compressed ones as their components); a part without compressed fields is laid out exactly as in a slot.
+weights either way, except with `packed` (int8 weights whose width the kernel takes, runtime/models/packed.py):
+then the codes are read straight into the slot and stay there as int8, beside their scale in the compute dtype,
+and the layer multiplies by them (`PackedInt8`); the slot shrinks with the stream, and nothing is dequantized.
+In the host tier a part is laid out by `FieldLayout.host_offset` (compute-dtype fields as in a slot, compressed
+ones as their components); a part without compressed fields is laid out exactly as in a slot.
 
 Threading: `load` may run in a dedicated io thread (calls are serialised by a lock); the caller guarantees that a
 slot being reloaded is no longer in use (on CUDA: calls `sync.after_use(slot)` after queueing its last use).
@@ -33,6 +37,7 @@ slot being reloaded is no longer in use (on CUDA: calls `sync.after_use(slot)` a
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -41,8 +46,10 @@ from typing import Any
 
 import torch
 
+from ..cast import copy_cast
 from ..models.checkpoint import QuantRef, TensorLocation
 from ..models.errors import CheckpointError
+from ..models.packed import PackedInt8, packable
 from ..models.weights import PartKey, TensorRef, WeightLoader, Weights
 from ..quant import dequantize_into
 from .direct_io import ALIGN, AlignedBuffer, DirectReader, align_up
@@ -66,6 +73,7 @@ class FieldLayout:
     quant: QuantRef | None = None  # a compressed weight: its components (location unused)
     host_offset: int = 0  # byte offset in the part's region of the host tier / packed scratch, TENSOR_ALIGN-aligned
     host_nbytes: int = 0  # bytes there: nbytes, or the compressed components' (each TENSOR_ALIGN-aligned)
+    packed: bool = False  # an int8 weight kept packed in the slot: its codes, then its scale in the compute dtype
 
     def component_offsets(self) -> list[int]:
         """Byte offset of each compressed component relative to `host_offset`."""
@@ -163,6 +171,7 @@ class WeightStreamer:
         max_gap: int = 64 << 10,
         slots: Sequence[torch.Tensor] | None = None,
         sync: SlotSync | None = None,
+        packed: bool = False,
     ) -> None:
         if source not in SOURCES:
             raise ValueError(f"unknown weight source {source!r}; expected one of {SOURCES}")
@@ -173,6 +182,10 @@ class WeightStreamer:
         self.loader = loader
         self.source = source
         self.device = torch.device(device)
+        if packed and self.device.type != "cpu":
+            raise ValueError("packed int8 slots are for CPU compute (runtime/models/packed.py)")
+        #: int8 weights stay packed in the slots (`PackedInt8`), the layer multiplying by them directly
+        self.packed = packed
         self.dtype = loader.dtype
         self.slot_bytes = slot_bytes
         self.max_gap = max_gap
@@ -250,7 +263,7 @@ class WeightStreamer:
                 self._fill_from_disk(self._pieces(self._slots[slot], bases, packed, packed_bases), on_device=self._cuda)
                 self.bytes_read += self.reader.bytes_read - before
                 if packed is not None:
-                    self._decompress(self._slots[slot], bases, packed, packed_bases)
+                    self._decompress(self._slots[slot], bases, packed, packed_bases, codes_in_slot=True)
             else:
                 self._fill_from_host(self._slots[slot], bases)
             self.sync.after_load(slot, self._stream)
@@ -288,7 +301,10 @@ class WeightStreamer:
             shape = ckpt.shape_of(ref.name, ref.index)
             numel = ckpt.numel(ref.name, ref.index)
             quant = ckpt.quantized(ref.name, ref.index)
+            packed = self.packed and quant is not None and quant.spec.scheme == "int8" and packable(shape)
             nbytes = numel * self.dtype.itemsize
+            if packed:  # codes, then one compute-dtype scale per output channel
+                nbytes = align_up(numel, TENSOR_ALIGN) + shape[0] * self.dtype.itemsize
             if quant is None:
                 location, host_nbytes = ckpt.file_of(ref.name, ref.index), nbytes
             else:  # the codes' range stands in for the location; the components are read one by one
@@ -296,7 +312,7 @@ class WeightStreamer:
                 host_nbytes = sum(align_up(c.location.length, TENSOR_ALIGN) for c in quant.components)
                 stored += host_nbytes
             fields.append(FieldLayout(field, ref, location, ckpt.torch_dtype(ref.name), shape, offset, nbytes,
-                                      quant, host, host_nbytes))
+                                      quant, host, host_nbytes, packed))
             offset = align_up(offset + nbytes, TENSOR_ALIGN)
             host = align_up(host + host_nbytes, TENSOR_ALIGN)
         return PartLayout(tuple(fields), offset, host, stored)
@@ -313,8 +329,16 @@ class WeightStreamer:
         start = base + field.offset
         return buffer[start : start + field.nbytes].view(self.dtype)  # [numel]
 
-    def _views(self, buffer: torch.Tensor, key: PartKey, base: int) -> dict[str, torch.Tensor]:
-        return {f.field: self._flat(buffer, base, f).view(f.shape) for f in self.layout(key).fields}
+    def _packed_view(self, buffer: torch.Tensor, base: int, field: FieldLayout) -> PackedInt8:
+        """A packed field's codes [out, in] int8 and scale [out] (compute dtype) in the slot."""
+        start, numel = base + field.offset, math.prod(field.shape)
+        codes = buffer[start : start + numel].view(torch.int8).view(field.shape)
+        at = start + align_up(numel, TENSOR_ALIGN)
+        return PackedInt8(codes, buffer[at : at + field.shape[0] * self.dtype.itemsize].view(self.dtype))
+
+    def _views(self, buffer: torch.Tensor, key: PartKey, base: int) -> dict[str, torch.Tensor | PackedInt8]:
+        return {f.field: self._packed_view(buffer, base, f) if f.packed else self._flat(buffer, base, f).view(f.shape)
+                for f in self.layout(key).fields}
 
     def _pieces(self, buffer: torch.Tensor, bases: Sequence[tuple[PartKey, int]], packed: torch.Tensor | None = None,
                 packed_bases: Sequence[tuple[PartKey, int]] = ()) -> list[Piece]:
@@ -328,7 +352,8 @@ class WeightStreamer:
                     pieces += split_pieces(field, self._flat(buffer, base, field), self._max_piece)
                     continue
                 assert packed is not None
-                pieces += self._component_pieces(field, packed, packed_at[key])
+                codes = self._packed_view(buffer, base, field).qweight.view(torch.uint8) if field.packed else None
+                pieces += self._component_pieces(field, packed, packed_at[key], codes)
         return pieces
 
     def _host_pieces(self, host: torch.Tensor, bases: Sequence[tuple[PartKey, int]]) -> list[Piece]:
@@ -343,12 +368,16 @@ class WeightStreamer:
                     pieces += self._component_pieces(field, host, base)
         return pieces
 
-    def _component_pieces(self, field: FieldLayout, packed: torch.Tensor, base: int) -> list[Piece]:
-        """A compressed field's components, read raw into `packed` at the part's `base` + their host offsets."""
+    def _component_pieces(self, field: FieldLayout, packed: torch.Tensor, base: int,
+                          codes: torch.Tensor | None = None) -> list[Piece]:
+        """A compressed field's components, read raw into `packed` at the part's `base` + their host offsets (the
+        codes of a packed field straight into their place in the slot, `codes`, when given)."""
         assert field.quant is not None
         start, pieces = base + field.host_offset, []
         for c, at in zip(field.quant.components, field.component_offsets()):
             dest = packed[start + at : start + at + c.location.length]  # [bytes] uint8
+            if codes is not None and c.suffix == "qweight":
+                dest = codes.reshape(-1)  # [bytes] uint8, in the slot
             pieces += split_range(c.location, torch.uint8, dest, self._max_piece, field.ref.name)
         return pieces
 
@@ -378,8 +407,9 @@ class WeightStreamer:
         return out
 
     def _decompress(self, slot: torch.Tensor, bases: Sequence[tuple[PartKey, int]], packed: torch.Tensor,
-                    packed_bases: Sequence[tuple[PartKey, int]]) -> None:
-        """Dequantize every compressed field of the parts from `packed` into its place in the slot."""
+                    packed_bases: Sequence[tuple[PartKey, int]], codes_in_slot: bool = False) -> None:
+        """Dequantize every compressed field of the parts from `packed` into its place in the slot; a packed field
+        gets its scale in the compute dtype (and its codes copied, unless the disk read put them in the slot)."""
         t0 = time.perf_counter()
         packed_at = dict(packed_bases)
         with self._span("decompress", "copy", parts=len(packed_at)), contextlib.ExitStack() as stack:
@@ -389,9 +419,16 @@ class WeightStreamer:
                 if key not in packed_at:
                     continue
                 for field in self.layout(key).fields:
-                    if field.quant is not None:
-                        dest = self._flat(slot, base, field).view(field.shape)
-                        dequantize_into(dest, self._components(packed, packed_at[key], field), field.quant.spec)
+                    if field.quant is None:
+                        continue
+                    parts = self._components(packed, packed_at[key], field)
+                    if field.packed:
+                        view = self._packed_view(slot, base, field)
+                        if not codes_in_slot:
+                            view.qweight.copy_(parts["qweight"])
+                        view.scale.copy_(parts["scale"].view(-1))  # [out] float32 -> compute dtype
+                        continue
+                    dequantize_into(self._flat(slot, base, field).view(field.shape), parts, field.quant.spec)
         elapsed = time.perf_counter() - t0
         self.decompress_seconds += elapsed
         self.copy_seconds += elapsed
@@ -421,7 +458,7 @@ class WeightStreamer:
                             p.dest.copy_(_typed(scratch, p.offset - start, p.length, p.file_dtype))
                 else:
                     for p in group:
-                        p.dest.copy_(_typed(raw, p.offset - start, p.length, p.file_dtype))
+                        copy_cast(p.dest, _typed(raw, p.offset - start, p.length, p.file_dtype))
             self.read_seconds += t1 - t0
             self.copy_seconds += time.perf_counter() - t1
 

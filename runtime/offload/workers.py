@@ -124,7 +124,7 @@ def _slot_streamer(model: Transformer, plan: WeightPlan, config: EngineConfig, s
     return WeightStreamer(
         model.loader, plan.slot_bytes, plan.num_buffers, source, compute_device(config),
         staging_bytes=(64 << 20) if loads else 4 * 4096, parts=list(plan.streamed) if loads else None, slots=slots,
-        sync=sync,
+        sync=sync, packed=config.packed_slots,
     )
 
 

@@ -1,0 +1,163 @@
+"""Packed int8 slots (runtime/models/packed.py): int8 weights kept as codes in the ring slots and multiplied by
+torch's weight-only int8 kernel give the compressed target's values, row by row, and speculation on such a target
+stays lossless."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specoffload.planner.shapes import PartKey
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.errors import ConfigError
+from specoffload.runtime.models.linear import linear, native_16bit, packed_kernel
+from specoffload.runtime.models.model import Transformer
+from specoffload.runtime.models.packed import PACKED_MAX_ROWS, PackedInt8, packable
+from specoffload.runtime.offload.streamer import WeightStreamer
+from specoffload.runtime.quant import QuantSpec
+from specoffload.runtime.quantize import quantize_checkpoint
+from specoffload.runtime.sampling import SamplingParams
+from tests.conftest import OFFLOAD_PROMPTS
+
+
+def _weight(out: int, inputs: int, dtype: torch.dtype, seed: int) -> PackedInt8:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out, inputs), generator=g, dtype=torch.int8)  # [out, in]
+    return PackedInt8(q, (torch.rand(out, generator=g) * 0.02).to(dtype))  # scale [out]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 2 * PACKED_MAX_ROWS), width=st.integers(1, 8), out=st.integers(1, 40),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))
+def test_packed_linear_is_the_product_with_the_dequantized_weight(rows, width, out, dtype, seed):
+    w = _weight(out, 16 * width, dtype, seed)
+    x = torch.randn(rows, 16 * width, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)  # [N, in]
+    y = linear(x, w)  # [N, out]
+    assert y.dtype == dtype and y.shape == (rows, out)
+    if rows > PACKED_MAX_ROWS:  # prefill-sized: dequantized on the spot, then an ordinary GEMM
+        assert torch.equal(y, F.linear(x, w.dequantize()))
+        return
+    exact = x.double() @ (w.qweight.double() * w.scale.double()[:, None]).T  # [N, out]
+    ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-8  # one rounding of the output, one of each product sum
+    bound = ulp * 4 * (x.double().abs() @ (w.qweight.double().abs() * w.scale.double()[:, None]).T) + 1e-30
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_is_computed_on_its_own(dtype):
+    """The kernel's result for a row does not depend on the rows beside it (a verify pass of k + 1 tokens per row
+    and a decode pass of one give the same row values: lossless speculation on a packed target rests on it)."""
+    w = _weight(40, 96, dtype, 0)
+    x = torch.randn(PACKED_MAX_ROWS, 96).to(dtype)  # [N, in]
+    together = linear(x, w)
+    assert torch.equal(together, torch.cat([linear(x[i : i + 1], w) for i in range(len(x))]))
+    assert torch.equal(together[:5], linear(x[:5], w))
+
+
+def test_bias_leading_dims_and_the_widths_the_kernel_refuses():
+    w = _weight(12, 32, torch.float32, 1)
+    x = torch.randn(2, 3, 32)  # [B, T, in]
+    bias = torch.randn(12)
+    assert torch.allclose(linear(x, w, bias), F.linear(x, w.dequantize(), bias), rtol=1e-5, atol=1e-6)
+    assert not packable((12, 24)) and not packable((4, 12, 32)) and packable((12, 48))
+    odd = _weight(12, 24, torch.bfloat16, 2)  # never packed by the streamer; computed through its dequantization
+    x = torch.randn(3, 24).bfloat16()
+    assert torch.equal(linear(x, odd), F.linear(x, odd.dequantize()))
+    with pytest.raises(ValueError, match="int8 codes"):
+        PackedInt8(torch.zeros(3, 4), torch.ones(3))
+    gate, up = _weight(8, 32, torch.float32, 3).chunk(2)
+    assert gate.shape == (4, 32) and up.scale.shape == (4,)
+
+
+@pytest.fixture(scope="module")
+def int8(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed")
+
+    def get(name: str):
+        out = root / name
+        if not out.exists():
+            quantize_checkpoint(tiny_models[name], out, QuantSpec("int8"))
+        return out
+
+    return get
+
+
+@pytest.mark.parametrize("source", ["disk", "ram"])
+@pytest.mark.parametrize("model", ["mixtral_fused", "qwen2_moe", "llama"])
+def test_streamer_keeps_int8_weights_packed_in_the_slot(int8, source, model, single_thread):
+    target = Transformer(int8(model))  # float32: the packed scale is the stored one, so values are exact
+    keys = [k for k in target.loader.parts() if k.kind in ("dense_mlp", "expert", "router")][:6]
+    plain = WeightStreamer(target.loader, 1, 1, "disk", "cpu")
+    packed_probe = WeightStreamer(target.loader, 1, 1, "disk", "cpu", packed=True)
+    slot_bytes = packed_probe.nbytes(keys)
+    assert slot_bytes < plain.nbytes(keys)  # int8 codes instead of float32 weights
+    with WeightStreamer(target.loader, slot_bytes, 2, source, "cpu", parts=keys, staging_bytes=8192,
+                        packed=True) as s:
+        for _ in range(2):  # slots and scratch reused
+            got = s.load(1, keys)
+            viewed = s.views(1, keys)
+            packed = 0
+            for key in keys:
+                packed += _assert_same(got[key], target.loader.load(key))
+                _assert_same(viewed[key], got[key])
+            assert packed > 0
+
+
+def _assert_same(a, b) -> int:
+    """Field by field equal (a packed field through its dequantization); returns how many fields were packed."""
+    packed = 0
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, PackedInt8):
+            y = y.dequantize() if isinstance(y, PackedInt8) else y
+            assert torch.equal(x.dequantize(), y), f.name
+            packed += 1
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), f.name
+        elif dataclasses.is_dataclass(x):
+            packed += _assert_same(x, y)
+    return packed
+
+
+@pytest.mark.parametrize("target", ["qwen2_moe", "llama"])
+def test_speculation_on_a_packed_target_is_lossless(tiny_models, int8, target, single_thread):
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    base = EngineConfig(target=int8(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
+                        packed_weights="on", num_draft_tokens=0)
+    lo = Engine(base).minimum_device_memory()
+    engine = Engine(replace(base, device_memory=lo))
+    alone = [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)]
+    streamer = engine.pipeline.workers.prefetch.streamer
+    first = PartKey("expert", 0, 0) if target == "qwen2_moe" else PartKey("dense_mlp", 0)
+    assert any(f.packed for f in streamer.layout(first).fields)
+    engine.close()
+    for draft in (tiny_models["qwen2_draft"], int8("qwen2_draft")):
+        config = replace(base, draft=draft, num_draft_tokens=3)
+        engine = Engine(replace(config, device_memory=Engine(config).minimum_device_memory()))
+        assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == alone, draft
+        engine.close()
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+    outs = []
+    for packed in ("on", "off"):  # same sampler draws; the packed and dequantized targets agree on these tokens
+        engine = Engine(replace(base, device_memory=lo, packed_weights=packed))
+        outs.append([r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, sampled)])
+        engine.close()
+    assert outs[0] == outs[1]
+
+
+def test_packed_weights_setting_is_checked():
+    with pytest.raises(ConfigError, match="packed_weights must be"):
+        EngineConfig(target="x", packed_weights="yes")
+    with pytest.raises(ConfigError, match="for CPU compute"):
+        EngineConfig(target="x", packed_weights="on", device="cuda")
+    assert not EngineConfig(target="x", packed_weights="auto").packed_slots  # float32: dequantized slots
+    bf16 = EngineConfig(target="x", dtype="bfloat16")
+    assert bf16.packed_slots == (native_16bit(torch.bfloat16) and hasattr(torch, "_weight_int8pack_mm"))
+    assert not packed_kernel(torch.bfloat16, "cuda") and not replace(bf16, packed_weights="off").packed_slots
