@@ -323,16 +323,17 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     Incremental, O(steps * layers); the items `_layout` builds for a resident set add up to the same numbers.
     """
     nbytes = dict(target.parts)
+    in_slot = nbytes | target.slot_bytes()  # a streamed part's bytes in a ring slot
     stored = target.stored_bytes()  # the RAM tier holds compressed parts compressed
     tier_total = sum(stored.get(key, n) for key, n in target.parts)
     draft_bytes = draft.total_bytes + policy.kv_cache_bytes(draft) if draft is not None else 0
     on_host = _host_parts(target, policy)
     kv = policy.target_kv_cache_bytes(target) + sum(nbytes[key] for key in on_host)  # host-resident attention too
     slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
-    for key, n in target.parts:
+    for key in nbytes:
         group = slot_unit(key, target.num_layers, policy.expert_group)
         if group is not None and key not in on_host:
-            slots[group] = slots.get(group, 0) + n
+            slots[group] = slots.get(group, 0) + in_slot[key]
     resident = 0  # target weight bytes resident on the device
     # bytes (as stored) the RAM tier does not hold: the device-resident parts, and the host-resident ones (in kv)
     resident_stored = sum(stored.get(key, nbytes[key]) for key in on_host)
@@ -352,7 +353,7 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
             resident_stored += stored.get(key, nbytes[key])
             group = slot_unit(key, target.num_layers, policy.expert_group)
             if group is not None:
-                slots[group] -= nbytes[key]
+                slots[group] -= in_slot[key]
         chain.append(footprint())
     return chain
 
@@ -402,13 +403,13 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
     slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
     buckets: dict[tuple[str, str], list[Any]] = {}  # (category, tier) -> [bytes, set of layers]
     on_host = _host_parts(target, policy)
-    stored = target.stored_bytes()
+    stored, in_slot = target.stored_bytes(), target.slot_bytes()
     for key, nbytes in target.parts:
         tier = "host" if key in on_host else "device" if key in resident else policy.streamed_tier
         tiers.append((key, tier))
         group = slot_unit(key, target.num_layers, policy.expert_group)
         if tier != "device" and group is not None and key not in on_host:
-            slots[group] = slots.get(group, 0) + nbytes
+            slots[group] = slots.get(group, 0) + in_slot.get(key, nbytes)
         bucket = buckets.setdefault((_CATEGORY[key.kind], tier), [0, set(), 0])
         bucket[0] += nbytes if tier == "device" else stored.get(key, nbytes)  # off the device: as stored
         bucket[1].add(key.layer)

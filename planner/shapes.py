@@ -38,6 +38,9 @@ class ModelShape:
     # stored as they are computed with (their bytes in `parts`)
     stored: tuple[tuple[PartKey, int], ...] = ()
     hidden_bytes_per_token: int = 0  # one token's hidden state (hidden_size x compute-dtype bytes); 0: unknown
+    # parts that take fewer bytes in a ring slot than resident (int8 weights kept packed in the slot,
+    # runtime/models/packed.py), with their slot bytes; the rest take their bytes in `parts` in a slot too
+    slotted: tuple[tuple[PartKey, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_layers < 0 or self.kv_bytes_per_token < 0:
@@ -52,9 +55,10 @@ class ModelShape:
             if nbytes < 0 or key in seen:
                 raise ValueError(f"{self.name}: {key} has negative bytes or appears twice")
             seen.add(key)
-        for key, nbytes in self.stored:
-            if key not in seen or nbytes < 0:
-                raise ValueError(f"{self.name}: stored bytes for {key}, which is not a part or has negative bytes")
+        for what, pairs in (("stored", self.stored), ("slot", self.slotted)):
+            for key, nbytes in pairs:
+                if key not in seen or nbytes < 0:
+                    raise ValueError(f"{self.name}: {what} bytes for {key}, which is not a part or has negative bytes")
 
     @property
     def total_bytes(self) -> int:
@@ -63,6 +67,10 @@ class ModelShape:
     def stored_bytes(self) -> dict[PartKey, int]:
         """Compressed part -> its stored bytes (absent: stored as computed with)."""
         return dict(self.stored)
+
+    def slot_bytes(self) -> dict[PartKey, int]:
+        """Part -> the bytes it takes in a ring slot, where that differs from its resident bytes."""
+        return dict(self.slotted)
 
     def tier_bytes(self, key: PartKey, nbytes: int) -> int:
         """What a part of `nbytes` compute-dtype bytes takes in the RAM tier: its stored bytes if compressed."""

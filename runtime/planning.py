@@ -67,13 +67,16 @@ class ModelPair:
     def for_config(cls, config: EngineConfig, target: Transformer, shares_kv: bool) -> ModelPair:
         """The target and the drafter `config` names, as that drafter's class counts itself (`footprint`).
         shares_kv: the drafter is built in the target's process (the local backend)."""
-        return cls.drafted_by(target, config.drafter_class.footprint(config, target, shares_kv))
+        return cls.drafted_by(target, config.drafter_class.footprint(config, target, shares_kv),
+                              packed=config.packed_slots)
 
     @classmethod
-    def drafted_by(cls, target: Transformer, draft: DraftFootprint) -> ModelPair:
-        """The target's shape (headers only) with a drafter's footprint."""
+    def drafted_by(cls, target: Transformer, draft: DraftFootprint, packed: bool = False) -> ModelPair:
+        """The target's shape (headers only) with a drafter's footprint; packed: int8 weights stay packed in the ring
+        slots (`EngineConfig.packed_slots`)."""
         cfg = target.config
-        return cls(target=target.loader.shape("target"), draft=draft.shape, model_context=cfg.max_position_embeddings,
+        return cls(target=target.loader.shape("target", packed=packed), draft=draft.shape,
+                   model_context=cfg.max_position_embeddings,
                    dtype_bytes=target.dtype.itemsize, top_k=cfg.num_experts_per_tok if cfg.num_experts else 0,
                    draft_top_k=draft.top_k, self_draft_experts=draft.experts, draft_pins=draft.pins,
                    draft_dtype_bytes=draft.dtype_bytes)

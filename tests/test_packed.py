@@ -132,7 +132,9 @@ def test_speculation_on_a_packed_target_is_lossless(tiny_models, int8, target, s
     base = EngineConfig(target=int8(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
                         packed_weights="on", num_draft_tokens=0)
     lo = Engine(base).minimum_device_memory()
-    engine = Engine(replace(base, device_memory=lo))
+    lo_off = Engine(replace(base, packed_weights="off")).minimum_device_memory()
+    assert lo < lo_off  # the ring holds int8 codes
+    engine = Engine(replace(base, device_memory=lo))  # the streamer's packed parts fit the planner's slots
     alone = [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)]
     streamer = engine.pipeline.workers.prefetch.streamer
     first = PartKey("expert", 0, 0) if target == "qwen2_moe" else PartKey("dense_mlp", 0)
@@ -145,8 +147,8 @@ def test_speculation_on_a_packed_target_is_lossless(tiny_models, int8, target, s
         engine.close()
     sampled = SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
     outs = []
-    for packed in ("on", "off"):  # same sampler draws; the packed and dequantized targets agree on these tokens
-        engine = Engine(replace(base, device_memory=lo, packed_weights=packed))
+    for packed, budget in (("on", lo), ("off", lo_off)):  # same draws; packed and dequantized targets agree here
+        engine = Engine(replace(base, device_memory=budget, packed_weights=packed))
         outs.append([r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, sampled)])
         engine.close()
     assert outs[0] == outs[1]

@@ -71,6 +71,22 @@ def test_placement_counts_stored_bytes_off_the_device_and_the_scratch() -> None:
         ModelShape("x", TARGET.parts, 4, 16, stored=((PartKey("expert", 0, 0), 5),))
 
 
+def test_packed_parts_take_their_slot_bytes_in_the_ring_and_their_full_bytes_resident() -> None:
+    """int8 weights kept packed in the ring slots (runtime/models/packed.py): a streamed mlp takes 420 bytes in a
+    slot instead of 800, so the ring shrinks; a resident one is dequantized, so it still takes 800."""
+    packed = replace(COMPRESSED, slotted=tuple((PartKey("dense_mlp", j), 420) for j in range(4)))
+    policy = PlacementPolicy(batch_size=1, num_buffers=2, weights_tier="disk", unified_memory=False)
+    plain = place(COMPRESSED, None, policy, device_memory=3200, host_memory=10**6)
+    small = place(packed, None, policy, device_memory=3200, host_memory=10**6)
+    assert plain.slot_bytes == 800 and small.slot_bytes == 420
+    assert small.device_bytes() == sum(i.nbytes for i in small.items if i.tier == "device")
+    # the smaller ring leaves room for one mlp resident, at its full (dequantized) bytes
+    assert small.device_bytes() <= 3200 and len(small.streamed_layers) == len(plain.streamed_layers) - 1
+    assert [i.nbytes for i in small.items if i.tier == "device" and i.name.startswith("target ffn")] == [800]
+    with pytest.raises(ValueError, match="slot bytes"):
+        ModelShape("x", TARGET.parts, 4, 16, slotted=((PartKey("expert", 0, 0), 5),))
+
+
 def test_runtime_shape_of_a_compressed_checkpoint(tiny_models, tmp_path) -> None:  # noqa: ANN001
     from specoffload.runtime.models.model import Transformer
     from specoffload.runtime.quant import QuantSpec

@@ -22,6 +22,7 @@ from specoffload.planner.shapes import PART_KINDS, ModelShape, PartKey
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig
+from .packed import packable
 
 Tensor = torch.Tensor
 
@@ -166,15 +167,33 @@ class WeightLoader:
     def total_nbytes(self) -> int:
         return sum(self.nbytes(key) for key in self.parts())
 
-    def shape(self, name: str) -> ModelShape:
-        """The base layer's view of this model (parts and bytes in the loader's dtype). Reads tensor headers only."""
+    def shape(self, name: str, packed: bool = False) -> ModelShape:
+        """The base layer's view of this model (parts and bytes in the loader's dtype). Reads tensor headers only.
+        packed: streamed int8 weights stay packed in the ring slots (runtime/models/packed.py), so a part with such
+        weights takes fewer bytes in a slot (`ModelShape.slotted`)."""
         cfg = self.config
         kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         keys = self.parts()
         stored = tuple((key, n) for key in keys if (n := self.stored_nbytes(key)) is not None)
+        slotted = tuple((key, n) for key, _ in stored if (n := self.packed_nbytes(key)) < self.nbytes(key)) \
+            if packed else ()
         return ModelShape(name=name, parts=tuple((key, self.nbytes(key)) for key in keys),
                           num_layers=cfg.num_layers, kv_bytes_per_token=kv, stored=stored,
-                          hidden_bytes_per_token=cfg.hidden_size * self.dtype.itemsize)
+                          hidden_bytes_per_token=cfg.hidden_size * self.dtype.itemsize, slotted=slotted)
+
+    def packed_nbytes(self, key: PartKey) -> int:
+        """Bytes the part takes in a ring slot with its int8 weights packed: codes plus one compute-dtype scale per
+        output channel for each packable int8 weight, the loader's dtype for the rest (no alignment padding: the
+        streamer's slot margin covers it)."""
+        ckpt, total = self.checkpoint, 0
+        for ref in self.refs(key).values():
+            quant, shape = ckpt.quantized(ref.name, ref.index), ckpt.shape_of(ref.name, ref.index)
+            numel = ckpt.numel(ref.name, ref.index)
+            if quant is not None and quant.spec.scheme == "int8" and packable(shape):
+                total += numel + shape[0] * self.dtype.itemsize
+            else:
+                total += numel * self.dtype.itemsize
+        return total
 
     def stored_nbytes(self, key: PartKey) -> int | None:
         """Bytes a part with compressed weights (a `specoffload quantize` checkpoint) is stored and streamed as:
