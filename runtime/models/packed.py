@@ -23,10 +23,15 @@ where `linear.packed_kernel` holds: bfloat16 on a CPU with native 16-bit GEMMs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .checkpoint import QuantRef
 
 #: rows up to which the int8 kernel beats dequantize + F.linear (module docstring: equal near 24-32 rows)
 PACKED_MAX_ROWS = 16
@@ -38,6 +43,18 @@ PACKED_ALIGN = 16
 def packable(shape: tuple[int, ...]) -> bool:
     """A weight of this shape can stay packed: a matrix whose input width the kernel takes."""
     return len(shape) == 2 and shape[-1] % PACKED_ALIGN == 0
+
+
+def stays_packed(quant: QuantRef | None, shape: tuple[int, ...]) -> bool:
+    """A streamed weight (`quant`: its compression, None if stored uncompressed) is kept packed in its slot when
+    packed slots are on: an int8 matrix the kernel takes."""
+    return quant is not None and quant.spec.scheme == "int8" and packable(shape)
+
+
+def slot_nbytes(shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
+    """Bytes a packed [out, in] weight takes in a slot: its codes, padded to `align`, then one `dtype` scale per
+    output channel (the streamer's layout, `align` its tensor alignment)."""
+    return -(-math.prod(shape) // align) * align + shape[0] * dtype.itemsize
 
 
 @dataclass(frozen=True, eq=False)

@@ -22,7 +22,7 @@ from specoffload.planner.shapes import PART_KINDS, ModelShape, PartKey
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .packed import packable
+from .packed import slot_nbytes, stays_packed
 
 Tensor = torch.Tensor
 
@@ -189,10 +189,7 @@ class WeightLoader:
         for ref in self.refs(key).values():
             quant, shape = ckpt.quantized(ref.name, ref.index), ckpt.shape_of(ref.name, ref.index)
             numel = ckpt.numel(ref.name, ref.index)
-            if quant is not None and quant.spec.scheme == "int8" and packable(shape):
-                total += numel + shape[0] * self.dtype.itemsize
-            else:
-                total += numel * self.dtype.itemsize
+            total += slot_nbytes(shape, self.dtype) if stays_packed(quant, shape) else numel * self.dtype.itemsize
         return total
 
     def stored_nbytes(self, key: PartKey) -> int | None:

@@ -49,7 +49,7 @@ import torch
 from ..cast import copy_cast
 from ..models.checkpoint import QuantRef, TensorLocation
 from ..models.errors import CheckpointError
-from ..models.packed import PackedInt8, packable
+from ..models.packed import PackedInt8, slot_nbytes, stays_packed
 from ..models.weights import PartKey, TensorRef, WeightLoader, Weights
 from ..quant import dequantize_into
 from .direct_io import ALIGN, AlignedBuffer, DirectReader, align_up
@@ -301,10 +301,8 @@ class WeightStreamer:
             shape = ckpt.shape_of(ref.name, ref.index)
             numel = ckpt.numel(ref.name, ref.index)
             quant = ckpt.quantized(ref.name, ref.index)
-            packed = self.packed and quant is not None and quant.spec.scheme == "int8" and packable(shape)
-            nbytes = numel * self.dtype.itemsize
-            if packed:  # codes, then one compute-dtype scale per output channel
-                nbytes = align_up(numel, TENSOR_ALIGN) + shape[0] * self.dtype.itemsize
+            packed = self.packed and stays_packed(quant, shape)
+            nbytes = slot_nbytes(shape, self.dtype, TENSOR_ALIGN) if packed else numel * self.dtype.itemsize
             if quant is None:
                 location, host_nbytes = ckpt.file_of(ref.name, ref.index), nbytes
             else:  # the codes' range stands in for the location; the components are read one by one
