@@ -296,8 +296,7 @@ class ChunkStream:
     def _counters(self) -> dict[str, Any]:
         pipeline = self.engine.pipeline
         return {"recoveries": self.roles.recoveries,
-                "bytes_read": pipeline.workers.bytes_read if pipeline is not None else 0,
-                "passes": pipeline.verified if pipeline is not None else 0}
+                "bytes_read": pipeline.workers.bytes_read, "passes": pipeline.verified}
 
 
 class Coordinator:
@@ -394,7 +393,6 @@ class Coordinator:
     def progress(self) -> dict[str, Any]:
         """Counters readable while `generate` runs (the actor is threaded)."""
         engine, roles = self._engine()
-        assert engine.pipeline is not None
         return {"running": engine.pipeline.running, "verified": engine.pipeline.verified,
                 "recoveries": roles.recoveries}
 

@@ -86,11 +86,10 @@ class LocalBackend:
 
     def report(self) -> None:
         engine = self.engine
-        if engine.pipeline is None:
-            return
-        print(f"plan: {engine.plan.describe()}; re-planned k {len(engine.replanner.replans)} times "
-              f"(now k = {engine.replanner.k})", file=sys.stderr)
-        print(f"weights read: {self.bytes_read / 1e9:.2f} GB in {self.passes} streamed passes", file=sys.stderr)
+        if engine.placement is not None:  # (resident: nothing streamed or re-planned to report)
+            print(f"plan: {engine.plan.describe()}; re-planned k {len(engine.replanner.replans)} times "
+                  f"(now k = {engine.replanner.k})", file=sys.stderr)
+            print(f"weights read: {self.bytes_read / 1e9:.2f} GB in {self.passes} streamed passes", file=sys.stderr)
         if self.options.trace is not None:
             path = engine.tracer.save_chrome_trace(self.options.trace)
             print(engine.tracer.breakdown().table(), file=sys.stderr)

@@ -164,7 +164,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--progress-interval", type=float, default=10.0,
                    help="seconds between progress lines when stderr is not a terminal (e.g. `ray job logs`)")
     d.add_argument("--trace", type=Path, default=None,
-                   help="write a Chrome/Perfetto trace JSON of the offloaded pipeline (needs --device-memory)")
+                   help="write a Chrome/Perfetto trace JSON of the pipeline's ops")
     d.add_argument("--show-placement", action="store_true", help="print the memory placement table to stderr")
 
 
@@ -299,9 +299,6 @@ def _generate(args: argparse.Namespace) -> int:
     from .offline.job import JobSpec, run_job
     from .offline.source import InputSource
 
-    if args.trace is not None and args.device_memory is None:
-        raise ValueError("--trace records the offloaded pipeline: it needs --device-memory (a resident run has no "
-                         "pipeline to trace)")
     if args.drafter == "auto" and args.device_memory is None:
         raise ValueError("--drafter auto plans against a memory budget: give --device-memory")
     if args.prompts:

@@ -106,10 +106,11 @@ class EngineConfig:
     migrate_interval: every this many verify rounds the drafter re-chooses its resident experts from the
         routing the target did meanwhile, when the gain in hit rate is worth moving the bytes (0: never).
 
-    interleave: with a drafter, True: two batches alternate, the drafter proposing for one while the target
+    interleave: offloaded with a drafter, True: two batches alternate, the drafter proposing for one while the target
         verifies the other (its steps hidden behind the pass); False: one batch drafts for itself between its own
         passes (the KV caches of one batch instead of two); "auto": the planner chooses. None (the default): False
-        for a model-free drafter (its proposals cost microseconds: nothing to hide), else True.
+        for a model-free drafter (its proposals cost microseconds: nothing to hide), else True. Resident (nothing
+        streams for a draft to hide behind) the plan runs one batch.
 
     Model-free drafters (runtime/offload/modelfree.py; no weights, no KV cache):
     prompt_lookup_min, prompt_lookup_max: "ngram": the shortest and longest suffix n-gram looked up in the row's

@@ -1,15 +1,15 @@
-"""`Engine`: the one front door. It does what the config says: with `device_memory` set, the target streams its
-weights through the interleaved pipeline (runtime/offload/); without it, every weight is resident.
+"""`Engine`: the one front door, over one runner: the pipeline (runtime/offload/pipeline.py). With `device_memory` set
+the target streams the weights the placement does not keep; without it every part is resident and nothing streams.
 
 The life of a request, top-down:
   1. `Engine(config)` reads the checkpoints' headers (nothing is loaded yet), checks that the draft shares the
      target's vocabulary, and makes the `Plan` (runtime/planning.py: batch, k, k_max, KV length per row; the
-     planner's search when the config says "auto"). Offloaded, it also places every part and cache under the
-     budget (planner/placement.py) and builds the workers (`workers`: in this process by default, or role actors
-     from actors/) and the drafter the plan asks for (offload/drafters.py).
-  2. `generate(prompts)` encodes and checks the prompts, turns them into `Request`s, and hands them to the runner:
-     `Pipeline` (offload/pipeline.py) or `ResidentRunner` (resident.py). Both verify drafts losslessly
-     (runtime/verify.py): greedy output equals the target's own, token for token.
+     planner's search when the config says "auto"). Offloaded, it places every part and cache under the budget
+     (planner/placement.py); resident, every part is resident. It builds the workers (`workers`: in this process
+     by default, or role actors from actors/) and the drafter the plan asks for (offload/drafters.py).
+  2. `generate(prompts)` encodes and checks the prompts, turns them into `Request`s, and hands them to the
+     `Pipeline`, which verifies drafts losslessly (runtime/verify.py): greedy output equals the target's own,
+     token for token.
   3. Results come back in input order, with per-request acceptance counts; `last_stats` holds the totals.
 
 Which file to touch: a new drafter is a class in offload/drafters.py and one `register_drafter` line; a new model
@@ -41,7 +41,6 @@ from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
 from .param_ranges import check_sampling
 from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
 from .request import Feed, GenerationResult, MappedFeed, Request
-from .resident import ResidentRunner
 from .rng import row_seed
 from .sampling import SamplingParams
 from .stats import GenerateStats, OffloadStats
@@ -104,23 +103,21 @@ class Engine:
         self.tracer = Tracer(enabled=config.trace)
         self.last_stats: GenerateStats | None = None
         self.placement: Placement | None = None
-        self.pipeline: Pipeline | None = None
         self.workers: Workers | None = None
-        if not config.offloaded:
-            own = None if drafter.needs_checkpoint or not drafter.proposes else drafter(config)  # model-free
-            self.runner: Pipeline | ResidentRunner = ResidentRunner(self.target, draft_model, plan, own)
-            return
-        self.placement = place_plan(config, plan, self.models)  # PlacementError (with the minimum) if too small
-        self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
-                                                     self._select_experts(), plan.draft_experts)
+        if config.offloaded:
+            self.placement = place_plan(config, plan, self.models)  # PlacementError (with the minimum) if too small
+            self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
+                                                         self._select_experts(), plan.draft_experts)
+        else:  # nothing streams: the same pipeline, every part resident where compute runs
+            self.weight_plan = WeightPlan.all_resident(self.models.target, config.num_buffers)
         self.replanner = Replanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
                                    self.placement, config.expert_loading, refill=config.refill)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
-        self.pipeline = self.runner = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner,
-                                               self.tracer, recovery, config.num_threads,
-                                               adapt_interval=config.migrate_interval if drafter.adapts else 0,
-                                               refill=config.refill, prefill_chunk=config.prefill_chunk
-                                               if config.prefill_chunk is not None else plan.prefill_chunk)
+        self.pipeline = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner, self.tracer,
+                                 recovery, config.num_threads,
+                                 adapt_interval=config.migrate_interval if drafter.adapts else 0,
+                                 refill=config.refill, prefill_chunk=config.prefill_chunk
+                                 if config.prefill_chunk is not None else plan.prefill_chunk)
 
     # ---- construction -----------------------------------------------------------------------------------------------
     def _check_vocabularies(self, draft: Transformer) -> None:
@@ -177,10 +174,9 @@ class Engine:
             raise ValueError(f"keys: one per prompt ({len(encoded)}); got {len(keys)}")
         requests = [self._request(i, ids, p, i if keys is None else keys[i])
                     for i, (ids, p) in enumerate(zip(encoded, per_row))]
-        if self.pipeline is not None:  # the replanner prices the prefill share of refilled rows
-            self.replanner.prompt_len = sum(len(r.prompt) for r in requests) / len(requests)
+        self.replanner.prompt_len = sum(len(r.prompt) for r in requests) / len(requests)
         with torch.inference_mode():
-            self.last_stats = self.runner.run(requests, progress=progress)
+            self.last_stats = self.pipeline.run(requests, progress=progress)
         return [self._result(r) for r in requests]
 
     def generate_iter(
@@ -213,20 +209,19 @@ class Engine:
             i = next(counter)
             prompt, p, key = row
             r = self._request(i, self._encode_one(i, prompt), p, key)
-            if self.pipeline is not None:
-                prompt_tokens += len(r.prompt)
-                self.replanner.prompt_len = prompt_tokens / (i + 1)
+            prompt_tokens += len(r.prompt)
+            self.replanner.prompt_len = prompt_tokens / (i + 1)
             return r
 
         requests = rows.map(request) if isinstance(rows, (Feed, MappedFeed)) else map(request, rows)
-        finished = self.runner.stream(requests, progress=progress)
+        finished = self.pipeline.stream(requests, progress=progress)
         while True:
             with torch.inference_mode():  # around the runner's work only, not the caller's between two results
                 r = next(finished, None)
             if r is None:
                 break
             yield self._result(r)
-        self.last_stats = self.runner.last_stats
+        self.last_stats = self.pipeline.last_stats
 
     def _request(self, index: int, ids: list[int], p: SamplingParams, key: int | str) -> Request:
         if not isinstance(p, SamplingParams):

@@ -136,8 +136,10 @@ def make_plan(
     has_draft = models.draft is not None
     if not config.planned:
         k = int(config.num_draft_tokens) if has_draft else 0
+        # resident, nothing streams for a draft to hide behind: one batch drafting between its passes
+        interleave = config.offloaded and config.interleave is not False
         return fixed_plan(int(config.max_batch_size), k, max_seq_len, models.self_draft_experts,
-                          interleave=config.interleave is not False, refill=config.refill)
+                          interleave=interleave, refill=config.refill)
     if profile is None:
         profile = load_or_measure(config, log=log or logger.info)
     if workload is None:

@@ -1,5 +1,5 @@
-"""The speculative core, one for both runners (resident.py and offload/pipeline.py): propose -> verify -> commit ->
-truncate.
+"""The speculative core of the one runner (offload/pipeline.py, resident or offloaded): propose -> verify ->
+commit -> truncate.
 
 Cache invariants (per row, with C committed tokens = prompt + output so far):
   - once a row is prefilled, the target's KV cache holds its first C - 1 committed tokens; the last committed
@@ -22,7 +22,6 @@ sampled row's output does not depend on the rows beside it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +30,7 @@ from .rng import DRAFT, VERIFY, draw_seed, generators
 from .sampling import SamplingParams, warp_logits, warp_rows
 from .verify import verify_greedy, verify_sampling
 
-__all__ = ["DRAFT", "VERIFY", "StepTimes", "commit", "cut_drafts", "draft_lengths", "draw_seeds", "kept_lengths",
+__all__ = ["DRAFT", "VERIFY", "commit", "cut_drafts", "draft_lengths", "draw_seeds", "kept_lengths",
            "one_hot_drafts", "pad_right", "row_warps", "verify_rows"]
 
 
@@ -42,15 +41,6 @@ def pad_right(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, tor
     for b, row in enumerate(rows):
         ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
     return ids, torch.tensor([len(r) for r in rows], dtype=torch.long)
-
-
-@dataclass
-class StepTimes:
-    """Wall seconds spent per phase, summed over steps (phases run one after another here)."""
-
-    draft: float = 0.0
-    target: float = 0.0
-    verify: float = 0.0
 
 
 def draft_lengths(rows: Sequence[Request], k: int, ready: Sequence[bool] | None = None) -> list[int]:

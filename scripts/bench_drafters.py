@@ -58,9 +58,9 @@ TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied", "small": 
 def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
     def extra(engine: Engine, _: float) -> dict:
         stats = engine.last_stats
-        log = engine.pipeline.verify_log if engine.pipeline is not None else []
+        log = engine.pipeline.verify_log
         row_passes = sum(rows for *_, rows in log) or 1
-        drafter = engine.workers.drafter if engine.workers is not None else None
+        drafter = engine.workers.drafter
         asked = getattr(drafter, "proposed", 0)  # rows a model-free drafter proposed for (round-start calls)
         io_s, compute_s = io_compute_seconds(engine)
         return {"batch": engine.plan.batch, "k": engine.plan.k, "io_s": io_s, "compute_s": compute_s,

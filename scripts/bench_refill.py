@@ -37,13 +37,12 @@ TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams, plan: object = None) -> dict:
     def extra(engine: Engine, start: float) -> dict:
         pipeline = engine.pipeline
-        log = pipeline.verify_log if pipeline is not None else []
+        log = pipeline.verify_log
         timeline, total = [], 0
         for at, _, tokens, _ in log:  # (seconds since the start, tokens committed so far) per verified pass
             total += tokens
             timeline.append((round(at - start, 3), total))
-        return {"refilled": pipeline.batches.refilled if pipeline is not None else 0,
-                "preempted": pipeline.batches.preempted if pipeline is not None else 0, "timeline": timeline}
+        return {"refilled": pipeline.batches.refilled, "preempted": pipeline.batches.preempted, "timeline": timeline}
 
     return timed_generate(config, prompts, params, plan, extra)
 

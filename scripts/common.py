@@ -70,7 +70,7 @@ def timed_generate(config: Any, prompts: list[list[int]], params: Any, plan: Any
         results = engine.generate(prompts, params)
         wall = time.perf_counter() - start
         stats = engine.last_stats
-        log = engine.pipeline.verify_log if engine.pipeline is not None else []
+        log = engine.pipeline.verify_log
         row_passes = sum(rows for *_, rows in log)
         out = {"wall_s": wall, "tokens": stats.generated_tokens, "tok_s": stats.generated_tokens / wall,
                "passes": getattr(stats, "passes", 0), "row_passes": row_passes,

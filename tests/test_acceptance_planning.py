@@ -357,6 +357,7 @@ def test_online_replanning_turns_speculation_off_and_merges_the_batches(tiny_mod
     greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
     target = tiny_models["llama"]
     ref = Engine(EngineConfig(target, max_batch_size=4)).generate(prompts, greedy)
+    waves.clear()  # (the resident reference runs the same pipeline: its one wave of 4)
     engine = Engine(EngineConfig(target, draft=tiny_models["qwen2_draft"], device_memory="1GiB", max_seq_len=48,
                                  num_draft_tokens="auto", max_batch_size="auto", replan_interval=1))
     assert (engine.plan.batch, engine.plan.k) == (2, 2) and engine.replanner.active

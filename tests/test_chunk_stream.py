@@ -36,8 +36,8 @@ def test_chunks_in_flight_share_one_stream_and_each_gets_its_own_rows(engine):
     keys = [100 + i for i in range(len(PROMPTS))]  # a row's key is its job index, not its place in the stream
     reference = engine.generate(PROMPTS, params, keys=keys)
     streams = []
-    real = engine.runner.stream
-    engine.runner.stream = lambda *a, **kw: (streams.append(1), real(*a, **kw))[1]
+    real = engine.pipeline.stream
+    engine.pipeline.stream = lambda *a, **kw: (streams.append(1), real(*a, **kw))[1]
     chunks = ChunkStream(engine, SimpleNamespace(recoveries=0))
     spans = [(0, 3), (3, 5), (5, 7)]
     results: dict[int, tuple] = {}

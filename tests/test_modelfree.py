@@ -191,7 +191,7 @@ def test_greedy_is_the_targets_own_output(tiny_models, single_thread, no_draft, 
                                  **extra))
     out = [r.token_ids for r in engine.generate(REPEATING, GREEDY)]
     assert out == no_draft(target)
-    drafter_obj = engine.workers.drafter if offloaded else engine.runner.drafter
+    drafter_obj = engine.workers.drafter
     assert isinstance(drafter_obj, DRAFTERS[drafter])
     assert 0 < drafter_obj.matched < drafter_obj.proposed  # some rows matched, some proposed nothing
     stats = engine.last_stats

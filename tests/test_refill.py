@@ -142,8 +142,8 @@ def test_a_job_streams_every_chunk_through_one_pipeline(tiny_models, single_thre
                           device_memory="1GiB", max_batch_size=2, max_seq_len=48, replan_interval=0)
     backend = LocalBackend(config, BackendOptions(progress=False))
     streams = []
-    real_stream = backend.engine.runner.stream
-    backend.engine.runner.stream = lambda *a, **kw: (streams.append(1), real_stream(*a, **kw))[1]
+    real_stream = backend.engine.pipeline.stream
+    backend.engine.pipeline.stream = lambda *a, **kw: (streams.append(1), real_stream(*a, **kw))[1]
     jobs = [RowJob(RowRequest(i, i + 1), tuple(p), HOT if i % 2 else UNEVEN[i]) for i, p in enumerate(PROMPTS)]
     done = list(backend.run(chunked(iter(jobs), 2), window=1))
     assert len(streams) == 1 and sorted(d.chunk.number for d in done) == [0, 1, 2, 3]

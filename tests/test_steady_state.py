@@ -191,12 +191,12 @@ def test_plans_carry_refill_and_the_prefill_chunk(tiny_models) -> None:
     chunked = fixed_plan(2, 0, 48, prefill_chunk=3)
     engine = Engine(EngineConfig(path, **base), plan=chunked)
     try:
-        assert engine.pipeline is not None and engine.pipeline.prefill_chunk == 3  # the plan's
+        assert engine.pipeline.prefill_chunk == 3  # the plan's
     finally:
         engine.close()
     engine = Engine(EngineConfig(path, prefill_chunk=5, **base), plan=chunked)
     try:
-        assert engine.pipeline is not None and engine.pipeline.prefill_chunk == 5  # the config's wins
+        assert engine.pipeline.prefill_chunk == 5  # the config's wins
     finally:
         engine.close()
 

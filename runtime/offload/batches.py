@@ -56,6 +56,7 @@ class Batch:
     token_mask: torch.Tensor | None = None  # [rows, T]
     pass_k: int = 0  # width L of the drafts the current pass verifies
     round_k: int = 0  # k of the current draft round
+    draft_calls: int = 0  # draft calls the round the next pass verifies made (what the drafter's cache saw)
     committed: list[int] = field(default_factory=list)
     fed_before: list[int] = field(default_factory=list)  # the target cache's length per row before the pass
     logits: torch.Tensor | None = None  # [rows, pass_k + 1, vocab]
@@ -64,7 +65,7 @@ class Batch:
     def clear_pass(self) -> None:
         """Forget the pass and draft round in flight (nothing of them was committed)."""
         self.drafts = self.p = self.hidden = self.logits = self.num_new = self.token_mask = None
-        self.feed = None
+        self.feed, self.draft_calls = None, 0
         self.draft_tokens, self.draft_probs, self.num_drafts, self.ready = [], [], [], []
 
 

@@ -98,7 +98,7 @@ def _run(config: EngineConfig, open_engine: EngineFactory, rows: int, k_max: int
             if rows == 1:
                 return []
             rows //= 2
-    assert engine.pipeline is not None and engine.placement is not None and engine.replanner is not None
+    assert engine.placement is not None and engine.replanner is not None
     costs = engine.models.costs(engine.plan.drafting)
     batches = engine.plan.num_batches
     vocab = engine.target.config.vocab_size

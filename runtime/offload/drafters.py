@@ -107,8 +107,8 @@ class DrafterTraits:
     proposes          False only for NoDrafter: nothing to speculate with (the plan's k is 0)
     needs_checkpoint  config.draft is the checkpoint directory of its model (on the target's vocabulary)
     needs_moe_target  it drafts with the target's routed experts: a dense target is a ConfigError
-    offloaded_only    it runs in the offloaded pipeline only (device_memory set); False: the resident runner runs
-                      it too, as a `ModelDrafter` on config.draft (runtime/resident.py)
+    offloaded_only    it runs with device_memory set only; False: a resident engine (the same pipeline, nothing
+                      streamed) runs it too
     shares_target     in the target's process it drafts with the target's own parts and KV cache (`TargetShare`)
     adapts            its `adapt` re-chooses what it keeps: the pipeline calls it every config.migrate_interval rounds
     model_free        it holds no model and proposes in microseconds (modelfree.py): a backend builds it in the

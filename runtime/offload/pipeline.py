@@ -378,14 +378,14 @@ class Pipeline:
                                   [b.rows[n].index for n in drafted])
         # Ready rows: the target keeps pending + accepted drafts, the drafter what it saw of them; a row still in
         # prefill keeps what the pass fed, and its drafter one token less than committed (it re-feeds the last).
-        target, drafter = kept_lengths(b.committed, accepted, k)
+        target, drafter = kept_lengths(b.committed, accepted, b.draft_calls)
         fed = [t + f for t, f in zip(b.fed_before, b.feed)]
         self.workers.attention.truncate(b.index, [t if ok else f for t, f, ok in zip(target, fed, b.ready)])
-        if k >= 1:  # (no draft call this round: the drafter saw nothing new)
+        if b.draft_calls >= 1:  # (no draft call this round: the drafter saw nothing new)
             self.workers.drafter.truncate(b.index, [d if ok else c - 1 for d, c, ok
                                                     in zip(drafter, b.committed, b.ready)])
         b.drafts = b.p = b.logits = None
-        b.feed, b.num_drafts, b.ready = None, [], []
+        b.feed, b.num_drafts, b.ready, b.draft_calls = None, [], [], 0
         self.verified += 1
         if self.adapt_interval:  # decided here, in verify order, from whole passes: the same in every run
             counts = self.workers.verifier.routing_counts(b.index)
@@ -446,6 +446,7 @@ class Pipeline:
         if op.token >= width - 1:  # the round is complete (its later draft ops find nothing to do)
             b.drafts = torch.stack(b.draft_tokens, dim=1)[:, :width]  # [rows, L]
             b.p = torch.stack(b.draft_probs, dim=1)[:, :width] if b.draft_probs else None  # [rows, L, vocab]
+            b.draft_calls = len(b.draft_tokens)
             b.draft_tokens, b.draft_probs = [], []
 
 

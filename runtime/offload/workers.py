@@ -21,7 +21,7 @@ import torch
 
 from specoffload.planner.placement import Placement, slot_unit
 from specoffload.planner.plan import Plan
-from specoffload.planner.shapes import PartKey
+from specoffload.planner.shapes import ModelShape, PartKey
 
 from ..config import EngineConfig
 from ..kv_blocks import BlockPool, OutOfBlocksError, PagedKVCache
@@ -99,6 +99,12 @@ class WeightPlan:
             kv_blocks=placement.policy.kv_blocks,
         )
 
+    @classmethod
+    def all_resident(cls, target: ModelShape, num_buffers: int) -> WeightPlan:
+        """Nothing streams (no device_memory): every part of `target` resident where compute runs."""
+        return cls(resident=tuple(key for key, _ in target.parts), streamed=(), load_groups={}, slot_bytes=0,
+                   num_buffers=num_buffers, embedding_tier="device", selected_experts=False)
+
     def units(self) -> list[tuple[int, int]]:
         """The load units, in schedule order."""
         return sorted(self.load_groups)
@@ -133,8 +139,14 @@ def compute_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
-#: where the target's embedding, attention and KV cache live when offloaded: host RAM (the CPU computes attention)
+#: where verification runs, and the target's embedding, attention and KV cache offloaded beside a GPU: host RAM
 HOST = torch.device("cpu")
+
+
+def attention_device(config: EngineConfig) -> torch.device:
+    """Where the target's embedding, attention and KV cache live: host RAM when offloaded beside a GPU (the CPU
+    computes attention, `EngineConfig.host_attention`), else the compute device."""
+    return HOST if config.host_attention else compute_device(config)
 
 
 class _SlotReader:
@@ -220,7 +232,7 @@ class AttentionWorker(BatchKV):
     def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None,
                  sync: SlotSync | None = None) -> None:
         self.plan = plan
-        self.model = Transformer(config.target, dtype=config.torch_dtype, device=HOST)
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=attention_device(config))
         mine = [k for k in plan.resident if k.kind in ("attention", "embedding")]
         self.model.preload(mine)
         self.reader = _SlotReader(_slot_streamer(self.model, plan, config, slots, loads=False, sync=sync), plan)
@@ -276,7 +288,7 @@ class AttentionWorker(BatchKV):
         """hidden [rows, T, H] -> [rows, T, H]; writes K/V of the T new positions (advance comes later);
         token_mask [rows, T]: the valid ones (a ragged pass computes those only)."""
         with self.reader.bind(layer, slot):
-            return self.model.attention(layer, hidden.to(HOST), self.caches[batch], token_mask)
+            return self.model.attention(layer, hidden.to(self.model.device), self.caches[batch], token_mask)
 
     def close(self) -> None:
         if self.rows is not None:
