@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -109,15 +110,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="also write the final summary as JSON here (rows, failed rows, tokens/s, per replica)")
     j.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
-    d = p.add_argument_group("model-free drafters (--drafter ngram / suffix)")
-    d.add_argument("--prompt-lookup-min", type=int, default=None,
-                   help="ngram: the shortest suffix n-gram looked up in the row's prompt and output (default 1)")
-    d.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: the longest (default 3)")
-    d.add_argument("--suffix-max-depth", type=int, default=None, help="suffix: the longest suffix matched (24)")
-    d.add_argument("--suffix-min-prob", type=float, default=None,
-                   help="suffix: a proposal stops before its estimated probability drops below this (0.1)")
-    d.add_argument("--suffix-spec-factor", type=float, default=None,
-                   help="suffix: a match of m tokens proposes at most factor * m (1.0)")
+    _add_drafter_options(p)
 
     o = p.add_argument_group("memory and offload (set --device-memory to stream the target's weights)")
     o.add_argument("--device-memory", default=None, help="memory budget where compute runs, e.g. 3GiB")
@@ -134,12 +127,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "auto: the planner chooses (default: off for a model-free drafter, else on)")
     o.add_argument("--expert-group", type=int, default=None,
                    help="MoE: experts per ring slot of a streamed layer (default: the whole layer per slot)")
-    o.add_argument("--resident-experts", type=int, default=None,
-                   help="with --speculative-model self: routed experts per layer the drafter keeps (default: a "
-                        "quarter)")
-    o.add_argument("--migrate-interval", type=int, default=8,
-                   help="with --speculative-model self: re-choose the resident experts every this many verify "
-                        "rounds (0: never)")
     o.add_argument("--no-refill", action="store_true",
                    help="a batch waits for its slowest row, then takes a new wave (default: a finished row's slot "
                         "takes a waiting prompt at once)")
@@ -200,6 +187,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     j.add_argument("--temperature", type=float, default=0.0, help="the job's sampling (the warm-up drafts with it)")
     j.add_argument("--top-p", type=float, default=1.0)
     j.add_argument("--top-k", type=int, default=0)
+    _add_drafter_options(p)
     d = p.add_argument_group("output")
     d.add_argument("--top", type=int, default=8, help="alternatives to print")
     d.add_argument("--quick-profile", action="store_true", help="fewer measurement points")
@@ -225,7 +213,8 @@ def _plan(args: argparse.Namespace) -> int:
     base = EngineConfig(target=args.target, draft=args.draft, drafter=None if auto else args.drafter, dtype=args.dtype,
                         device=args.device, device_memory=args.device_memory,
                         host_memory=args.host_memory, weights_tier=args.weights_tier, max_seq_len=args.max_seq_len,
-                        num_draft_tokens=args.num_draft_tokens, max_batch_size=args.batch_size)
+                        num_draft_tokens=args.num_draft_tokens, max_batch_size=args.batch_size,
+                        drafter_options=drafter_options(args))
     max_seq_len = job_max_seq_len(base, prompts, args.max_new_tokens)
     config = replace(base, max_seq_len=max_seq_len)  # what `specoffload generate` sizes the KV caches to
     profile = load_or_measure(config, quick=args.quick_profile, log=lambda m: print(m, file=sys.stderr),
@@ -339,13 +328,11 @@ def _generate(args: argparse.Namespace) -> int:
         expert_group=args.expert_group,
         packed_weights=args.packed_weights,
         interleave={"on": True, "off": False, None: None}.get(args.interleave, "auto"),
-        resident_experts=args.resident_experts,
-        migrate_interval=args.migrate_interval,
         refill=not args.no_refill,
         prefill_chunk=args.prefill_chunk,
         kv_block_size=args.kv_block_size,
         trace=args.trace is not None,
-        **lookup_settings(args),
+        drafter_options=drafter_options(args),
     )
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,
                    overwrite=args.overwrite, chunk_size=args.chunk_size, params=params, progress=not args.no_progress,
@@ -366,10 +353,28 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def lookup_settings(args: argparse.Namespace) -> dict[str, object]:
-    """The model-free drafters' settings given on the command line (the rest keep EngineConfig's defaults)."""
-    names = ("prompt_lookup_min", "prompt_lookup_max", "suffix_max_depth", "suffix_min_prob", "suffix_spec_factor")
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+def _add_drafter_options(p: argparse.ArgumentParser) -> None:
+    """A flag per registered drafter option (runtime/offload/drafters/: each drafter's `options` dataclass), in a
+    group per drafter: `prompt_lookup_max` is --prompt-lookup-max. Unset flags keep the drafter's default."""
+    seen: set[type] = set()  # (a drafter registered under two names has one group)
+    for name, cls in DRAFTERS.items():
+        fields = dataclasses.fields(cls.options)
+        if not fields or cls.options in seen:
+            continue
+        seen.add(cls.options)
+        g = p.add_argument_group(f"drafter {name!r} options")
+        for f in fields:
+            kind = type(f.default) if f.default is not None else int  # (an option without a default: a count)
+            g.add_argument(f"--{f.name.replace('_', '-')}", dest=f"drafter_option_{f.name}", type=kind, default=None,
+                           metavar=f.name.split("_")[-1].upper(),
+                           help=f"{f.metadata.get('help', '')} (default {f.default})")
+
+
+def drafter_options(args: argparse.Namespace) -> dict[str, object]:
+    """The drafter options given on the command line (`_add_drafter_options`)."""
+    prefix = "drafter_option_"
+    return {key.removeprefix(prefix): value for key, value in vars(args).items()
+            if key.startswith(prefix) and value is not None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from specoffload.planner.units import MemorySizeError, machine_memory_bytes, parse_bytes
 
 from .errors import ConfigError
-from .offload.drafters import drafter_named
-from .offload.modelfree import (
-    DEFAULT_LOOKUP_MAX,
-    DEFAULT_LOOKUP_MIN,
-    DEFAULT_SUFFIX_DEPTH,
-    DEFAULT_SUFFIX_MIN_PROB,
-    DEFAULT_SUFFIX_SPEC_FACTOR,
-)
+from .offload.drafters import check_options, drafter_named
 
 __all__ = ["ConfigError", "EngineConfig"]
 
@@ -100,24 +95,16 @@ class EngineConfig:
         attention worker, sized by the placement (runtime/kv_blocks.py): a row holds the blocks its tokens use, not
         a reservation for prompt + max_new_tokens; 0: one contiguous cache per batch, reserved for its longest row.
 
-    Self-drafting (drafter "self"):
-    resident_experts: routed experts per MoE layer the drafter keeps resident (>= 1, at most the layer's experts;
-        default: a quarter of them, at least 1).
-    migrate_interval: every this many verify rounds the drafter re-chooses its resident experts from the
-        routing the target did meanwhile, when the gain in hit rate is worth moving the bytes (0: never).
-
     interleave: offloaded with a drafter, True: two batches alternate, the drafter proposing for one while the target
         verifies the other (its steps hidden behind the pass); False: one batch drafts for itself between its own
         passes (the KV caches of one batch instead of two); "auto": the planner chooses. None (the default): False
         for a model-free drafter (its proposals cost microseconds: nothing to hide), else True. Resident (nothing
         streams for a draft to hide behind) the plan runs one batch.
 
-    Model-free drafters (runtime/offload/modelfree.py; no weights, no KV cache):
-    prompt_lookup_min, prompt_lookup_max: "ngram": the shortest and longest suffix n-gram looked up in the row's
-        prompt and output (vLLM's names); defaults 1 and 3, from docs/perf/drafter_acceptance.json.
-    suffix_max_depth: "suffix": the longest suffix matched (tokens); suffix_min_prob: the probability (product of
-        the observed continuation frequencies) below which a proposal stops (its threshold); suffix_spec_factor:
-        a match of m tokens proposes at most ceil(factor * m) (vLLM's suffix_decoding_* names).
+    drafter_options: the drafters' settings by name (each drafter's `options` dataclass, runtime/offload/drafters/:
+        "prompt_lookup_min" / "prompt_lookup_max" of "ngram", "suffix_max_depth" / "suffix_min_prob" /
+        "suffix_spec_factor" of "suffix", "resident_experts" / "migrate_interval" of "self", ...); an unknown name or
+        a bad value is a ConfigError. Unnamed settings keep their drafter's defaults.
 
     Continuous batching (offloaded; runtime/offload/batches.py):
     refill: a finished row's slot takes a waiting prompt at once, prefilled inside its batch's next streamed pass
@@ -145,18 +132,12 @@ class EngineConfig:
     trace: bool = False
     acceptance_prior: float = 0.7
     replan_interval: int = 8
-    resident_experts: int | None = None
-    migrate_interval: int = 8
     interleave: bool | str | None = None
     refill: bool = True
     prefill_chunk: int | None = None
     drafter: str | None = None
     kv_block_size: int = 0
-    prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
-    prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
-    suffix_max_depth: int = DEFAULT_SUFFIX_DEPTH
-    suffix_min_prob: float = DEFAULT_SUFFIX_MIN_PROB
-    suffix_spec_factor: float = DEFAULT_SUFFIX_SPEC_FACTOR
+    drafter_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -211,17 +192,16 @@ class EngineConfig:
             raise ConfigError(f"num_buffers must be an integer >= 1, got {self.num_buffers!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
+        if not isinstance(self.drafter_options, Mapping):
+            raise ConfigError(f"drafter_options must be a mapping of option names to values, got "
+                              f"{self.drafter_options!r}")
+        object.__setattr__(self, "drafter_options", dict(self.drafter_options))  # (a copy: picklable for Ray)
+        check_options(self.drafter_options)  # names and values, as their drafters' options check them
         self._check_drafter()
-        if self.resident_experts is not None and (
-                isinstance(self.resident_experts, bool) or not isinstance(self.resident_experts, int)
-                or self.resident_experts < 1):
-            raise ConfigError(f"resident_experts must be an integer >= 1, got {self.resident_experts!r}")
         if self.interleave is None:
             object.__setattr__(self, "interleave", not self.drafter_class.model_free)
         if self.interleave not in (True, False, "auto"):
             raise ConfigError(f"interleave must be True, False or 'auto', got {self.interleave!r}")
-        if not isinstance(self.migrate_interval, int) or self.migrate_interval < 0:
-            raise ConfigError(f"migrate_interval must be an integer >= 0, got {self.migrate_interval!r}")
         if self.expert_group is not None and (isinstance(self.expert_group, bool)
                                               or not isinstance(self.expert_group, int) or self.expert_group < 1):
             raise ConfigError(f"expert_group must be an integer >= 1 (experts per slot), got {self.expert_group!r}")
@@ -234,7 +214,6 @@ class EngineConfig:
         if isinstance(self.kv_block_size, bool) or not isinstance(self.kv_block_size, int) or self.kv_block_size < 0:
             raise ConfigError(f"kv_block_size must be an integer >= 0 (0: contiguous KV caches), "
                               f"got {self.kv_block_size!r}")
-        self._check_lookup()
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
         if self.packed_weights not in ("auto", "on", "off"):
@@ -269,20 +248,6 @@ class EngineConfig:
         if cls.offloaded_only and self.device_memory is None:
             raise ConfigError(f"drafter {name!r} ({cls.__name__}) runs in the offloaded pipeline only: it needs "
                               "device_memory (without a budget every weight is resident)")
-
-    def _check_lookup(self) -> None:
-        """The model-free drafters' settings."""
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in (lo, hi)) or not 1 <= lo <= hi:
-            raise ConfigError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
-                              f"got {lo!r} and {hi!r}")
-        if isinstance(self.suffix_max_depth, bool) or not isinstance(self.suffix_max_depth, int) \
-                or self.suffix_max_depth < 1:
-            raise ConfigError(f"suffix_max_depth must be an integer >= 1, got {self.suffix_max_depth!r}")
-        if not isinstance(self.suffix_min_prob, (int, float)) or not 0.0 <= self.suffix_min_prob <= 1.0:
-            raise ConfigError(f"suffix_min_prob must be in [0, 1], got {self.suffix_min_prob!r}")
-        if not isinstance(self.suffix_spec_factor, (int, float)) or self.suffix_spec_factor <= 0:
-            raise ConfigError(f"suffix_spec_factor must be > 0, got {self.suffix_spec_factor!r}")
 
     @property
     def drafter_name(self) -> str:

@@ -1,8 +1,8 @@
 """Which drafter a job runs (`--drafter auto`): each candidate's acceptance measured on the job's own prompts, each
 planned by the same search (planner/search.py), the best predicted throughput chosen.
 
-    candidate_drafters  none; model (with a draft checkpoint); ngram and suffix (model-free); self (an MoE target,
-                        offloaded)
+    candidate_drafters  every registered drafter the config and target can run (none; model with a draft
+                        checkpoint; ngram and suffix; self on an offloaded MoE target; ...)
     choose_drafter      measure, plan and compare them: a `DrafterChoice` (its `table` is what `specoffload plan`
                         prints)
 
@@ -41,9 +41,6 @@ from .planning import ModelPair, make_plan
 from .sampling import SamplingParams
 from .warmup import Warmup, measure_acceptance, warmup_outputs
 
-#: the order candidates are compared and listed in (ties go to the earlier one)
-ORDER = ("none", "model", "ngram", "suffix", "self")
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -80,7 +77,7 @@ class Candidate:
 @dataclass(frozen=True)
 class DrafterChoice:
     best: Candidate
-    candidates: tuple[Candidate, ...]  # in ORDER
+    candidates: tuple[Candidate, ...]  # in registry order
     workload: Workload
     skipped: tuple[tuple[str, str], ...]  # (drafter, why) of candidates that could not run here
     seconds: float  # measuring them
@@ -108,19 +105,17 @@ class DrafterChoice:
 
 
 def candidate_drafters(config: EngineConfig, target: Transformer) -> list[str]:
-    """The drafters to compare for this config and target (module docstring), in ORDER."""
-    names = ["none"]
-    if config.draft not in (None, "self"):
-        names.append("model")
-    names += [n for n in ("ngram", "suffix") if n in DRAFTERS]
-    if target.config.num_experts and config.offloaded:
-        names.append("self")
-    return names
+    """The registered drafters that can run this config and target (their traits say: a checkpoint, an MoE
+    target, a budget), in registry order ("none" first)."""
+    checkpoint = config.draft not in (None, "self")
+    return [name for name, cls in DRAFTERS.items()
+            if (checkpoint or not cls.needs_checkpoint) and (target.config.num_experts or not cls.needs_moe_target)
+            and (config.offloaded or not cls.offloaded_only)]
 
 
 def candidate_config(config: EngineConfig, name: str) -> EngineConfig:
     """`config` drafting with `name` (its interleave default re-chosen unless the planner chooses it)."""
-    draft = config.draft if name == "model" else ("self" if name == "self" else None)
+    draft = config.draft if DRAFTERS[name].needs_checkpoint and config.draft != "self" else None
     return replace(config, drafter=name, draft=draft, interleave="auto" if config.interleave == "auto" else None)
 
 
@@ -189,8 +184,8 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
         candidates.append(Candidate(name, plan, acceptance, warmups.get(name)))
     if not candidates:
         raise ConfigError("no drafter could be planned: " + "; ".join(f"{n}: {why}" for n, why in skipped))
-    ranked = sorted(candidates, key=lambda c: (-round(c.predicted, 9), ORDER.index(c.drafter)
-                                               if c.drafter in ORDER else len(ORDER)))
+    order = list(DRAFTERS)  # ties: the registry's order ("none" first, then the drafter modules by name)
+    ranked = sorted(candidates, key=lambda c: (-round(c.predicted, 9), order.index(c.drafter)))
     best = ranked[0]
     if best.plan.k == 0:  # a drafter planned not to draft is no drafter
         best = next((c for c in candidates if c.drafter == "none"), best)

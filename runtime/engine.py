@@ -115,7 +115,7 @@ class Engine:
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner, self.tracer,
                                  recovery, config.num_threads,
-                                 adapt_interval=config.migrate_interval if drafter.adapts else 0,
+                                 adapt_interval=drafter.adapt_interval(config),
                                  refill=config.refill, prefill_chunk=config.prefill_chunk
                                  if config.prefill_chunk is not None else plan.prefill_chunk)
 

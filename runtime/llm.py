@@ -22,6 +22,7 @@ from typing import Any
 
 from .config import ConfigError, EngineConfig
 from .engine import Engine, PromptError
+from .offload.drafters import option_owners
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import GenerationResult
 from .sampling import SamplingParams
@@ -42,7 +43,8 @@ class LLM:
     CPU a float16 checkpoint computes in float32), "float32", "bfloat16" or "float16". seed: the random stream of
     requests whose SamplingParams have none. Other keywords are EngineConfig's (runtime/config.py), or vLLM's
     names for them: max_num_seqs (max_batch_size), max_model_len (max_seq_len), num_speculative_tokens
-    (num_draft_tokens), speculative_model (draft).
+    (num_draft_tokens), speculative_model (draft); a drafter's option (prompt_lookup_max=4) goes into
+    drafter_options.
     """
 
     def __init__(self, model: str | Path, draft: str | Path | None = None, *, device_memory: int | str | None = None,
@@ -58,6 +60,10 @@ class LLM:
                     draft = value
                 else:
                     options[ours] = value
+        named = option_owners()  # a drafter's option as a keyword (prompt_lookup_max=4): into drafter_options
+        given = {key: options.pop(key) for key in list(options) if key in named}
+        if given:
+            options["drafter_options"] = {**options.get("drafter_options", {}), **given}
         try:
             config = EngineConfig(target=model, draft=draft, device_memory=device_memory, dtype=dtype, **options)
         except TypeError as err:  # an unknown keyword: say which, in one line

@@ -27,7 +27,9 @@ from specoffload.planner.shapes import ModelShape, PartKey
 from .config import ConfigError, EngineConfig
 from .models.config import ModelConfig
 from .models.model import Transformer
-from .offload.drafters import DraftFootprint, model_footprint, resident_expert_footprint
+from .offload.drafters import DraftFootprint
+from .offload.drafters.model import model_footprint
+from .offload.drafters.resident_experts import resident_expert_footprint
 from .offload.profiler import load_or_measure
 from .tokenizer import load_tokenizer
 

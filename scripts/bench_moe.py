@@ -278,8 +278,9 @@ def main() -> int:
                 rows.append(run_ours(SYSTEMS[3], replace(base, device_memory=budget, max_batch_size=b, draft=draft),
                                      prompts, params, reps=args.reps))
             for n in map(int, args.resident_experts.split(",")) if 5 in systems else ():
-                rows.append(run_ours(SYSTEMS[5], replace(base, device_memory=budget, max_batch_size=b, draft="self",
-                                                         resident_experts=n), prompts, params, reps=args.reps)
+                self_draft = replace(base, device_memory=budget, max_batch_size=b, draft="self",
+                                     drafter_options={"resident_experts": n})
+                rows.append(run_ours(SYSTEMS[5], self_draft, prompts, params, reps=args.reps)
                             | {"resident_experts": n})
         best3 = best(rows, SYSTEMS[3])
         if 4 in systems and best3 is not None:

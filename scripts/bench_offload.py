@@ -43,7 +43,7 @@ from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime import EngineConfig, SamplingParams
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.offload.direct_io import AlignedBuffer, DirectReader
-from specoffload.runtime.offload.drafters import ModelDrafter
+from specoffload.runtime.offload.drafters.model import ModelDrafter
 from specoffload.runtime.offload.workers import local_workers
 from specoffload.runtime.prompts import humaneval_prompts
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from specoffload.runtime.corpora import ACLSUM_TEST, aclsum_prompts
 from specoffload.runtime.drafter_replay import replay_rounds
-from specoffload.runtime.offload.modelfree import NgramDrafter, SuffixDrafter
+from specoffload.runtime.offload.drafters.modelfree import NgramDrafter, SuffixDrafter
 from specoffload.runtime.prompts import _humaneval_path
 
 MODEL = Path.home() / ".cache" / "specoffload" / "models" / "qwen2.5-coder-1.5b-instruct"

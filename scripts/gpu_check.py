@@ -57,7 +57,7 @@ _bootstrap()
 
 import torch  # noqa: E402
 
-from specoffload.runtime.offload.drafters import ModelDrafter  # noqa: E402
+from specoffload.runtime.offload.drafters.model import ModelDrafter  # noqa: E402
 
 #: the realistic target: Mixtral 8x7B's shapes (config.json of mistralai/Mixtral-8x7B-v0.1), fewer layers
 MIXTRAL = dict(hidden=4096, intermediate=14336, experts=8, top_k=2, heads=32, kv_heads=8, vocab=32000)

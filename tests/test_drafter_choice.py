@@ -27,7 +27,7 @@ from specoffload.runtime.drafter_replay import replay_acceptance, replay_rounds
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload import profiler
-from specoffload.runtime.offload.modelfree import NgramDrafter
+from specoffload.runtime.offload.drafters.modelfree import NgramDrafter
 from specoffload.runtime.sampling import SamplingParams
 
 #: eight copy-task prompts: a counting run, then its first ten tokens again (the output continues the run)

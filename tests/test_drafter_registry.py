@@ -4,7 +4,9 @@ one `register_drafter` line; whatever it proposes, greedy output stays the targe
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,12 +19,13 @@ from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload.drafters import (
     DRAFTERS,
     DrafterTraits,
-    ModelDrafter,
     NoDrafter,
-    ResidentExpertDrafter,
     drafter_class,
+    option,
     register_drafter,
 )
+from specoffload.runtime.offload.drafters.model import ModelDrafter
+from specoffload.runtime.offload.drafters.resident_experts import ResidentExpertDrafter
 from specoffload.runtime.offload.profiler import fingerprint
 from specoffload.runtime.planning import ModelPair
 from specoffload.runtime.sampling import SamplingParams
@@ -32,12 +35,26 @@ GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)  # as conftest's res
 FIXED_TOKEN = 3
 
 
+@dataclass(frozen=True)
+class FixedTokenOptions:
+    """The toy drafter's one setting: a config key and a CLI flag (--fixed-token) by this declaration alone."""
+
+    fixed_token: int = option(FIXED_TOKEN, "the token it proposes")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fixed_token, int) or self.fixed_token < 0:
+            raise ConfigError(f"fixed_token must be a token id >= 0, got {self.fixed_token!r}")
+
+
 class FixedTokenDrafter(DrafterTraits):
-    """Proposes FIXED_TOKEN for every row, always: no model, no cache, nothing placement must count (the
-    `DrafterTraits` defaults). Sampled, its distribution is a point mass on that token."""
+    """Proposes its `fixed_token` (FIXED_TOKEN by default) for every row, always: no model, no cache, nothing
+    placement must count (the `DrafterTraits` defaults). Sampled, its distribution is a point mass on that token."""
+
+    options = FixedTokenOptions
 
     def __init__(self, config: EngineConfig, weights: object = None, slots: object = None) -> None:
         self.vocab = ModelConfig.from_dir(config.target).vocab_size
+        self.token = self.settings(config).fixed_token
         self.rows: dict[int, int] = {}
         self.calls = 0
 
@@ -63,7 +80,7 @@ class FixedTokenDrafter(DrafterTraits):
                 seeds: Sequence[int] | None = None,
                 warps: Sequence[Sequence[float]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls += 1
-        token = torch.full((ids.shape[0],), FIXED_TOKEN, dtype=torch.long)  # [rows]
+        token = torch.full((ids.shape[0],), self.token, dtype=torch.long)  # [rows]
         if params.greedy:
             return token, None
         return token, torch.nn.functional.one_hot(token, self.vocab).float()  # [rows, vocab]
@@ -72,7 +89,13 @@ class FixedTokenDrafter(DrafterTraits):
         return [0, 0, 0, 0]
 
 
-register_drafter("fixed-token", FixedTokenDrafter)
+@pytest.fixture(autouse=True)
+def fixed_token_registered():
+    """FixedTokenDrafter is registered for this module's tests only (auto-choice elsewhere compares every
+    registered drafter)."""
+    register_drafter("fixed-token", FixedTokenDrafter)
+    yield
+    DRAFTERS.pop("fixed-token", None)
 
 
 def _offloaded(tiny_models, target: str, **kw) -> EngineConfig:  # noqa: ANN001
@@ -135,7 +158,8 @@ def test_planning_and_the_profile_ask_the_class(tiny_models):
     """The footprint placement counts and the profile's draft key come from the drafter class: the same as before
     for self and model drafts, nothing for a drafter without weights."""
     target = Transformer(tiny_models["mixtral"])
-    self_config = EngineConfig(tiny_models["mixtral"], draft="self", device_memory="1GiB", resident_experts=2)
+    self_config = EngineConfig(tiny_models["mixtral"], draft="self", device_memory="1GiB",
+                               drafter_options={"resident_experts": 2})
     assert ModelPair.for_config(self_config, target, shares_kv=True) == ModelPair.of(target, None, 2, shares_kv=True)
     assert ModelPair.for_config(self_config, target, shares_kv=False) == ModelPair.of(target, None, 2)
     model_config = EngineConfig(tiny_models["mixtral"], draft=tiny_models["qwen2_draft"])
@@ -170,3 +194,35 @@ def test_the_cli_takes_a_drafter_by_name(tiny_models, tmp_path, capsys):
                "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and "unknown drafter 'medusa'" in err and "Traceback" not in err
+
+
+def test_a_drafter_declared_in_a_test_file_brings_its_options_and_flags(tiny_models, resident_greedy):
+    """FixedTokenDrafter and its options are declared above, in this file alone: the config takes its option
+    (checked by its own dataclass), the command line has a flag for it, and the engine runs it losslessly."""
+    from specoffload.runtime import cli
+
+    config = _offloaded(tiny_models, "llama", drafter="fixed-token", drafter_options={"fixed_token": 5})
+    assert FixedTokenDrafter(config).token == 5 and FixedTokenDrafter(_offloaded(
+        tiny_models, "llama", drafter="fixed-token")).token == FIXED_TOKEN
+    with pytest.raises(ConfigError, match="fixed_token must be a token id"):
+        _offloaded(tiny_models, "llama", drafter="fixed-token", drafter_options={"fixed_token": -1})
+    with pytest.raises(ConfigError, match="unknown drafter option 'fixed_tokn'.*fixed_token"):
+        _offloaded(tiny_models, "llama", drafter="fixed-token", drafter_options={"fixed_tokn": 5})
+    parser = argparse.ArgumentParser()
+    cli._add_drafter_options(parser)
+    assert cli.drafter_options(parser.parse_args(["--fixed-token", "7", "--prompt-lookup-max", "4"])) == {
+        "fixed_token": 7, "prompt_lookup_max": 4}
+    assert cli.drafter_options(parser.parse_args([])) == {}
+    engine = Engine(config)
+    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)] == resident_greedy("llama")
+    assert engine.last_stats.num_drafted > 0
+
+
+def test_config_and_cli_import_no_drafter_module():
+    """The drafters are plug-ins: config.py and cli.py reach them through the registry only."""
+    from tests.test_import_graph import import_graph
+
+    graph = import_graph()
+    for module in ("specoffload.runtime.config", "specoffload.runtime.cli"):
+        named = sorted(m for m in graph[module] if m.startswith("specoffload.runtime.offload.drafters."))
+        assert named == [], f"{module} imports {named}"

@@ -16,8 +16,8 @@ from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload.drafters import DRAFTERS
+from specoffload.runtime.offload.drafters.modelfree import NO_TOKEN, NgramDrafter, SuffixDrafter
 from specoffload.runtime.offload.matching import NgramIndex, SuffixIndex, ngram_reference, suffix_reference
-from specoffload.runtime.offload.modelfree import NO_TOKEN, NgramDrafter, SuffixDrafter
 from specoffload.runtime.planning import ModelPair
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.speculative import cut_drafts, verify_rows
@@ -160,7 +160,7 @@ def test_model_free_frees_the_draft_models_memory_for_rows(tiny_models):
 ])
 def test_bad_settings_are_one_config_error(tiny_models, kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        EngineConfig(tiny_models["llama"], drafter="ngram", **kwargs)
+        EngineConfig(tiny_models["llama"], drafter="ngram", drafter_options=kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ lossless

@@ -186,7 +186,7 @@ def test_expert_groups_shrink_the_ring_and_change_no_token(tiny_models, referenc
     holds a group instead of a layer (smaller), and the greedy tokens equal the resident engine's."""
     base = _config(tiny_models, target, None, device_memory="1GiB")
     if draft == "self":  # one slot: with the drafter's shared parts pinned, streaming is then the cheapest plan
-        base = replace(base, draft="self", resident_experts=1, num_buffers=1)
+        base = replace(base, draft="self", drafter_options={"resident_experts": 1}, num_buffers=1)
     elif draft is not None:
         base = replace(base, draft=tiny_models[draft])
     whole = Engine(replace(base, device_memory=Engine(base).minimum_device_memory()))
@@ -205,7 +205,8 @@ def test_expert_groups_shrink_the_ring_and_change_no_token(tiny_models, referenc
                                                ("mixtral", "self")])
 def test_one_batch_drafting_between_its_passes_is_lossless(tiny_models, reference, single_thread, target, draft):
     """interleave=False: one batch, its drafts between its own passes; the KV of one batch instead of two."""
-    kw = dict(draft="self", resident_experts=2, num_buffers=1) if draft == "self" else dict(draft=tiny_models[draft])
+    kw = (dict(draft="self", drafter_options={"resident_experts": 2}, num_buffers=1) if draft == "self"
+          else dict(draft=tiny_models[draft]))
     base = replace(_config(tiny_models, target, None, device_memory="1GiB"), interleave=False, **kw)
     budget = Engine(base).minimum_device_memory()
     engine = Engine(replace(base, device_memory=budget))

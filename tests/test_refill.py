@@ -29,7 +29,7 @@ def _offloaded(tiny_models, target: str = "llama", draft: str | None = "qwen2_dr
     ("llama", None, {}),
     ("llama", "qwen2_draft", {}),
     ("llama", "qwen2_draft", {"interleave": False}),
-    ("mixtral", "self", {"resident_experts": 2}),
+    ("mixtral", "self", {"drafter_options": {"resident_experts": 2}}),
 ], ids=["nodraft", "draft", "one-batch", "self-draft"])
 @pytest.mark.parametrize("chunk", [None, 2], ids=["whole", "chunked"])
 def test_refill_and_chunked_prefill_keep_greedy_tokens(tiny_models, single_thread, resident_greedy, target, draft,

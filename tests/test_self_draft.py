@@ -15,7 +15,7 @@ from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.config import ModelConfig
 from specoffload.runtime.models.model import Transformer
-from specoffload.runtime.offload.drafters import ResidentExpertDrafter
+from specoffload.runtime.offload.drafters.resident_experts import ResidentExpertDrafter
 from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 
@@ -30,9 +30,11 @@ def reference(resident_greedy):
 
 
 def _config(tiny_models, target: str, **kw) -> EngineConfig:
+    """The self-drafting config; its drafter's options (resident_experts, migrate_interval) may be given as keywords."""
     base = dict(target=tiny_models[target], draft="self", max_batch_size=3, max_seq_len=48, num_draft_tokens=3,
                 device_memory="1GiB")
-    return EngineConfig(**(base | kw))
+    options = {k: kw.pop(k) for k in ("resident_experts", "migrate_interval") if k in kw}
+    return EngineConfig(**(base | kw), drafter_options=options)
 
 
 def _min_budget(tiny_models, target: str, **kw) -> int:
@@ -194,7 +196,8 @@ def test_the_planner_weighs_self_drafting_against_no_draft_from_its_measured_acc
     selfish = ModelPair(target, self_draft_shape(target, 1), model_context=64, dtype_bytes=2, top_k=2, draft_top_k=1,
                         self_draft_experts=1)
     base = EngineConfig(path, device_memory=budget, max_seq_len=48)
-    self_config = EngineConfig(path, draft="self", resident_experts=1, device_memory=budget, max_seq_len=48)
+    self_config = EngineConfig(path, draft="self", drafter_options={"resident_experts": 1}, device_memory=budget,
+                               max_seq_len=48)
     workload = Workload(num_prompts=64, prompt_len=8, new_tokens=32)
 
     no_draft = make_plan(base, none, 48, workload=workload, alpha=0.0, profile=io_bound)

@@ -233,9 +233,7 @@ def _job_max_seq_len(spec: JobSpec, fmt: Format, tokenizer: Any, limits: Limits)
 def _engine_record(config: EngineConfig, limits: Limits) -> dict[str, Any]:
     """The engine options that can change a row: dtypes, the drafter and its options, k, batch, the max lengths."""
     drafter = config.drafter_class
-    options = {}
-    if drafter.needs_moe_target or drafter.adapts:  # drafts with the target's resident experts
-        options = {"resident_experts": config.resident_experts, "migrate_interval": config.migrate_interval}
+    options = asdict(drafter.settings(config))
     return {"dtype": config.dtype, "draft_dtype": str(config.draft_torch_dtype).removeprefix("torch.")
             if drafter.needs_checkpoint else None, "drafter": config.drafter_name, "drafter_options": options,
             "num_draft_tokens": config.num_draft_tokens, "max_batch_size": config.max_batch_size,

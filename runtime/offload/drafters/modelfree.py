@@ -27,24 +27,74 @@ finish rows in another order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from specoffload.planner.plan import MAX_AUTO_K
 
-from ..sampling import SamplingParams
-from .drafters import DrafterTraits, register_drafter
-from .matching import NO_PROPOSAL, NgramIndex, Proposal, SuffixIndex
-from .wire import wire
+from ...errors import ConfigError
+from ...sampling import SamplingParams
+from ..matching import NO_PROPOSAL, NgramIndex, Proposal, SuffixIndex
+from ..wire import wire
+from . import DrafterTraits, option, register_drafter
 
 if TYPE_CHECKING:
-    from ..config import EngineConfig
+    from ...config import EngineConfig
 
 Tensor = torch.Tensor
 
 #: what a model-free drafter answers for a row with nothing (more) to propose this round
 NO_TOKEN = -1
+
+
+#: defaults: see README "Model-free drafters" and docs/perf/drafter_acceptance.json
+DEFAULT_LOOKUP_MIN = 1
+DEFAULT_LOOKUP_MAX = 3
+DEFAULT_SUFFIX_DEPTH = 24
+DEFAULT_SUFFIX_MIN_PROB = 0.1
+DEFAULT_SUFFIX_SPEC_FACTOR = 1.0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class NgramOptions:
+    """The "ngram" drafter's settings (vLLM's names)."""
+
+    prompt_lookup_min: int = option(DEFAULT_LOOKUP_MIN, "ngram: the shortest suffix n-gram looked up in the row's "
+                                                        "prompt and output")
+    prompt_lookup_max: int = option(DEFAULT_LOOKUP_MAX, "ngram: the longest")
+
+    def __post_init__(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (_is_int(lo) and _is_int(hi)) or not 1 <= lo <= hi:
+            raise ConfigError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
+                              f"got {lo!r} and {hi!r}")
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    """The "suffix" drafter's settings (vLLM's suffix_decoding_* names without the prefix)."""
+
+    suffix_max_depth: int = option(DEFAULT_SUFFIX_DEPTH, "suffix: the longest suffix matched (tokens)")
+    suffix_min_prob: float = option(DEFAULT_SUFFIX_MIN_PROB, "suffix: a proposal stops before its estimated "
+                                                             "probability drops below this")
+    suffix_spec_factor: float = option(DEFAULT_SUFFIX_SPEC_FACTOR, "suffix: a match of m tokens proposes at most "
+                                                                   "factor * m")
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.suffix_max_depth) or self.suffix_max_depth < 1:
+            raise ConfigError(f"suffix_max_depth must be an integer >= 1, got {self.suffix_max_depth!r}")
+        if isinstance(self.suffix_min_prob, bool) or not isinstance(self.suffix_min_prob, (int, float)) \
+                or not 0.0 <= self.suffix_min_prob <= 1.0:
+            raise ConfigError(f"suffix_min_prob must be in [0, 1], got {self.suffix_min_prob!r}")
+        if isinstance(self.suffix_spec_factor, bool) or not isinstance(self.suffix_spec_factor, (int, float)) \
+                or self.suffix_spec_factor <= 0:
+            raise ConfigError(f"suffix_spec_factor must be > 0, got {self.suffix_spec_factor!r}")
 
 
 class LookupDrafter(DrafterTraits):
@@ -148,13 +198,16 @@ class LookupDrafter(DrafterTraits):
 
 class NgramDrafter(LookupDrafter):
     """Prompt lookup: each row proposes what followed the most recent earlier occurrence of its longest suffix
-    n-gram, prompt_lookup_min <= n <= prompt_lookup_max (EngineConfig), in its own prompt and output."""
+    n-gram, prompt_lookup_min <= n <= prompt_lookup_max (`NgramOptions`), in its own prompt and output."""
+
+    options = NgramOptions
 
     def __init__(self, config: EngineConfig | None = None, weights: object = None, slots: object = None, *,
                  max_tokens: int | None = None, min_n: int | None = None, max_n: int | None = None) -> None:
         super().__init__(config, weights, slots, max_tokens=max_tokens)
-        self.min_n = min_n or (config.prompt_lookup_min if config is not None else DEFAULT_LOOKUP_MIN)
-        self.max_n = max_n or (config.prompt_lookup_max if config is not None else DEFAULT_LOOKUP_MAX)
+        settings = self.settings(config) if config is not None else NgramOptions()
+        self.min_n = min_n or settings.prompt_lookup_min
+        self.max_n = max_n or settings.prompt_lookup_max
 
     def new_row(self) -> NgramIndex:
         return NgramIndex(self.min_n, self.max_n)
@@ -171,17 +224,17 @@ class SuffixDrafter(LookupDrafter):
     context's last token) joins the global index when the row leaves; the global index keeps the most recent
     outputs, up to GLOBAL_TOKENS tokens."""
 
+    options = SuffixOptions
     GLOBAL_TOKENS: ClassVar[int] = 1 << 18
 
     def __init__(self, config: EngineConfig | None = None, weights: object = None, slots: object = None, *,
                  max_tokens: int | None = None, max_depth: int | None = None, min_prob: float | None = None,
                  spec_factor: float | None = None) -> None:
         super().__init__(config, weights, slots, max_tokens=max_tokens)
-        self.max_depth = max_depth or (config.suffix_max_depth if config is not None else DEFAULT_SUFFIX_DEPTH)
-        self.min_prob = min_prob if min_prob is not None else (
-            config.suffix_min_prob if config is not None else DEFAULT_SUFFIX_MIN_PROB)
-        self.spec_factor = spec_factor if spec_factor is not None else (
-            config.suffix_spec_factor if config is not None else DEFAULT_SUFFIX_SPEC_FACTOR)
+        settings = self.settings(config) if config is not None else SuffixOptions()
+        self.max_depth = max_depth or settings.suffix_max_depth
+        self.min_prob = min_prob if min_prob is not None else settings.suffix_min_prob
+        self.spec_factor = spec_factor if spec_factor is not None else settings.suffix_spec_factor
         self.global_index = SuffixIndex()
         self.outputs: list[list[int]] = []  # the finished outputs in the global index, oldest first
         self.starts: dict[int, int] = {}  # id(row) -> where its output starts (its first round's context - 1)
@@ -218,14 +271,6 @@ class SuffixDrafter(LookupDrafter):
             self.global_index = SuffixIndex()
             for out in self.outputs:
                 self.global_index.extend([*out, NO_TOKEN])
-
-
-#: defaults (EngineConfig): see README "Model-free drafters" and docs/perf/drafter_acceptance.json
-DEFAULT_LOOKUP_MIN = 1
-DEFAULT_LOOKUP_MAX = 3
-DEFAULT_SUFFIX_DEPTH = 24
-DEFAULT_SUFFIX_MIN_PROB = 0.1
-DEFAULT_SUFFIX_SPEC_FACTOR = 1.0
 
 register_drafter("ngram", NgramDrafter)
 register_drafter("suffix", SuffixDrafter)
