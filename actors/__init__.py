@@ -8,7 +8,8 @@
 Modules: `roles` (the worker roles: plain classes serving a runtime worker over ZeroMQ), `proxy` (the
 coordinator's stand-ins, generated from the worker classes), `coordinator` (`RoleGroup`, `RoleWorkers`: the
 engine's worker factory and recovery, and the Coordinator actor), `backend` (the CLI's `ray` backend),
-`launcher` (the only place that applies `ray.remote`), `client` (`connect`, `EngineHandle`).
+`launcher` (the only place that applies `ray.remote`), `client` (`connect`, `EngineHandle`), `transport/` (shared-memory
+arenas, msgpack messages and ZeroMQ channels: the wire the roles speak).
 The names below load lazily: importing this package does not import Ray.
 """
 

@@ -20,15 +20,15 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from specoffload.actors.transport.arena import sweep_dead_arenas
+from specoffload.actors.transport.channel import ChannelConfig
+from specoffload.actors.transport.procs import pid_exited
+from specoffload.actors.transport.shm import ARENA_TAG, sweep_dead_sockets
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Prompt
 from specoffload.runtime.request import GenerationResult
 from specoffload.runtime.sampling import SamplingParams
-from specoffload.runtime.transport.arena import sweep_dead_arenas
-from specoffload.runtime.transport.channel import ChannelConfig
-from specoffload.runtime.transport.procs import pid_exited
-from specoffload.runtime.transport.shm import ARENA_TAG, sweep_dead_sockets
 
 from .coordinator import Coordinator
 from .launcher import launch, plan_resources

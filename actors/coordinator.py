@@ -32,6 +32,9 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from specoffload.actors.transport.arena import sweep_dead_arenas
+from specoffload.actors.transport.procs import pid_exited
+from specoffload.actors.transport.shm import ARENA_TAG, ShmTensors
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.plan import Plan
 from specoffload.runtime.config import EngineConfig
@@ -40,9 +43,6 @@ from specoffload.runtime.offload.drafters import Drafter, NoDrafter, make_drafte
 from specoffload.runtime.offload.workers import WeightPlan, Workers, worker_classes
 from specoffload.runtime.request import Feed, GenerationResult
 from specoffload.runtime.sampling import SamplingParams
-from specoffload.runtime.transport.arena import sweep_dead_arenas
-from specoffload.runtime.transport.procs import pid_exited
-from specoffload.runtime.transport.shm import ARENA_TAG, ShmTensors
 
 from .launcher import ActorResources, Bundle, current_node_id, launch, plan_resources
 from .proxy import CALL_TIMEOUT_S, LanePool, RoleProxy, WorkerLost, proxy_class

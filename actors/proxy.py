@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
+from specoffload.actors.transport.channel import ChannelTimeout, Client
+from specoffload.actors.transport.codec import TensorRef, WorkerCall, WorkerReply
+from specoffload.actors.transport.procs import pid_alive
+from specoffload.actors.transport.shm import ShmTensors
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.offload.wire import WireMethod, wire_methods
 from specoffload.runtime.sampling import SamplingParams
-from specoffload.runtime.transport.channel import ChannelTimeout, Client
-from specoffload.runtime.transport.codec import TensorRef, WorkerCall, WorkerReply
-from specoffload.runtime.transport.procs import pid_alive
-from specoffload.runtime.transport.shm import ShmTensors
 
 from .roles import RoleInfo
 

@@ -35,6 +35,8 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from specoffload.actors.transport.arena import sweep_dead_arenas
+from specoffload.actors.transport.shm import ARENA_TAG
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Prompt
@@ -43,8 +45,6 @@ from specoffload.runtime.offline.rows import RowJob, RowRequest, RowResult, froz
 from specoffload.runtime.request import GenerationResult
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.tokenizer import load_tokenizer
-from specoffload.runtime.transport.arena import sweep_dead_arenas
-from specoffload.runtime.transport.shm import ARENA_TAG
 
 from .coordinator import Coordinator, draft_role
 from .launcher import Bundle, bundle_resources, launch, plan_resources

@@ -12,7 +12,7 @@ ipc:// socket derived from the role's pid) by calling the worker method with zer
 arguments, writes tensor results into its own output arenas and replies with their `TensorRef`s. The methods it
 answers are exactly the worker class's `@wire` methods (runtime/offload/wire.py): nothing is listed twice.
 
-Shared memory goes through `ShmTensors` (runtime/transport/shm.py), as in the coordinator's proxies. Arena files
+Shared memory goes through `ShmTensors` (actors/transport/shm.py), as in the coordinator's proxies. Arena files
 carry the owner's pid: `setup` sweeps the files (and ipc sockets) of dead owners, e.g. the previous incarnation of
 a role that was killed.
 """
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
+from specoffload.actors.transport.arena import Arena, sweep_dead_arenas
+from specoffload.actors.transport.channel import ChannelConfig, Server
+from specoffload.actors.transport.codec import WorkerCall, WorkerReply
+from specoffload.actors.transport.shm import ARENA_TAG, ShmTensors, sweep_dead_sockets
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.offload.wire import wire_methods
 from specoffload.runtime.offload.workers import WeightPlan, worker_classes
-from specoffload.runtime.transport.arena import Arena, sweep_dead_arenas
-from specoffload.runtime.transport.channel import ChannelConfig, Server
-from specoffload.runtime.transport.codec import WorkerCall, WorkerReply
-from specoffload.runtime.transport.shm import ARENA_TAG, ShmTensors, sweep_dead_sockets
 
 logger = logging.getLogger("specoffload.actors")
 

@@ -72,10 +72,6 @@ class ModelShape:
         """Part -> the bytes it takes in a ring slot, where that differs from its resident bytes."""
         return dict(self.slotted)
 
-    def tier_bytes(self, key: PartKey, nbytes: int) -> int:
-        """What a part of `nbytes` compute-dtype bytes takes in the RAM tier: its stored bytes if compressed."""
-        return next((n for k, n in self.stored if k == key), nbytes)
-
     def kv_cache_bytes(self, rows: int, kv_capacity: int) -> int:
         """Bytes of this model's KV cache for `rows` rows of `kv_capacity` positions each."""
         return self.kv_bytes_per_token * kv_capacity * rows

@@ -14,7 +14,7 @@ profile (runtime/offload/profiler.py) and the models' shapes read from their che
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from specoffload.planner import HardwareProfile, ModelCosts, Workload, search
@@ -30,7 +30,6 @@ from .models.model import Transformer
 from .offload.drafters import DraftFootprint
 from .offload.drafters.model import model_footprint
 from .offload.drafters.resident_experts import resident_expert_footprint
-from .offload.profiler import load_or_measure
 from .tokenizer import load_tokenizer
 
 logger = logging.getLogger("specoffload.planning")
@@ -125,16 +124,15 @@ def make_plan(
     workload: Workload | None = None,
     alpha: Acceptance | None = None,
     profile: HardwareProfile | None = None,
-    log: Callable[[str], None] | None = None,
     alpha_range: tuple[float, float] | None = None,
 ) -> Plan:
     """The plan for `config`: fixed when the user chose batch and k (or nothing streams), else the planner's best
     (batch, k) for `workload` (default: many prompts of max_seq_len / 2 tokens, as many new tokens) at acceptance
-    `alpha` (default: config.acceptance_prior; a scalar or a per-position curve) on the measured `profile` (default:
-    measured or cached); with
-    `alpha_range` (a warm-up's plausible acceptance, runtime/warmup.py) the maximin pick over it. The search prices
-    the config's `refill` (the steady state of refilled batches, or waves) and the plan carries it, with the per-pass
-    prompt token budget the planner chose (`Plan.prefill_chunk`; a fixed plan has none)."""
+    `alpha` (default: config.acceptance_prior; a scalar or a per-position curve) on the measured `profile` (required
+    then: the caller measures it, runtime/offload/profiler.py `load_or_measure`); with `alpha_range` (a warm-up's
+    plausible acceptance, runtime/warmup.py) the maximin pick over it. The search prices the config's `refill` (the
+    steady state of refilled batches, or waves) and the plan carries it, with the per-pass prompt token budget the
+    planner chose (`Plan.prefill_chunk`; a fixed plan has none)."""
     has_draft = models.draft is not None
     if not config.planned:
         k = int(config.num_draft_tokens) if has_draft else 0
@@ -143,7 +141,8 @@ def make_plan(
         return fixed_plan(int(config.max_batch_size), k, max_seq_len, models.self_draft_experts,
                           interleave=interleave, refill=config.refill)
     if profile is None:
-        profile = load_or_measure(config, log=log or logger.info)
+        raise ValueError("a planned config (batch or k 'auto') is planned on the measured hardware profile: pass "
+                         "profile= (runtime/offload/profiler.py `load_or_measure`, which the engine calls)")
     if workload is None:
         workload = Workload(num_prompts=256, prompt_len=max_seq_len / 2, new_tokens=max_seq_len - max_seq_len // 2)
     batches = DEFAULT_BATCHES if config.max_batch_size == "auto" else (int(config.max_batch_size),)

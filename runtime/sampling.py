@@ -89,11 +89,6 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def penalized(self) -> bool:
-        """Whether any penalty changes the target's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
-
-    @property
     def warp(self) -> tuple[float, float, int]:
         """(temperature, top_p, top_k): what a row's logits go through (`warp_rows`)."""
         return (float(self.temperature), float(self.top_p), int(self.top_k))

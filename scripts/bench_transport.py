@@ -38,10 +38,9 @@ import zmq
 
 from scripts.common import PERF, median_spread, utc_now, write_json
 from scripts.readme_section import write_section
-from specoffload.planner.units import parse_bytes
-from specoffload.runtime.transport.arena import Arena, Region
-from specoffload.runtime.transport.channel import ChannelConfig, Client, Server
-from specoffload.runtime.transport.codec import (
+from specoffload.actors.transport.arena import Arena, Region
+from specoffload.actors.transport.channel import ChannelConfig, Client, Server
+from specoffload.actors.transport.codec import (
     OpRequest,
     OpResult,
     decode,
@@ -50,6 +49,7 @@ from specoffload.runtime.transport.codec import (
     tensor_view,
     write_tensor,
 )
+from specoffload.planner.units import parse_bytes
 
 SHM_SYSTEMS = ("shm: copy in, view", "shm: copy in, copy out", "shm: zero-copy")
 RAY_SYSTEMS = ("ray: put tensor", "ray: put numpy")

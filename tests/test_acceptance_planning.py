@@ -385,11 +385,12 @@ def test_calibrated_profile_reproduces_the_measured_passes(tiny_models, single_t
     profile keeps the points through JSON."""
     from specoffload.planner import HardwareProfile
     from specoffload.runtime.config import EngineConfig
+    from specoffload.runtime.engine import Engine
     from specoffload.runtime.offload import profiler
 
     monkeypatch.setattr(profiler, "PROFILE_DIR", tmp_path)
     config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory="1GiB")
-    profile = profiler.load_or_measure(config, quick=True)
+    profile = profiler.load_or_measure(config, quick=True, open_engine=Engine)
     assert profile.pass_overhead_s >= 0 and profile.position_overhead_s >= 0
     points = profile.calibration
     assert {(p["k"] == 0) for p in points} == {True, False} and all(p["measured_s"] > 0 for p in points)

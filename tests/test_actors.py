@@ -22,15 +22,15 @@ import torch
 from specoffload.actors.coordinator import RoleWorkers
 from specoffload.actors.proxy import LanePool, RemoteTensor, proxy_class
 from specoffload.actors.roles import Role, RoleInfo
+from specoffload.actors.transport.arena import SHM_DIR, ArenaName
+from specoffload.actors.transport.channel import ChannelConfig, Client, RemoteError
+from specoffload.actors.transport.codec import TensorRef, WorkerCall
+from specoffload.actors.transport.procs import pid_alive
+from specoffload.actors.transport.shm import ShmTensors
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.offload.workers import WeightPlan
 from specoffload.runtime.sampling import SamplingParams
-from specoffload.runtime.transport.arena import SHM_DIR, ArenaName
-from specoffload.runtime.transport.channel import ChannelConfig, Client, RemoteError
-from specoffload.runtime.transport.codec import TensorRef, WorkerCall
-from specoffload.runtime.transport.procs import pid_alive
-from specoffload.runtime.transport.shm import ShmTensors
 
 PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -144,7 +144,7 @@ def test_pid_alive_counts_a_zombie_as_dead():
 
 def test_pid_exited_waits_for_every_thread():
     """A killed multi-threaded child is exited only once no thread is left (its sockets are closed by then)."""
-    from specoffload.runtime.transport.procs import pid_exited
+    from specoffload.actors.transport.procs import pid_exited
 
     code = "import threading, time; [threading.Thread(target=time.sleep, args=(60,)).start() for _ in range(4)]; " \
            "time.sleep(60)"

@@ -26,13 +26,13 @@ import torch
 import zmq
 
 from scripts import get_models as gm
-from specoffload.runtime.transport import arena as arena_mod
-from specoffload.runtime.transport import codec
-from specoffload.runtime.transport.arena import SHM_DIR, Arena, ArenaError, ArenaFullError, ArenaName, sweep_dead_arenas
-from specoffload.runtime.transport.channel import ChannelConfig, ChannelError, Client, Server
-from specoffload.runtime.transport.codec import ErrorReply, OpRequest, OpResult, TensorRef, WireError, decode, encode
-from specoffload.runtime.transport.procs import pid_alive
-from specoffload.runtime.transport.shm import ARENA_TAG, ShmTensors, sweep_dead_sockets
+from specoffload.actors.transport import arena as arena_mod
+from specoffload.actors.transport import codec
+from specoffload.actors.transport.arena import SHM_DIR, Arena, ArenaError, ArenaFullError, ArenaName, sweep_dead_arenas
+from specoffload.actors.transport.channel import ChannelConfig, ChannelError, Client, Server
+from specoffload.actors.transport.codec import ErrorReply, OpRequest, OpResult, TensorRef, WireError, decode, encode
+from specoffload.actors.transport.procs import pid_alive
+from specoffload.actors.transport.shm import ARENA_TAG, ShmTensors, sweep_dead_sockets
 
 SPAWN = multiprocessing.get_context("spawn")
 NOBODY = 65534
@@ -155,8 +155,8 @@ def _serve_attention_role(model: str, channel: multiprocessing.Queue, stop: Even
 def test_a_role_answers_hostile_calls_and_serves_on(tiny_models: dict[str, Path], victim: Path) -> None:
     """The role server itself (a subprocess, as under Ray): the 933-byte frame, then a tensor header naming a
     file outside the arenas, are each answered with an error; then the role still does its work."""
-    from specoffload.runtime.transport.channel import RemoteError
-    from specoffload.runtime.transport.codec import WorkerCall
+    from specoffload.actors.transport.channel import RemoteError
+    from specoffload.actors.transport.codec import WorkerCall
 
     channel, stop = SPAWN.Queue(), SPAWN.Event()
     role = SPAWN.Process(target=_serve_attention_role, args=(str(tiny_models["llama"]), channel, stop), daemon=True)

@@ -24,18 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "runtime"
 PACKAGE = "specoffload.runtime"
 
-#: known cycle edges, left out of the graph; each must still be in the code
-KNOWN_EDGES = {
-    # workers <-> drafters: workers imports BatchRNG and the drafters from drafters.py, drafters imports
-    # WeightPlan from workers.py (today only under TYPE_CHECKING, so not counted). Both files are being rewritten;
-    # the edge is allowed until then. Remove it when drafters.py no longer imports workers.py.
-    ("specoffload.runtime.offload.drafters", "specoffload.runtime.offload.workers"),
-    # engine -> profiler -> engine: profiler.py `_default_engine` builds the calibration engines for the callers
-    # that cannot pass `open_engine`: runtime/engine.py (being rewritten) calls load_or_measure(config) without it,
-    # and so does planning.make_plan when given no profile. Remove the edge, and `_default_engine`, once engine.py
-    # passes open_engine=Engine and make_plan takes it from its caller.
-    ("specoffload.runtime.offload.profiler", "specoffload.runtime.engine"),
-}
+#: known cycle edges, left out of the graph; each must still be in the code (none: the graph is acyclic as it is)
+KNOWN_EDGES: set[tuple[str, str]] = set()
 
 
 def _module_name(path: Path, root: Path, package: str) -> str:

@@ -22,7 +22,7 @@ def profile_dir(tmp_path, monkeypatch):
 
 def test_profile_is_measured_once_then_reused(tiny_models, profile_dir, monkeypatch, single_thread):
     config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory="1GiB")
-    first = profiler.load_or_measure(config, quick=True)
+    first = profiler.load_or_measure(config, quick=True, open_engine=Engine)
     assert first.stream_bytes_per_s > 0 and first.attention_fit[0] >= 0 and len(first.draft_step_s) >= 2
     assert first.matches(profiler.fingerprint(config))
     assert list(profile_dir.glob("*.json"))
@@ -31,7 +31,7 @@ def test_profile_is_measured_once_then_reused(tiny_models, profile_dir, monkeypa
         raise AssertionError("measured again although a matching profile is cached")
 
     monkeypatch.setattr(profiler, "measure", fail)
-    assert profiler.load_or_measure(config) == first
+    assert profiler.load_or_measure(config, open_engine=Engine) == first
 
 
 def test_auto_policy_is_used_and_lossless(tiny_models, single_thread):

@@ -28,11 +28,11 @@ import pytest
 import torch
 
 from scripts.local_cluster import BIN, LocalCluster
+from specoffload.actors.transport.arena import SHM_DIR, ArenaName
 from specoffload.runtime.cli import main
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.sampling import SamplingParams
-from specoffload.runtime.transport.arena import SHM_DIR, ArenaName
 
 PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(5)]
 NEW_TOKENS = 8

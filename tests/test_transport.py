@@ -25,8 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specoffload.planner.errors import SpecOffloadError
-from specoffload.runtime.transport.arena import (
+from specoffload.actors.transport.arena import (
     SHM_DIR,
     Arena,
     ArenaError,
@@ -37,7 +36,7 @@ from specoffload.runtime.transport.arena import (
     pid_namespace,
     sweep_dead_arenas,
 )
-from specoffload.runtime.transport.channel import (
+from specoffload.actors.transport.channel import (
     ChannelConfig,
     ChannelConfigError,
     ChannelTimeout,
@@ -47,7 +46,7 @@ from specoffload.runtime.transport.channel import (
     RemoteError,
     Server,
 )
-from specoffload.runtime.transport.codec import (
+from specoffload.actors.transport.codec import (
     DTYPES,
     ErrorReply,
     OpRequest,
@@ -61,6 +60,7 @@ from specoffload.runtime.transport.codec import (
     tensor_view,
     write_tensor,
 )
+from specoffload.planner.errors import SpecOffloadError
 
 SPAWN = multiprocessing.get_context("spawn")
 

@@ -15,7 +15,6 @@ hand-edited checkpoint fails with one line naming the tensor.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +103,3 @@ def check_components(manifest: QuantManifest, name: str, found: dict[str, tuple[
                 f"{manifest.spec.scheme}{group} of a {list(shape)} weight stores {want[0]} {list(want[1])}"
             )
 
-
-def logical_numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

@@ -106,8 +106,7 @@ class Pipeline:
         self.running = False
         self.last_stats: OffloadStats | None = None
 
-    def run(self, requests: list[Request], params: SamplingParams | None = None,
-            progress: bool = False) -> OffloadStats:
+    def run(self, requests: list[Request], progress: bool = False) -> OffloadStats:
         """Run every request to the end (each row at its own warping: `Request.warp`); returns the totals."""
         for _ in self.stream(requests, progress):
             pass

@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,9 +33,6 @@ from ..models.model import Transformer
 from .calibrate import EngineFactory, calibrate
 from .direct_io import drop_page_cache
 from .streamer import WeightStreamer
-
-if TYPE_CHECKING:
-    from ..engine import Engine
 
 PROFILE_DIR = Path(os.environ.get("SPECOFFLOAD_CACHE", Path.home() / ".cache" / "specoffload")) / "profiles"
 FFN_ROWS = (1, 4, 16, 64, 256)
@@ -73,8 +69,8 @@ def profile_path(config: EngineConfig) -> Path:
     return PROFILE_DIR / f"{Path(config.target).name}-{key}.json"
 
 
-def load_or_measure(config: EngineConfig, quick: bool = False, log: Callable[[str], None] | None = None,
-                    open_engine: EngineFactory | None = None) -> HardwareProfile:
+def load_or_measure(config: EngineConfig, *, open_engine: EngineFactory, quick: bool = False,
+                    log: Callable[[str], None] | None = None) -> HardwareProfile:
     """The cached profile for this fingerprint, or a fresh measurement (saved for next time); `open_engine`: as
     for `measure`."""
     path = profile_path(config)
@@ -111,9 +107,10 @@ def _time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(samples)
 
 
-def measure(config: EngineConfig, quick: bool = False, open_engine: EngineFactory | None = None) -> HardwareProfile:
+def measure(config: EngineConfig, *, open_engine: EngineFactory, quick: bool = False) -> HardwareProfile:
     """Time every cost the planner models (module docstring). quick: fewer points and repetitions. open_engine:
-    builds the engines whose passes calibrate the profile (calibrate.py; pass `Engine`); None: `_default_engine`."""
+    builds the engines whose passes calibrate the profile (calibrate.py; the caller passes `Engine`: this module
+    sits below the engine and never imports it)."""
     reps = 1 if quick else 3
     dtype, device = config.torch_dtype, torch.device(config.device)
     target = Transformer(config.target, dtype=dtype, device=device)
@@ -166,7 +163,7 @@ def measure(config: EngineConfig, quick: bool = False, open_engine: EngineFactor
         read_bytes_per_s=read_rate,
         decompress_bytes_per_s=decompress_rate,
         hidden_link_fit=link,
-    ), open_engine or _default_engine, quick=quick)
+    ), open_engine, quick=quick)
 
 
 #: rows of hidden states the host <-> device copy fit is timed at (a decode pass's and a prefill chunk's sizes)
@@ -189,16 +186,6 @@ def _hidden_link_fit(hidden: int, dtype: torch.dtype, device: torch.device,
     (x0, y0), (x1, y1) = points
     b = max(0.0, (y1 - y0) / (x1 - x0))
     return max(0.0, y0 - b * x0), b
-
-
-def _default_engine(config: EngineConfig) -> Engine:
-    """`Engine(config)`, for the callers that cannot pass `Engine` because the engine module imports them:
-    runtime/engine.py and runtime/planning.py call `load_or_measure` without `open_engine`. This import closes a
-    cycle (engine -> profiler -> engine; tests/test_import_graph.py `KNOWN_EDGES`): it goes once engine.py passes
-    `open_engine=Engine` and `make_plan` takes it from its caller."""
-    from ..engine import Engine
-
-    return Engine(config)
 
 
 def _stream_rate(config: EngineConfig, target: Transformer,

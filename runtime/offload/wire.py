@@ -10,7 +10,7 @@ worker is one decorated method; nothing else is written out again.
     returns_tuple: the method returns a tuple of results (read from its return annotation, "tuple[...]").
 
 Arguments and results must be ints, floats, strings, lists of them, tensors, None, or `SamplingParams`, so they
-cross the wire (runtime/transport/codec.py).
+cross the wire (actors/transport/codec.py).
 """
 
 from __future__ import annotations

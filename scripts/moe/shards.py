@@ -121,6 +121,3 @@ def write_provenance(out_dir: Path, record: dict[str, object]) -> None:
     }
     (out_dir / PROVENANCE).write_text(json.dumps(record | stamp, indent=2) + "\n")
 
-
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())

@@ -31,8 +31,8 @@ import msgpack
 import torch
 
 from specoffload.planner.errors import SpecOffloadError
+from specoffload.runtime.sampling import SamplingParams
 
-from ..sampling import SamplingParams
 from .arena import Arena, Region
 
 DTYPES: dict[str, torch.dtype] = {
