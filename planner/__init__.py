@@ -26,7 +26,7 @@ from .acceptance import (
 )
 from .cost import ModelCosts, StepEstimate, Workload, WorkloadEstimate, estimate_step, estimate_workload
 from .profile import HardwareProfile, ProfileError
-from .search import NoFeasiblePolicyError, Policy, Replan, SearchResult, replan, search
+from .search import NoFeasiblePolicyError, Policy, Replan, SearchResult, SearchSpace, replan, search
 
 __all__ = [
     "AcceptanceEstimate",
@@ -39,6 +39,7 @@ __all__ = [
     "Replan",
     "ProfileError",
     "SearchResult",
+    "SearchSpace",
     "StepEstimate",
     "Workload",
     "WorkloadEstimate",

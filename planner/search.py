@@ -26,7 +26,7 @@ the low end (a long k at a high alpha, typically). With a narrow range this is t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -109,37 +109,10 @@ class SearchResult:
         return next((p for p in self.alternatives if predicate(p)), None)
 
 
-def search(
-    profile: HardwareProfile,
-    target: ModelShape,
-    draft: ModelShape | None,
-    workload: Workload,
-    alpha: Acceptance,
-    device_memory: int,
-    host_memory: int,
-    *,
-    batches: Iterable[int] = DEFAULT_BATCHES,
-    ks: Iterable[int] = range(0, 9),
-    num_buffers: int = 2,
-    weights_tier: str | None = None,
-    unified_memory: bool | None = None,
-    max_seq_len: int | None = None,
-    dtype_bytes: int = 2,
-    top_k: int = 0,
-    draft_top_k: int = 0,
-    k_ceiling: int = 0,
-    expert_loading: str = "auto",
-    draft_pins: frozenset[PartKey] = frozenset(),
-    alpha_range: tuple[float, float] | None = None,
-    expert_group: int = 0,
-    interleaves: Iterable[bool] = (True,),
-    draft_dtype_bytes: int = 0,
-    refill: bool = False,
-    kv_block_size: int = 0,
-    kv_expected_use: bool = False,
-    host_attention: bool | None = None,
-) -> SearchResult:
-    """The best (batch, k) for `workload` at acceptance rate `alpha` (module docstring).
+@dataclass(frozen=True)
+class SearchSpace:
+    """What `search` chooses among, and under what: the models, the workload and its acceptance `alpha`, the
+    memory budgets, and the candidate batches, k and interleaving (module docstring).
 
     alpha_range: (low, high) plausible acceptance around `alpha`; the pick is then the maximin of the ratio to the
     best policy over the range (module docstring); `alternatives` are ranked by that ratio, then by the rate at
@@ -161,57 +134,97 @@ def search(
     a CUDA profile). weights_tier defaults to
     the profile's; unified_memory to True on a CPU profile (device memory is host memory). dtype_bytes and
     top_k (experts per token of an MoE target) feed `ModelCosts`. k >= 1 is skipped without a draft.
-    Raises `NoFeasiblePolicyError` (with the reasons) when no pair fits.
     """
-    costs = ModelCosts.from_shapes(target, draft, dtype_bytes, top_k, draft_top_k, draft_dtype_bytes)
-    tier = weights_tier if weights_tier is not None else profile.weights_tier
-    unified = unified_memory if unified_memory is not None else profile.device == "cpu"
-    on_host = host_attention if host_attention is not None else profile.device == "cuda"
-    tokens = max_seq_len if max_seq_len is not None else math.ceil(workload.prompt_len) + workload.new_tokens
-    scenarios = _alpha_grid(alpha, alpha_range)
+
+    target: ModelShape
+    draft: ModelShape | None
+    workload: Workload
+    alpha: Acceptance
+    device_memory: int
+    host_memory: int
+    batches: tuple[int, ...] = DEFAULT_BATCHES
+    ks: tuple[int, ...] = tuple(range(0, 9))
+    num_buffers: int = 2
+    weights_tier: str | None = None
+    unified_memory: bool | None = None
+    max_seq_len: int | None = None
+    dtype_bytes: int = 2
+    top_k: int = 0
+    draft_top_k: int = 0
+    k_ceiling: int = 0
+    expert_loading: str = "auto"
+    draft_pins: frozenset[PartKey] = frozenset()
+    alpha_range: tuple[float, float] | None = None
+    expert_group: int = 0
+    interleaves: tuple[bool, ...] = (True,)
+    draft_dtype_bytes: int = 0
+    refill: bool = False
+    kv_block_size: int = 0
+    kv_expected_use: bool = False
+    host_attention: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batches", "ks", "interleaves"):  # any iterable given: a tuple kept
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+
+def search(profile: HardwareProfile, space: SearchSpace) -> SearchResult:
+    """The best (batch, k) of `space` on `profile` (module docstring; `SearchSpace` says what each field does).
+    Raises `NoFeasiblePolicyError` (with the reasons) when no pair fits."""
+    costs = ModelCosts.from_shapes(space.target, space.draft, space.dtype_bytes, space.top_k, space.draft_top_k,
+                                   space.draft_dtype_bytes)
+    tier = space.weights_tier if space.weights_tier is not None else profile.weights_tier
+    unified = space.unified_memory if space.unified_memory is not None else profile.device == "cpu"
+    on_host = space.host_attention if space.host_attention is not None else profile.device == "cuda"
+    workload = space.workload
+    tokens = (space.max_seq_len if space.max_seq_len is not None
+              else math.ceil(workload.prompt_len) + workload.new_tokens)
+    scenarios = _alpha_grid(space.alpha, space.alpha_range)
     rates: dict[tuple[int, int, bool], list[float]] = {}  # (batch, k, interleave) -> tokens/s at each alpha
     feasible: list[Policy] = []
     infeasible: list[tuple[int, int, str]] = []
-    interleaves = tuple(interleaves)
-    candidates = [(b, kk, i) for b in batches for kk in ks for i in (interleaves if kk else (True,))]
+    candidates = [(b, kk, i) for b in space.batches for kk in space.ks for i in (space.interleaves if kk else (True,))]
     for batch, k, interleave in candidates:
-        if k >= 1 and draft is None:
+        if k >= 1 and space.draft is None:
             continue
-        k_max = max(k, k_ceiling) if k >= 1 else 0
+        k_max = max(k, space.k_ceiling) if k >= 1 else 0
         policy = PlacementPolicy(
             batch_size=batch,
             num_batches=2 if k >= 1 and interleave else 1,
             kv_capacity=tokens + k_max + 1,
-            num_buffers=num_buffers,
+            num_buffers=space.num_buffers,
             weights_tier=tier,
             unified_memory=unified,
-            pinned=draft_pins if k >= 1 else frozenset(),
-            expert_group=expert_group,
-            kv_block_size=kv_block_size,
-            kv_expected_tokens=(expected_kv_tokens(workload, k_max, workload.mean_new_tokens)
-                                if kv_block_size and kv_expected_use else 0),
+            pinned=space.draft_pins if k >= 1 else frozenset(),
+            expert_group=space.expert_group,
+            kv_block_size=space.kv_block_size,
+            kv_expected_tokens=(expected_kv_tokens(space.workload, k_max, space.workload.mean_new_tokens)
+                                if space.kv_block_size and space.kv_expected_use else 0),
             host_attention=on_host,
         )
         try:
-            placement = place(target, draft if k >= 1 else None, policy, device_memory, host_memory)
+            placement = place(space.target, space.draft if k >= 1 else None, policy, space.device_memory,
+                              space.host_memory)
         except PlacementError as exc:
             infeasible.append((batch, k, str(exc)))
             continue
-        estimate = estimate_workload(profile, costs, placement, batch, k, alpha, workload, expert_loading, interleave,
-                                     refill)
-        rates[(batch, k, interleave)] = [estimate.tokens_per_s if a is alpha or k == 0 else
-                                         estimate_workload(profile, costs, placement, batch, k, a, workload,
-                                                           expert_loading, interleave, refill).tokens_per_s
+        estimate = estimate_workload(profile, costs, placement, batch, k, space.alpha, workload, space.expert_loading,
+                                     interleave, space.refill)
+        rates[(batch, k, interleave)] = [estimate.tokens_per_s if a is space.alpha or k == 0 else
+                                         estimate_workload(profile, costs, placement, batch, k, a, space.workload,
+                                                           space.expert_loading, interleave, space.refill).tokens_per_s
                                          for a in scenarios]
-        feasible.append(replace(_policy(batch, k, pooled_alpha(alpha), placement, estimate),
-                                interleave=interleave, refill=refill, kv_expected_tokens=policy.kv_expected_tokens,
+        feasible.append(replace(_policy(batch, k, pooled_alpha(space.alpha), placement, estimate),
+                                interleave=interleave, refill=space.refill,
+                                kv_expected_tokens=policy.kv_expected_tokens,
                                 prefill_chunk=estimate.steady.prefill_chunk if estimate.steady else None))
     if not feasible:
         reasons = "; ".join(f"batch={b}, k={k}: {why}" for b, k, why in infeasible[:3])
         raise NoFeasiblePolicyError(f"no (batch, k) fits the memory budgets. First reasons: {reasons}")
     best_at = [max(r[n] for r in rates.values()) for n in range(len(scenarios))]
     feasible = [replace(p, worst_ratio=min(r / b for r, b in zip(rates[(p.batch, p.k, p.interleave)], best_at)),
-                        predicted_low=rates[(p.batch, p.k, p.interleave)][0] if alpha_range is not None else None)
+                        predicted_low=rates[(p.batch, p.k, p.interleave)][0] if space.alpha_range is not None
+                        else None)
                 for p in feasible]
     ranked = tuple(sorted(feasible, key=lambda p: (-_rounded(p.worst_ratio), -_rounded(p.predicted_tokens_per_s),
                                                    p.batch, p.k, not p.interleave)))

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from specoffload.planner import HardwareProfile, ModelCosts, Workload, search
+from specoffload.planner import HardwareProfile, ModelCosts, SearchSpace, Workload, search
 from specoffload.planner.acceptance import Acceptance
 from specoffload.planner.placement import Placement, PlacementPolicy, minimum_device_memory, place
 from specoffload.planner.plan import MAX_AUTO_K, Plan, fixed_plan, planned
@@ -153,8 +153,8 @@ def make_plan(
     else:
         ks = (int(config.num_draft_tokens),)
     auto_k = config.num_draft_tokens == "auto"
-    result = search(
-        profile, models.target, models.draft, workload,
+    result = search(profile, SearchSpace(
+        models.target, models.draft, workload,
         config.acceptance_prior if alpha is None else alpha,
         int(config.device_memory), config.host_budget,
         batches=batches, ks=ks, num_buffers=config.num_buffers, weights_tier=config.weights_tier,
@@ -166,7 +166,7 @@ def make_plan(
         alpha_range=alpha_range, refill=config.refill,
         kv_block_size=_kv_block_size(config), kv_expected_use=True,
         host_attention=config.host_attention,
-    )
+    ))
     plan = planned(result, max_seq_len, auto_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
     return plan

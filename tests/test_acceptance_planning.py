@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace as dc_replace
 
 import pytest
 from hypothesis import given
@@ -15,6 +16,7 @@ from specoffload.planner import (
     AcceptanceTracker,
     HardwareProfile,
     ModelCosts,
+    SearchSpace,
     Workload,
     estimate_alpha,
     estimate_alpha_by_prompt,
@@ -215,8 +217,9 @@ WORKLOAD = Workload(num_prompts=16, prompt_len=4, new_tokens=32)
 
 
 def _search(alpha: float, alpha_range: tuple[float, float] | None = None):  # noqa: ANN202
-    return search(PROFILE, TARGET, DRAFT, WORKLOAD, alpha=alpha, device_memory=4200, host_memory=GiB,
-                  batches=(1, 2, 4), ks=range(0, 7), unified_memory=False, alpha_range=alpha_range)
+    return search(PROFILE, SearchSpace(TARGET, DRAFT, WORKLOAD, alpha=alpha, device_memory=4200, host_memory=GiB,
+                                       batches=(1, 2, 4), ks=range(0, 7), unified_memory=False,
+                                       alpha_range=alpha_range))
 
 
 def test_search_with_a_point_range_is_the_plain_argmax() -> None:
@@ -258,8 +261,6 @@ def test_replan_turns_speculation_off_and_merges_rows() -> None:
 def test_online_stream_rate_from_the_jobs_own_passes() -> None:
     """A pass that takes longer than everything but its io waited on the io: the rate it delivered is its bytes /
     its period, and the re-plan is made at that rate; a pass no slower than its compute says nothing."""
-    from dataclasses import replace as dc_replace
-
     from specoffload.planner import estimate_step
     from specoffload.planner.plan import fixed_plan
     from specoffload.runtime.offload.replan import PASS_WINDOW, Replanner
@@ -267,9 +268,9 @@ def test_online_stream_rate_from_the_jobs_own_passes() -> None:
     policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
     placement = place(TARGET, DRAFT, policy, 4200, GiB)
     costs = ModelCosts.from_shapes(TARGET, DRAFT)
-    plan = dc_replace(fixed_plan(2, 2, 48), policy=search(PROFILE, TARGET, DRAFT, WORKLOAD, alpha=0.9,
-                                                          device_memory=4200, host_memory=GiB, batches=(2,),
-                                                          ks=(2,), unified_memory=False).best)
+    space = SearchSpace(TARGET, DRAFT, WORKLOAD, alpha=0.9, device_memory=4200, host_memory=GiB, batches=(2,),
+                        ks=(2,), unified_memory=False)
+    plan = dc_replace(fixed_plan(2, 2, 48), policy=search(PROFILE, space).best)
     replanner = Replanner(plan, interval=1, profile=PROFILE, costs=costs, placement=placement)
     model = estimate_step(PROFILE, costs, placement, 2, 2, 0.0, 24)
     assert model.t_io > 0
@@ -345,7 +346,8 @@ def test_online_replanning_turns_speculation_off_and_merges_the_batches(tiny_mod
     from specoffload.runtime.sampling import SamplingParams
 
     real_search = planning.search
-    monkeypatch.setattr(planning, "search", lambda *a, **kw: real_search(*a, **{**kw, "ks": (2,), "batches": (2,)}))
+    monkeypatch.setattr(planning, "search", lambda profile, space: real_search(profile, dc_replace(
+        space, ks=(2,), batches=(2,))))
     slow_draft = _profile(stream_bytes_per_s=1e12, ffn_flops_per_s=((1, 1e9),), attention_fit=(1e-6, 0.0, 0.0),
                           draft_step_s=((1, 1.0),))
     monkeypatch.setattr(engine_module, "load_or_measure", lambda *a, **kw: slow_draft)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from specoffload.planner import Workload, search
+from specoffload.planner import SearchSpace, Workload, search
 from specoffload.planner.kv_budget import KVRows, expected_kv_tokens, kv_rows
 from specoffload.planner.placement import PlacementError, PlacementPolicy, place
 from tests.conftest import dense_shape
@@ -83,9 +83,10 @@ def test_search_places_more_rows_by_expected_use() -> None:
     workload = Workload(num_prompts=64, prompt_len=4, new_tokens=16)
     common = dict(alpha=0.8, device_memory=GiB, host_memory=8000, batches=(1, 2, 4, 8, 16, 32), ks=(0,),
                   unified_memory=False, max_seq_len=100)
-    contiguous = search(make_profile(), TARGET, None, workload, **common)
-    rounded = search(make_profile(), TARGET, None, workload, kv_block_size=4, **common)
-    expected = search(make_profile(), TARGET, None, workload, kv_block_size=4, kv_expected_use=True, **common)
+    contiguous = search(make_profile(), SearchSpace(TARGET, None, workload, **common))
+    rounded = search(make_profile(), SearchSpace(TARGET, None, workload, kv_block_size=4, **common))
+    expected = search(make_profile(), SearchSpace(TARGET, None, workload, kv_block_size=4, kv_expected_use=True,
+                                                  **common))
     assert {p.batch for p in contiguous.alternatives} == {1, 2, 4}
     assert {p.batch for p in rounded.alternatives} == {1, 2, 4}  # 104 positions: 1664 bytes a row
     assert {p.batch for p in expected.alternatives} == {1, 2, 4, 8, 16}

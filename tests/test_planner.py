@@ -21,6 +21,7 @@ from specoffload.planner import (
     ModelCosts,
     NoFeasiblePolicyError,
     ProfileError,
+    SearchSpace,
     Workload,
     estimate_alpha,
     estimate_step,
@@ -388,8 +389,8 @@ GiB = 1024**3
 
 def test_search_picks_k0_when_compute_bound() -> None:
     fast_io = make_profile(stream_bytes_per_s=1e12, ffn_flops_per_s=((1, 800.0),))
-    result = search(fast_io, TARGET, DRAFT, WORKLOAD, alpha=0.8, device_memory=GiB, host_memory=GiB,
-                    batches=(1, 2, 4), ks=range(0, 5), unified_memory=False)
+    result = search(fast_io, SearchSpace(TARGET, DRAFT, WORKLOAD, alpha=0.8, device_memory=GiB, host_memory=GiB,
+                    batches=(1, 2, 4), ks=range(0, 5), unified_memory=False))
     assert result.best.k == 0
     assert result.best.draft_batch == 0 and result.best.num_batches == 1
     assert result.alternatives[0] == result.best
@@ -402,8 +403,8 @@ def test_search_picks_k0_when_compute_bound() -> None:
 def test_search_picks_speculation_when_io_bound() -> None:
     slow_io = make_profile(stream_bytes_per_s=100.0, ffn_flops_per_s=((1, 1e6),), draft_step_s=((1, 0.01),))
     # room for the draft, attention, head, the ring and one mlp: three mlp layers stream, with or without draft
-    result = search(slow_io, TARGET, DRAFT, WORKLOAD, alpha=0.8, device_memory=4200, host_memory=GiB,
-                    batches=(1, 2, 4), ks=range(0, 5), unified_memory=False)
+    result = search(slow_io, SearchSpace(TARGET, DRAFT, WORKLOAD, alpha=0.8, device_memory=4200, host_memory=GiB,
+                    batches=(1, 2, 4), ks=range(0, 5), unified_memory=False))
     best = result.best
     assert best.k > 0
     assert best.prefill_batch == best.decode_batch == best.draft_batch == best.batch
@@ -418,19 +419,19 @@ def test_search_reports_infeasible_budgets() -> None:
     profile = make_profile()
     # enough for the target with every layer streamed, not for the draft (340 bytes) and its KV cache as well
     minimal = 2 * (200 + 800)  # a ring of two slots of one layer (attention + mlp)
-    result = search(profile, TARGET, DRAFT, WORKLOAD, alpha=0.8, device_memory=minimal + 300, host_memory=GiB,
-                    batches=(1, 4), ks=(0, 2), unified_memory=False)
+    result = search(profile, SearchSpace(TARGET, DRAFT, WORKLOAD, alpha=0.8, device_memory=minimal + 300,
+                                         host_memory=GiB, batches=(1, 4), ks=(0, 2), unified_memory=False))
     assert {(b, k) for b, k, _ in result.infeasible} == {(1, 2), (4, 2)}
     assert all("does not fit" in why for _, _, why in result.infeasible)
     assert result.best.k == 0
     with pytest.raises(NoFeasiblePolicyError, match="no \\(batch, k\\) fits"):
-        search(profile, TARGET, DRAFT, WORKLOAD, alpha=0.8, device_memory=100, host_memory=GiB, batches=(1,),
-               ks=(0, 1), unified_memory=False)
+        search(profile, SearchSpace(TARGET, DRAFT, WORKLOAD, alpha=0.8, device_memory=100, host_memory=GiB,
+                                    batches=(1,), ks=(0, 1), unified_memory=False))
 
 
 def test_search_without_draft_only_tries_k0() -> None:
-    result = search(make_profile(), TARGET, None, WORKLOAD, alpha=0.8, device_memory=GiB, host_memory=GiB,
-                    batches=(1, 2), ks=range(0, 4))
+    result = search(make_profile(), SearchSpace(TARGET, None, WORKLOAD, alpha=0.8, device_memory=GiB, host_memory=GiB,
+                    batches=(1, 2), ks=range(0, 4)))
     assert {p.k for p in result.alternatives} == {0}
 
 

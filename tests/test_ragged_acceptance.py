@@ -98,13 +98,14 @@ def test_ragged_steady_pass_never_feeds_more_than_k_plus_one(replayed: list[tupl
 
 
 def _search(ragged: RaggedAcceptance, stream_bytes_per_s: float) -> object:
-    from specoffload.planner import search
+    from specoffload.planner import SearchSpace, search
     from tests.test_planner import WORKLOAD, GiB
 
     slow = make_profile(stream_bytes_per_s=stream_bytes_per_s)
     # 3000 bytes of device memory: the target's MLPs stream (a GiB would keep them resident: no io to hide under)
-    return search(slow, TARGET, ModelShape("ngram", (), 0, 0), WORKLOAD, ragged, 3000, GiB, batches=(1, 2, 4),
-                  ks=range(0, 9), unified_memory=False, weights_tier="disk", interleaves=(False,), refill=True)
+    return search(slow, SearchSpace(TARGET, ModelShape("ngram", (), 0, 0), WORKLOAD, ragged, 3000, GiB,
+                                    batches=(1, 2, 4), ks=range(0, 9), unified_memory=False, weights_tier="disk",
+                                    interleaves=(False,), refill=True))
 
 
 @given(st.floats(0.3, 1.0))

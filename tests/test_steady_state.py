@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from specoffload.planner import Workload, estimate_workload, replan, search
+from specoffload.planner import SearchSpace, Workload, estimate_workload, replan, search
 from specoffload.planner.acceptance import AcceptanceCurve, mean_rounds, rounds_for_slowest
 from specoffload.planner.cost import steady_pass
 from specoffload.planner.plan import fixed_plan, planned
@@ -113,8 +113,8 @@ MANY = Workload.of_prompts([8] * 256, 16)
 
 
 def _search(alpha: AcceptanceCurve, refill: bool):  # noqa: ANN202
-    return search(IO_BOUND, TARGET, DRAFT, MANY, alpha=alpha, device_memory=4200, host_memory=GiB,
-                  batches=(1, 2, 4, 8), ks=range(0, 7), unified_memory=False, refill=refill)
+    return search(IO_BOUND, SearchSpace(TARGET, DRAFT, MANY, alpha=alpha, device_memory=4200, host_memory=GiB,
+                                        batches=(1, 2, 4, 8), ks=range(0, 7), unified_memory=False, refill=refill))
 
 
 def test_refill_speculates_where_the_slowest_row_made_waves_expensive() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..cost import Workload
 from ..profile import HardwareProfile
-from ..search import Policy, SearchResult, search
+from ..search import Policy, SearchResult, SearchSpace, search
 from .derive import MEASURED_PROFILE_PATH, PROFILE_PATH
 from .shapes import load_config, shape_from_config
 
@@ -41,8 +41,7 @@ PAPER = {"specoffload_tokens_per_s": 24.7, "speedup_over_flexgen": 2.54}
 def run(alpha: float = ALPHA, profile: Path = PROFILE_PATH) -> SearchResult:
     target, top_k = shape_from_config("mixtral_8x7b", load_config("mixtral_8x7b"))
     draft, _ = shape_from_config("mistral_7b", load_config("mistral_7b"))
-    return search(
-        HardwareProfile.load(profile),
+    return search(HardwareProfile.load(profile), SearchSpace(
         target,
         draft,
         WORKLOAD,
@@ -55,7 +54,7 @@ def run(alpha: float = ALPHA, profile: Path = PROFILE_PATH) -> SearchResult:
         unified_memory=False,
         dtype_bytes=2,
         top_k=top_k,
-    )
+    ))
 
 
 def summary(result: SearchResult, alpha: float) -> dict[str, Any]:
