@@ -7,7 +7,7 @@ Measured on the 2-core AVX512-BF16 / AMX machine (torch 2.13 CPU, one thread, [8
     conversion does).
   - float32 -> bfloat16 of a whole tensor: 1.8 ms, but through a freshly allocated 55 MB float32 temporary the
     first touch of its pages dominates (an int8 weight dequantized into bfloat16 that way: 20.5 ms; in blocks of
-    64 rows through one small scratch: 4.6 ms, runtime/quant.py `dequantize_into`).
+    64 rows through one small scratch: 4.6 ms, runtime/formats/ `dequantize_into`).
 So a conversion between the two 16-bit formats is done in blocks through `BLOCK_ELEMENTS` float32 elements (256 KiB:
 it stays in L2 between the two halves); every other conversion is one `copy_`. On CUDA `copy_` as is.
 """

@@ -1,6 +1,6 @@
 """`specoffload quantize`: write a compressed copy of a checkpoint (int8 per output channel, or int4 per group).
 
-The streamed parts' matrices are compressed (runtime/quant.py): every dense MLP, routed expert and shared expert,
+The streamed parts' matrices are compressed (runtime/formats/): every dense MLP, routed expert and shared expert,
 plus, with `--attention`, the attention projections. Everything else (embedding, norms, routers, the head) is
 copied as stored. The output mirrors the source's files (same shard names, an index if the source has one), each
 compressed weight's components written next to each other so that one read fetches them, plus
@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
+from .formats import FORMATS, WeightFormat, quantize, weight_format
 from .hashing import PROVENANCE, sha256_file, source_record
 from .models.checkpoint import INDEX_FILE, Checkpoint
 from .models.config import ModelConfig
 from .models.errors import CheckpointError
 from .models.quantized import QUANT_FILE, QuantManifest
 from .models.weights import WeightLoader
-from .quant import QuantSpec, quantize
 
 HASHES = "safetensors_sha256"  # the key scripts/get_models.py and runtime/offline/manifest.py read
 _DTYPE_NAME = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int8: "I8",
@@ -54,14 +54,14 @@ def compressed_names(checkpoint: Checkpoint, config: ModelConfig, attention: boo
     return list(names)
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, spec: QuantSpec, attention: bool = False,
+def quantize_checkpoint(src: str | Path, out: str | Path, spec: WeightFormat, attention: bool = False,
                         log: Callable[[str], None] | None = None) -> dict[str, object]:
     """Write the compressed checkpoint of `src` to `out` (a new directory); return its provenance record."""
     src, out = Path(src), Path(out)
     config = ModelConfig.from_dir(src)
     ckpt = Checkpoint(src)
     if ckpt.quantization is not None:
-        raise CheckpointError(f"{src} is already compressed ({ckpt.quantization.spec.scheme}); quantize the original")
+        raise CheckpointError(f"{src} is already compressed ({ckpt.quantization.spec.name}); quantize the original")
     if out.exists():
         raise FileExistsError(f"output {out} exists; remove it or choose another -o")
     chosen = set(compressed_names(ckpt, config, attention))
@@ -102,7 +102,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: QuantSpec, atten
             shutil.copy2(side, tmp / side.name)
     record = {
         "tool": "specoffload quantize",
-        "scheme": spec.scheme,
+        "scheme": spec.name,
         "group_size": spec.group,
         "compressed": "ffn+attention" if attention else "ffn",
         "compressed_tensors": len(chosen),
@@ -119,7 +119,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: QuantSpec, atten
     return record
 
 
-def _produce(ckpt: Checkpoint, name: str, chosen: set[str], spec: QuantSpec) -> dict[str, torch.Tensor]:
+def _produce(ckpt: Checkpoint, name: str, chosen: set[str], spec: WeightFormat) -> dict[str, torch.Tensor]:
     """The tensors stored for `name`: its components if compressed (suffixed names), else itself as stored."""
     if name not in chosen:
         return {name: ckpt.get(name)}
@@ -180,7 +180,7 @@ def _numel(shape: Sequence[int]) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an int8 or int4 copy of a checkpoint for streaming")
     p.add_argument("--model", required=True, type=Path, help="source checkpoint directory (HF safetensors)")
-    p.add_argument("--to", required=True, choices=["int8", "int4"],
+    p.add_argument("--to", required=True, choices=sorted(FORMATS),
                    help="int8: per output channel (near-lossless); int4: per group of --group inputs (4.5 bits)")
     p.add_argument("--group", type=int, default=None, help="int4: inputs per scale and min (default 64)")
     p.add_argument("--attention", action="store_true",
@@ -189,13 +189,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
-    spec = QuantSpec.of(args.to, args.group)
+    spec = weight_format(args.to, args.group)
     model = args.model.expanduser()
-    suffix = args.to if spec.scheme == "int8" else f"int4g{spec.group}"
+    suffix = spec.label
     out = args.output or model.with_name(f"{model.name}-{suffix}")
     record = quantize_checkpoint(model, out, spec, attention=args.attention, log=log)
     sizes = record["bytes"]
     assert isinstance(sizes, dict)
-    log(f"{out}: {record['compressed_tensors']} tensors as {spec.scheme}; checkpoint {sizes['source'] / 2**20:.0f} "
+    log(f"{out}: {record['compressed_tensors']} tensors as {spec.label}; checkpoint {sizes['source'] / 2**20:.0f} "
         f"-> {sizes['stored'] / 2**20:.0f} MiB")
     return 0

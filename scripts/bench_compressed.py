@@ -31,22 +31,23 @@ from scripts.quant_accuracy import compare, held_out
 from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
+from specoffload.runtime.formats import WeightFormat, weight_format
 from specoffload.runtime.prompts import humaneval_prompts
-from specoffload.runtime.quant import QuantSpec
 from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
 
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
-VARIANTS = {"fp16": None, "int8": QuantSpec("int8"), "int4": QuantSpec("int4", 64), "int8a": QuantSpec("int8")}
+VARIANTS = {"fp16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
+            "int8a": weight_format("int8")}
 #: variants that compress the attention projections too (`specoffload quantize --attention`)
 WITH_ATTENTION = {"int8a"}
 
 
-def variant_dir(source: Path, name: str, spec: QuantSpec | None, where: Path | None) -> Path:
+def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path | None) -> Path:
     """The checkpoint of a variant: the source for fp16, else its compressed copy (built once)."""
     if spec is None:
         return source
-    suffix = ("int8" if spec.scheme == "int8" else f"int4g{spec.group}") + ("-attn" if name in WITH_ATTENTION else "")
+    suffix = spec.label + ("-attn" if name in WITH_ATTENTION else "")
     out = (where or source.parent) / f"{source.name}-{suffix}"
     if not out.exists():
         print(f"quantizing {source.name} -> {out}", file=sys.stderr)

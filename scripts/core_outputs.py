@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=12, help="new tokens per prompt")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--budget", default="5GiB", help="device_memory of the offloaded cases (part of the target streams)")
+    ap.add_argument("--budget", default="5GiB", help="device_memory of the offloaded cases")
     ap.add_argument("--only", default=None, help="run the cases whose name contains one of these (comma-separated)")
     args = ap.parse_args()
     if args.compare:

@@ -114,14 +114,14 @@ def build_moe_models(dense: Path, kinds: Sequence[str], cache: Path | None = Non
 
 def write_compressed(moe: Path, scheme: str) -> Path:
     """A compressed copy of a built MoE checkpoint beside it (runtime/quantize.py), unless it exists."""
-    from specoffload.runtime.quant import QuantSpec
+    from specoffload.runtime.formats import weight_format
     from specoffload.runtime.quantize import quantize_checkpoint
 
     try:
-        spec = QuantSpec.of(scheme)
+        spec = weight_format(scheme)
     except ValueError as exc:
         raise MoEBuildError(f"--compress: {exc}") from None
-    out = moe.with_name(f"{moe.name}-{'int8' if spec.scheme == 'int8' else f'int4g{spec.group}'}")
+    out = moe.with_name(f"{moe.name}-{spec.label}")
     if not out.exists():
         quantize_checkpoint(moe, out, spec)
     return out

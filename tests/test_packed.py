@@ -17,11 +17,11 @@ from specoffload.planner.shapes import PartKey
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.errors import ConfigError
+from specoffload.runtime.formats import weight_format
 from specoffload.runtime.models.linear import linear, native_16bit, packed_kernel
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.models.packed import PACKED_MAX_ROWS, PackedInt8, packable
 from specoffload.runtime.offload.streamer import WeightStreamer
-from specoffload.runtime.quant import QuantSpec
 from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
@@ -83,7 +83,7 @@ def int8(tiny_models, tmp_path_factory):
     def get(name: str):
         out = root / name
         if not out.exists():
-            quantize_checkpoint(tiny_models[name], out, QuantSpec("int8"))
+            quantize_checkpoint(tiny_models[name], out, weight_format("int8"))
         return out
 
     return get

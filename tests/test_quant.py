@@ -1,4 +1,4 @@
-"""runtime/quant.py: the error bound of each scheme, the stored layout, and dequantization into a slot."""
+"""runtime/formats/: the error bound of each format, the stored layout, and dequantization into a slot."""
 
 from __future__ import annotations
 
@@ -10,10 +10,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specoffload.runtime import quant
-from specoffload.runtime.quant import INT4_LEVELS, QuantSpec, dequantize, dequantize_into, quantize, storage_dtype
+from specoffload.runtime import formats
+from specoffload.runtime.formats import (
+    WeightFormat,
+    dequantize,
+    dequantize_into,
+    quantize,
+    storage_dtype,
+    weight_format,
+)
+from specoffload.runtime.formats.int4 import INT4_LEVELS
 
-SPECS = st.one_of(st.just(QuantSpec("int8")), st.sampled_from([2, 4, 8, 32, 64]).map(lambda g: QuantSpec("int4", g)))
+SPECS = st.one_of(st.just(weight_format("int8")),
+                  st.sampled_from([2, 4, 8, 32, 64]).map(lambda g: weight_format("int4", g)))
 
 
 @st.composite
@@ -34,17 +43,17 @@ def weights(draw: st.DrawFn) -> torch.Tensor:
     return w.to(dtype)
 
 
-def _step(parts: dict[str, torch.Tensor], spec: QuantSpec, inputs: int) -> torch.Tensor:
+def _step(parts: dict[str, torch.Tensor], spec: WeightFormat, inputs: int) -> torch.Tensor:
     """Each element's quantization step (int8: its row's scale; int4: its group's), [..., in]."""
     scale = parts["scale"].float()
-    if spec.scheme == "int8":
+    if spec.name == "int8":
         return scale.expand(*scale.shape[:-1], inputs)
     return scale.repeat_interleave(spec.group, dim=-1)[..., :inputs]
 
 
 @settings(max_examples=150, deadline=None)
 @given(w=weights(), spec=SPECS)
-def test_round_trip_error_is_at_most_half_a_step(w: torch.Tensor, spec: QuantSpec) -> None:
+def test_round_trip_error_is_at_most_half_a_step(w: torch.Tensor, spec: WeightFormat) -> None:
     parts = quantize(w, spec)
     back = dequantize(parts, spec, tuple(w.shape))  # float32
     x = w.float()
@@ -52,7 +61,7 @@ def test_round_trip_error_is_at_most_half_a_step(w: torch.Tensor, spec: QuantSpe
     err = (back - x).abs()
     tol = step / 2 * (1 + 1e-5) + 1e-6 * x.abs() + 1e-30  # float32 arithmetic of the dequantization itself
     assert (err <= tol).all(), f"max excess {(err - step / 2).max().item()}"
-    if spec.scheme == "int4":  # the step is the smallest float16 >= the group's range / 15
+    if spec.name == "int4":  # the step is the smallest float16 >= the group's range / 15
         g = math.ceil(w.shape[-1] / spec.group)
         assert parts["scale"].shape[-1] == g and parts["zero"].shape[-1] == g
         assert (parts["scale"].float() >= 0).all()
@@ -60,14 +69,14 @@ def test_round_trip_error_is_at_most_half_a_step(w: torch.Tensor, spec: QuantSpe
 
 @settings(max_examples=100, deadline=None)
 @given(w=weights(), spec=SPECS)
-def test_stored_layout_matches_the_spec_and_round_trips_exactly(w: torch.Tensor, spec: QuantSpec) -> None:
+def test_stored_layout_matches_the_spec_and_round_trips_exactly(w: torch.Tensor, spec: WeightFormat) -> None:
     parts = quantize(w, spec)
     expected = spec.components(tuple(w.shape))
     assert {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()} == {
         k: (storage_dtype(d), s) for k, (d, s) in expected.items()
     }
     assert sum(v.numel() * v.element_size() for v in parts.values()) == spec.nbytes(tuple(w.shape))
-    if spec.scheme == "int8":
+    if spec.name == "int8":
         q = parts["qweight"]
         assert q.abs().max() <= 127
         return
@@ -87,7 +96,7 @@ def test_stored_layout_matches_the_spec_and_round_trips_exactly(w: torch.Tensor,
 
 @settings(max_examples=60, deadline=None)
 @given(w=weights(), spec=SPECS, dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_dequantize_into_a_slot_view_equals_dequantize(w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype) -> None:
+def test_dequantize_into_a_slot_view_equals_dequantize(w: torch.Tensor, spec: WeightFormat, dtype: torch.dtype) -> None:
     """The streamer writes into a view of a uint8 slot; the resident path allocates: the same values."""
     parts = quantize(w, spec)
     ref = dequantize(parts, spec, tuple(w.shape), dtype)
@@ -102,29 +111,29 @@ def test_dequantize_into_a_slot_view_equals_dequantize(w: torch.Tensor, spec: Qu
 @settings(max_examples=60, deadline=None)
 @given(w=weights(), spec=SPECS, dtype=st.sampled_from([torch.bfloat16, torch.float16]),
        block=st.integers(1, 700))
-def test_dequantize_into_16_bit_in_row_blocks_equals_one_float32_pass(w: torch.Tensor, spec: QuantSpec,
+def test_dequantize_into_16_bit_in_row_blocks_equals_one_float32_pass(w: torch.Tensor, spec: WeightFormat,
                                                                       dtype: torch.dtype, block: int) -> None:
     """A 16-bit dest is filled in blocks of rows through a small float32 scratch (several blocks here: the block
     is shrunk): exactly the float32 dequantization, cast once."""
     parts = quantize(w, spec)
     dest = torch.full(tuple(w.shape), float("nan"), dtype=dtype)
-    with mock.patch.object(quant, "BLOCK_ELEMENTS", block):
+    with mock.patch.object(formats, "BLOCK_ELEMENTS", block):
         dequantize_into(dest, parts, spec)
     assert torch.equal(dest, dequantize(parts, spec, tuple(w.shape)).to(dtype))
 
 
 def test_int4_is_4_5_bits_at_group_64_and_int8_about_8() -> None:
-    assert QuantSpec("int4", 64).bits_per_weight((8960, 1536)) == pytest.approx(4.5)
-    assert QuantSpec("int8").bits_per_weight((8960, 1536)) == pytest.approx(8 + 32 / 1536)
+    assert weight_format("int4", 64).bits_per_weight((8960, 1536)) == pytest.approx(4.5)
+    assert weight_format("int8").bits_per_weight((8960, 1536)) == pytest.approx(8 + 32 / 1536)
 
 
 def test_bad_specs_are_refused() -> None:
     with pytest.raises(ValueError, match="scheme"):
-        QuantSpec("int3")
+        weight_format("int3")
     with pytest.raises(ValueError, match="even group"):
-        QuantSpec("int4", 63)
+        weight_format("int4", 63)
     with pytest.raises(ValueError, match="int4 only"):
-        QuantSpec.of("int8", 64)
-    assert QuantSpec.of("int4") == QuantSpec("int4", 64)
+        weight_format("int8", 64)
+    assert weight_format("int4") == weight_format("int4", 64)
     with pytest.raises(ValueError, match="non-finite"):
-        quantize(torch.tensor([[1.0, math.inf]]), QuantSpec("int8"))
+        quantize(torch.tensor([[1.0, math.inf]]), weight_format("int8"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scripts.quant_accuracy import compare
-from specoffload.runtime.quant import QuantSpec
+from specoffload.runtime.formats import weight_format
 from specoffload.runtime.quantize import quantize_checkpoint
 
 ROWS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i, 11, 200 + i, 7, 99, 150 + 3 * i] for i in range(4)]
@@ -18,7 +18,7 @@ def test_identity_is_perfect_and_int4_is_measurably_worse_than_int8(tiny_models,
     assert same["top1_agreement"] == 1.0 and same["greedy_identical"] == 2
     assert same["mean_kl"] == pytest.approx(0.0, abs=1e-6)
     reports = {}
-    for scheme, spec in (("int8", QuantSpec("int8")), ("int4", QuantSpec("int4", 32))):
+    for scheme, spec in (("int8", weight_format("int8")), ("int4", weight_format("int4", 32))):
         quantize_checkpoint(ref, tmp_path / scheme, spec)
         reports[scheme] = compare(ref, tmp_path / scheme, ROWS, PROMPTS, greedy_tokens=8)
     for r in reports.values():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -16,18 +16,18 @@ from specoffload.planner.shapes import PartKey
 from specoffload.runtime.cli import main
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
+from specoffload.runtime.formats import FORMATS, WeightFormat, register_format, weight_format
 from specoffload.runtime.models.checkpoint import Checkpoint
 from specoffload.runtime.models.errors import CheckpointError
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload.streamer import WeightStreamer
-from specoffload.runtime.quant import QuantSpec
 from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 # group 32: the tiny models' FFN widths are 96, 128, 32 and 48 (the last pads its second group)
-SPECS = {"int8": QuantSpec("int8"), "int4": QuantSpec("int4", 32)}
+SPECS = {"int8": weight_format("int8"), "int4": weight_format("int4", 32)}
 
 
 @pytest.fixture(scope="session")
@@ -185,7 +185,7 @@ def test_sampled_output_of_a_compressed_target_is_the_same_offloaded_and_residen
 
 def test_a_compressed_checkpoint_is_refused_as_source(quantized, tmp_path):
     with pytest.raises(CheckpointError, match="already compressed"):
-        quantize_checkpoint(quantized("llama", "int8"), tmp_path / "x", QuantSpec("int8"))
+        quantize_checkpoint(quantized("llama", "int8"), tmp_path / "x", weight_format("int8"))
 
 
 def test_part_keys_of_the_router_stay_uncompressed(quantized):
@@ -213,10 +213,10 @@ def test_a_compressed_checkpoint_passes_the_size_check_when_its_weights_dominate
     import torch
     from safetensors.torch import save_file
 
+    from specoffload.runtime.formats import weight_format
     from specoffload.runtime.models.checkpoint import Checkpoint
     from specoffload.runtime.models.config import ModelConfig
     from specoffload.runtime.models.validate import validate_checkpoint
-    from specoffload.runtime.quant import QuantSpec
     from specoffload.runtime.quantize import quantize_checkpoint
 
     src = tmp_path / "src"
@@ -237,7 +237,42 @@ def test_a_compressed_checkpoint_passes_the_size_check_when_its_weights_dominate
               f"{p}.mlp.gate_proj.weight": torch.randn(inter, h), f"{p}.mlp.up_proj.weight": torch.randn(inter, h),
               f"{p}.mlp.down_proj.weight": torch.randn(h, inter)}
     save_file({k: v.half().contiguous() for k, v in t.items()}, src / "model.safetensors")
-    for spec in (QuantSpec("int8"), QuantSpec("int4", 16)):
-        out = tmp_path / spec.scheme
+    for spec in (weight_format("int8"), weight_format("int4", 16)):
+        out = tmp_path / spec.name
         quantize_checkpoint(src, out, spec)
         validate_checkpoint(Checkpoint(out), ModelConfig.from_dir(out))  # no CheckpointError
+
+
+@dataclass(frozen=True)
+class Int8Rows(WeightFormat):
+    """A toy format declared in this test file alone: int8 codes with one float16 scale per row (as "int8" but a
+    float16 scale), to show that a format is one class: quantize, checkpoint manifest, streaming and the resident
+    load all take it from the registry."""
+
+    name = "test-int8rows"
+
+    def components(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {"qweight": ("I8", tuple(shape)), "scale": ("F16", (*shape[:-1], 1))}
+
+    def quantize_rows(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 127).to(torch.float16).clamp_min(1e-4)  # [..., 1]
+        return {"qweight": (x / scale.float()).round().clamp(-127, 127).to(torch.int8), "scale": scale}
+
+    def dequantize_rows(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return dest.copy_(parts["qweight"]).mul_(parts["scale"].float())
+
+
+def test_a_format_declared_in_a_test_file_quantizes_streams_and_loads(tiny_models, tmp_path, single_thread):
+    register_format(Int8Rows)
+    try:
+        out = tmp_path / "q"
+        quantize_checkpoint(tiny_models["llama"], out, weight_format("test-int8rows"))
+        assert json.loads((out / "quantization.json").read_text())["scheme"] == "test-int8rows"
+        base = dict(target=out, max_batch_size=3, max_seq_len=48)
+        resident = _greedy(EngineConfig(**base))
+        lo = Engine(EngineConfig(**base, device_memory="1GiB")).minimum_device_memory()
+        engine = Engine(EngineConfig(**base, device_memory=lo))
+        assert engine.placement.streamed_layers
+        assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)] == resident
+    finally:
+        FORMATS.pop("test-int8rows", None)

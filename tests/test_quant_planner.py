@@ -88,12 +88,12 @@ def test_packed_parts_take_their_slot_bytes_in_the_ring_and_their_full_bytes_res
 
 
 def test_runtime_shape_of_a_compressed_checkpoint(tiny_models, tmp_path) -> None:  # noqa: ANN001
+    from specoffload.runtime.formats import weight_format
     from specoffload.runtime.models.model import Transformer
-    from specoffload.runtime.quant import QuantSpec
     from specoffload.runtime.quantize import quantize_checkpoint
 
     out = tmp_path / "q"
-    quantize_checkpoint(tiny_models["qwen2_moe"], out, QuantSpec("int4", 32))
+    quantize_checkpoint(tiny_models["qwen2_moe"], out, weight_format("int4", 32))
     shape = Transformer(out).loader.shape("t")
     plain = Transformer(tiny_models["qwen2_moe"]).loader.shape("t")
     assert shape.parts == plain.parts  # slots hold the same compute-dtype weights
@@ -108,13 +108,13 @@ def test_runtime_shape_of_a_compressed_checkpoint(tiny_models, tmp_path) -> None
 @pytest.mark.parametrize("tier", ["disk", "ram"])
 def test_profiler_measures_the_loader_rates_of_a_compressed_checkpoint(tiny_models, tmp_path, tier) -> None:  # noqa: ANN001
     from specoffload.runtime.config import EngineConfig
+    from specoffload.runtime.formats import weight_format
     from specoffload.runtime.models.model import Transformer
     from specoffload.runtime.offload.profiler import _stream_rate
-    from specoffload.runtime.quant import QuantSpec
     from specoffload.runtime.quantize import quantize_checkpoint
 
     out = tmp_path / "q"
-    quantize_checkpoint(tiny_models["llama"], out, QuantSpec("int8"))
+    quantize_checkpoint(tiny_models["llama"], out, weight_format("int8"))
     config = EngineConfig(out, device_memory="1GiB", weights_tier=tier, host_memory="1GiB")
     stream, read, decompress = _stream_rate(config, Transformer(out), layers_to_load=2)
     assert stream > 0 and decompress is not None and decompress > 0

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..formats import COMPONENTS, WeightFormat, dequantize_into
 from ..json_bounds import JsonBounds, loads_bounded
-from ..quant import COMPONENTS, QuantSpec, dequantize_into
 from .errors import CheckpointError
 from .quantized import QUANT_FILE, QuantManifest, check_components, read_manifest
 
@@ -76,7 +76,7 @@ class QuantComponent:
 class QuantRef:
     """A compressed weight as the streamer reads it: its scheme and its components, in file order."""
 
-    spec: QuantSpec
+    spec: WeightFormat
     components: tuple[QuantComponent, ...]
 
     @property

@@ -47,8 +47,8 @@ def packable(shape: tuple[int, ...]) -> bool:
 
 def stays_packed(quant: QuantRef | None, shape: tuple[int, ...]) -> bool:
     """A streamed weight (`quant`: its compression, None if stored uncompressed) is kept packed in its slot when
-    packed slots are on: an int8 matrix the kernel takes."""
-    return quant is not None and quant.spec.scheme == "int8" and packable(shape)
+    packed slots are on: where its format says so (runtime/formats/: an int8 matrix the kernel takes)."""
+    return quant is not None and quant.spec.stays_packed(shape)
 
 
 def slot_nbytes(shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:

@@ -6,7 +6,7 @@ A compressed checkpoint is an ordinary safetensors checkpoint directory plus `qu
      "tensors": {"model.layers.0.mlp.gate_proj.weight": {"shape": [8960, 1536], "dtype": "BF16"}, ...}}
 
 Each listed weight W is absent as such; its components `W.qweight`, `W.scale` (and `W.zero` for int4) are stored
-instead, adjacent in one file (runtime/quant.py gives their dtypes and shapes). `Checkpoint` opens it like any
+instead, adjacent in one file (runtime/formats/ gives their dtypes and shapes). `Checkpoint` opens it like any
 other: the listed names keep their logical shape and dtype, `get` dequantizes them, and `quantized(name)` tells
 the weight streamer where each component lies so that it reads the compressed bytes. Every listed weight is
 checked at open time against the scheme (component present, dtype, shape, group size), so a damaged or
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..formats import COMPONENTS, FORMATS, WeightFormat, weight_format
 from ..json_bounds import JsonBounds, loads_bounded
-from ..quant import COMPONENTS, SCHEMES, QuantSpec
 from .errors import CheckpointError
 
 QUANT_FILE = "quantization.json"
@@ -33,11 +33,11 @@ _LOGICAL_DTYPES = ("F32", "F16", "BF16")
 class QuantManifest:
     """What `quantization.json` says: the scheme and each compressed weight's logical shape and dtype."""
 
-    spec: QuantSpec
+    spec: WeightFormat
     tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (logical shape, logical safetensors dtype)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "scheme": self.spec.scheme, "group_size": self.spec.group,
+        return {"format": FORMAT, "version": VERSION, "scheme": self.spec.name, "group_size": self.spec.group,
                 "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in sorted(self.tensors.items())}}
 
 
@@ -59,10 +59,11 @@ def read_manifest(directory: Path) -> QuantManifest | None:
     if raw.get("version") != VERSION:
         raise bad(f"version {raw.get('version')!r}, this runtime reads version {VERSION}")
     scheme, group = raw.get("scheme"), raw.get("group_size")
-    if scheme not in SCHEMES or type(group) is not int:
-        raise bad(f"scheme {scheme!r:.20} / group_size {group!r:.20} (expected one of {SCHEMES} and an integer)")
+    if scheme not in FORMATS or type(group) is not int:
+        raise bad(f"scheme {scheme!r:.20} / group_size {group!r:.20} (expected one of {tuple(sorted(FORMATS))} and "
+                  "an integer)")
     try:
-        spec = QuantSpec(scheme, group)
+        spec = weight_format(scheme, group)
     except ValueError as exc:
         raise bad(str(exc)) from exc
     tensors = raw.get("tensors")
@@ -91,15 +92,15 @@ def check_components(manifest: QuantManifest, name: str, found: dict[str, tuple[
         if want is None:
             if got is not None:
                 raise CheckpointError(f"compressed checkpoint {where}: {name}.{suffix} is stored, but "
-                                      f"{manifest.spec.scheme} has no {suffix}")
+                                      f"{manifest.spec.name} has no {suffix}")
             continue
         if got is None:
             raise CheckpointError(f"compressed checkpoint {where}: {name}.{suffix} is missing "
-                                  f"({manifest.spec.scheme} of {name} needs it)")
+                                  f"({manifest.spec.name} of {name} needs it)")
         if got != want:
             group = f", group {manifest.spec.group}" if manifest.spec.group else ""
             raise CheckpointError(
                 f"compressed checkpoint {where}: {name}.{suffix} is {got[0]} {list(got[1])}, but "
-                f"{manifest.spec.scheme}{group} of a {list(shape)} weight stores {want[0]} {list(want[1])}"
+                f"{manifest.spec.name}{group} of a {list(shape)} weight stores {want[0]} {list(want[1])}"
             )
 

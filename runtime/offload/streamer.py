@@ -47,11 +47,11 @@ from typing import Any
 import torch
 
 from ..cast import copy_cast
+from ..formats import dequantize_into
 from ..models.checkpoint import QuantRef, TensorLocation
 from ..models.errors import CheckpointError
 from ..models.packed import PackedInt8, slot_nbytes, stays_packed
 from ..models.weights import PartKey, TensorRef, WeightLoader, Weights
-from ..quant import dequantize_into
 from .direct_io import ALIGN, AlignedBuffer, DirectReader, align_up
 from .slot_sync import SlotSync, slot_sync
 

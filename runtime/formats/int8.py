@@ -1,0 +1,47 @@
+""""int8": symmetric per output channel.
+
+scale = max|w| / 127 (float32, rounded up), q = round(w / scale) in [-127, 127] (int8), w' = q * scale. Symmetric
+because weight rows are centred on zero (no zero point to store or add, one multiply to dequantize); the 256th level
+is given up. The scale is rounded before the codes are computed, so |w - w'| <= scale / 2 for every element, as
+stored. Stored: W.qweight I8 [..., in], W.scale F32 [..., 1]. A streamed matrix the int8 kernel takes stays packed
+in its slot (runtime/models/packed.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.packed import packable
+from . import WeightFormat, register_format, round_up
+
+INT8_MAX = 127
+
+
+@register_format
+@dataclass(frozen=True)
+class Int8(WeightFormat):
+    """Symmetric int8 with one float32 scale per output channel (module docstring)."""
+
+    name = "int8"
+
+    def __post_init__(self) -> None:
+        if self.group != 0:
+            raise ValueError("int8 is per output channel: it takes no group size (--group applies to int4 only)")
+
+    def components(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        self._check_matrix(shape)
+        return {"qweight": ("I8", tuple(shape)), "scale": ("F32", (*shape[:-1], 1))}
+
+    def quantize_rows(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = round_up(x.abs().amax(dim=-1, keepdim=True) / INT8_MAX, torch.float32)  # [..., 1]
+        q = torch.where(scale > 0, x / torch.where(scale > 0, scale, 1.0), 0.0)
+        return {"qweight": q.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), "scale": scale}
+
+    def dequantize_rows(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        dest.copy_(parts["qweight"])  # [..., in] int8 -> float32, exact
+        return dest.mul_(parts["scale"])  # [..., 1] float32 per row
+
+    def stays_packed(self, shape: tuple[int, ...]) -> bool:
+        return packable(shape)
