@@ -38,7 +38,6 @@ from .offload.pipeline import Pipeline, Recovery
 from .offload.profiler import load_or_measure
 from .offload.replan import Replanner
 from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
-from .param_ranges import check_sampling
 from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
 from .request import Feed, GenerationResult, MappedFeed, Request
 from .rng import row_seed
@@ -208,7 +207,7 @@ class Engine:
             nonlocal prompt_tokens
             i = next(counter)
             prompt, p, key = row
-            r = self._request(i, self._encode_one(i, prompt), p, key)
+            r = self._request(i, self.encode(prompt, i), p, key)
             prompt_tokens += len(r.prompt)
             self.replanner.prompt_len = prompt_tokens / (i + 1)
             return r
@@ -224,12 +223,8 @@ class Engine:
         self.last_stats = self.pipeline.last_stats
 
     def _request(self, index: int, ids: list[int], p: SamplingParams, key: int | str) -> Request:
-        if not isinstance(p, SamplingParams):
+        if not isinstance(p, SamplingParams):  # (a SamplingParams checked its ranges when it was made)
             raise PromptError(f"request {index}: params must be a SamplingParams, got {type(p).__name__}")
-        try:
-            check_sampling(p)  # ranges (param_ranges.py)
-        except ValueError as err:
-            raise PromptError(f"request {index}: {err}") from None
         eos = frozenset(self.target.config.eos_token_ids)
         if p.stop and self.tokenizer is None:
             raise PromptError(f"prompt {index}: stop strings need the target's tokenizer ({self.config.target} has "
@@ -251,10 +246,12 @@ class Engine:
             raise PromptError("prompts must be a list of strings or of token-id lists")
         if len(prompts) == 0:
             raise PromptError("the prompt list is empty: nothing to generate")
-        return [self._encode_one(i, prompt) for i, prompt in enumerate(prompts)]
+        return [self.encode(prompt, i) for i, prompt in enumerate(prompts)]
 
-    def _encode_one(self, i: int, prompt: Prompt) -> list[int]:
-        """Prompt i's token ids, checked against the vocabulary, the context and the KV length per row."""
+    def encode(self, prompt: Prompt, index: int = 0) -> list[int]:
+        """A prompt's token ids (text tokenized, bounded), checked against the vocabulary, the context and the KV
+        length per row; PromptError naming it as prompt `index` otherwise."""
+        i = index
         vocab = self.target.config.vocab_size
         context = self.target.config.max_position_embeddings
         if isinstance(prompt, str):
@@ -326,8 +323,11 @@ def _per_row(params: SamplingParams | Sequence[SamplingParams] | None, rows: int
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * rows
     per_row = list(params)
-    if len(per_row) != rows or not all(isinstance(p, SamplingParams) for p in per_row):
+    if len(per_row) != rows:
         raise ValueError(f"params: one SamplingParams, or a sequence of one per prompt ({rows}); got {len(per_row)}")
+    bad = next((i for i, p in enumerate(per_row) if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise PromptError(f"request {bad}: params must be a SamplingParams, got {type(per_row[bad]).__name__}")
     return per_row
 
 

@@ -131,7 +131,7 @@ class LLM:
                                                **dict(chat_template_kwargs or {}))
             except Exception as err:  # noqa: BLE001 - a template may raise anything (jinja)
                 raise PromptError(f"conversation {i}: the chat template refused it: {err}") from None
-            prompts.append((text, self.engine._encode_one(i, tok.encode(text, add_special_tokens=False))))
+            prompts.append((text, self.engine.encode(tok.encode(text, add_special_tokens=False), i)))
         return self._run(prompts, sampling_params, use_tqdm)
 
     # ---- lifetime -----------------------------------------------------------------------------------------------
@@ -188,17 +188,17 @@ class LLM:
         """(text, token ids) of one prompt, checked by the engine (PromptError names prompt i)."""
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self.engine._encode_one(i, prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self.engine.encode(prompt["prompt_token_ids"], i)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise PromptError(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids'; for messages "
                                   "use LLM.chat")
         if isinstance(prompt, str):
-            return prompt, self.engine._encode_one(i, prompt)
+            return prompt, self.engine.encode(prompt, i)
         if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             raise PromptError(f"prompt {i} is a list of messages: use LLM.chat(messages) for conversations")
-        return None, self.engine._encode_one(i, prompt)
+        return None, self.engine.encode(prompt, i)
 
     def _output(self, request_id: str, text: str | None, prompt_ids: list[int],
                 samples: list[GenerationResult]) -> RequestOutput:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .param_ranges import check_sampling
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -78,6 +80,7 @@ class SamplingParams:
         object.__setattr__(self, "temperature", float(self.temperature))
         for name in ("top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
+        check_sampling(self)  # the ranges every request is held to (param_ranges.py): checked once, here
 
     @property
     def max_tokens(self) -> int:

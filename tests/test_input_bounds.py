@@ -126,17 +126,21 @@ def test_the_range_ends_are_accepted() -> None:
         check_sampling(SamplingParams(seed=SEED_MAX + 1))
 
 
-def test_engine_generate_names_the_request(tiny_models) -> None:
+def test_out_of_range_params_are_refused_where_made_and_the_engine_names_the_request(tiny_models) -> None:
+    """A SamplingParams checks its ranges when it is made (param_ranges.py): no engine, job or wire ever holds one
+    out of range; the engine names the request of what is not a SamplingParams at all."""
     from specoffload.runtime.config import EngineConfig
     from specoffload.runtime.engine import Engine, PromptError
 
+    for kwargs, field in ((dict(seed=2**64, temperature=0.5), "'seed'"), (dict(max_new_tokens=2**40),
+                                                                         "'max_new_tokens'"),
+                          (dict(top_k=2**40), "'top_k'")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
     engine = Engine(EngineConfig(tiny_models["llama"], max_batch_size=2))
     ok = SamplingParams(max_new_tokens=2)
-    for bad, field in ((SamplingParams(seed=2**64, temperature=0.5), "'seed'"),
-                       (SamplingParams(max_new_tokens=2**40), "'max_new_tokens'"),
-                       (SamplingParams(top_k=2**40), "'top_k'")):
-        with pytest.raises(PromptError, match=rf"request 1: {field}"):
-            engine.generate([[1, 5], [1, 6]], [ok, bad])
+    with pytest.raises(PromptError, match="request 1: params must be a SamplingParams"):
+        engine.generate([[1, 5], [1, 6]], [ok, {"seed": 3}])
     with pytest.raises(PromptError, match="prompt 0 has 600 tokens"):
         engine.generate([[5] * 600], ok)
     assert len(engine.generate([[1, 5]], SamplingParams(seed=2**64 - 1, temperature=0.7, max_new_tokens=2))) == 1

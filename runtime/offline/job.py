@@ -24,7 +24,6 @@ from typing import Any, Protocol
 
 from ..config import EngineConfig
 from ..models.config import ModelConfig
-from ..param_ranges import check_sampling
 from ..planning import resolve_max_seq_len
 from ..prompts import PromptFileError
 from ..sampling import SamplingParams
@@ -73,10 +72,6 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
         raise ValueError(f"--chunk-size must be >= 1, got {spec.chunk_size}")
     if spec.output is None and spec.resume:
         raise ValueError("--resume needs --output (rows on stdout cannot be resumed)")
-    try:
-        check_sampling(spec.params)  # the command line's defaults: ranges (param_ranges.py)
-    except ValueError as err:
-        raise ValueError(f"sampling parameters: {err}") from None
     fmt = input_format(spec.source, spec.input_format)
     out = OutputFile(spec.output, resume=spec.resume, overwrite=spec.overwrite) if spec.output else StdoutOutput()
     with closing(out):

@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..bounded_encode import TooLong, encode_bounded
-from ..param_ranges import check_sampling
 from ..sampling import SamplingParams
 from .rows import RowError, RowJob, RowRequest, RowResult
 
@@ -95,9 +94,8 @@ class Preparer:
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need the target's tokenizer (it has none)")
         fields = {k: o[k] for k in ROW_FIELDS if k in o}
-        params = replace(d, stop=stop, **fields)  # the engine ends a row at its stop string and cuts the text
-        check_sampling(params)  # ranges (param_ranges.py): a ValueError naming the field
-        return params
+        # the engine ends a row at its stop string and cuts the text; a field out of range is a ValueError naming it
+        return replace(d, stop=stop, **fields)
 
     def finish(self, job: RowJob, result: RowResult) -> RowResult:
         """Cut the text before the first stop string and the tokens after the one that completes it."""
