@@ -1,15 +1,11 @@
 """`copy_cast`: dest.copy_(src) across float dtypes, through a cache-sized float32 scratch where torch's direct CPU
 conversion is slow.
 
-Measured on the 2-core AVX512-BF16 / AMX machine (torch 2.13 CPU, one thread, [8960, 1536] = 13.8 M elements):
-  - float16 -> bfloat16 `copy_`: 11.4 ms (no vectorized 16-bit -> 16-bit path); through float32 in blocks of
-    64 rows: 3.8 ms, bit-identical (float16 -> float32 is exact, float32 -> bfloat16 rounds once, as the direct
-    conversion does).
-  - float32 -> bfloat16 of a whole tensor: 1.8 ms, but through a freshly allocated 55 MB float32 temporary the
-    first touch of its pages dominates (an int8 weight dequantized into bfloat16 that way: 20.5 ms; in blocks of
-    64 rows through one small scratch: 4.6 ms, runtime/formats/ `dequantize_into`).
-So a conversion between the two 16-bit formats is done in blocks through `BLOCK_ELEMENTS` float32 elements (256 KiB:
-it stays in L2 between the two halves); every other conversion is one `copy_`. On CUDA `copy_` as is.
+A conversion between the two 16-bit formats (float16 <-> bfloat16) on the CPU goes in blocks of rows through one
+float32 scratch of `BLOCK_ELEMENTS` elements (256 KiB: it stays in L2 between the two halves), bit-identical to the
+direct conversion (float16 -> float32 is exact, float32 -> bfloat16 rounds once, as the direct one does); every
+other conversion, and any on CUDA, is one `copy_`. The measurements behind it: docs/perf/README.md, "kernel
+choices".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""`linear`: y = x W^T (+ b), choosing the fastest CPU GEMM orientation for the shape and dtype.
+"""`linear`: y = x W^T (+ b), choosing the CPU GEMM orientation for the shape and dtype.
 
-Measured on the 2-core AVX2 CI machine (torch 2.13 CPU, MKL), W [8960, 1536]:
-  - float32: computing (W @ x^T)^T is 1.6-4x faster than F.linear(x, W) for 4-80 rows (F.linear takes a
-    slow small-M sgemm path: 24 ms vs 6.4 ms at 4 rows) and equal at 1 row.
-  - bfloat16 / float16 (no native support on AVX2): F.linear is best up to a few dozen rows; beyond that,
-    upcasting W and x to float32 (exact) and doing one fp32 GEMM wins (130 ms vs 75 ms at 80 rows). oneDNN's
-    bf16 GEMM accumulates in fp32 too, so this changes only the summation order, not the precision class.
-    Where oneDNN has native 16-bit GEMMs (`native_16bit`: AVX512-BF16 / AMX, AVX512-FP16; measured on a 2-core
-    machine with AMX, W [8960, 1536] bf16 at 48 / 80 / 256 rows: F.linear 1.6 / 2.2 / 3.3 ms, upcast 17 / 21 /
-    35 ms; the 151936-row head at 48 rows: 34 ms against 329 ms) the upcast only converts W on every call, so
-    F.linear is used at every row count.
-  - float32 weights packed for oneDNN (`pack_weights`): 1.4-1.9x faster than either orientation above at
-    1 row (the weight-bandwidth-bound decode of batch 1: 4.1 ms vs 7.7 ms), and on par at 5-80 rows.
-On CUDA F.linear is used as is. An int8 weight kept packed in its ring slot (`PackedInt8`, where `packed_kernel`
-holds) goes to torch's weight-only int8 kernel at decode row counts (runtime/models/packed.py).
+  - float32: (W @ x^T)^T for more than one row (MKL's small-M sgemm path behind F.linear is the slower one),
+    F.linear at one row; a weight packed for oneDNN (`pack_weights`) goes through its packed GEMM.
+  - bfloat16 / float16: F.linear where oneDNN has native 16-bit GEMMs (`native_16bit`: AVX512-BF16 / AMX,
+    AVX512-FP16); elsewhere F.linear below `UPCAST_MIN_ROWS` rows, from there W and x upcast to float32 (exact) and
+    one float32 GEMM (the summation order changes, not the precision class: oneDNN accumulates 16-bit GEMMs in
+    float32 too).
+  - an int8 weight kept packed in its ring slot (`PackedInt8`, where `packed_kernel` holds): torch's weight-only
+    int8 kernel at decode row counts (runtime/models/packed.py).
+On CUDA F.linear is used as is. The measurements behind each rule: docs/perf/README.md, "kernel choices".
 """
 
 from __future__ import annotations

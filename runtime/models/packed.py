@@ -1,24 +1,19 @@
 """`PackedInt8`: a streamed int8 weight kept compressed in its ring slot, the layer multiplying by it directly.
 
-Why (measured on the 2-core AVX512-BF16 / AMX machine, bfloat16 compute, the moefied MoE streamed from disk at its
-tightest budget, docs/perf "compressed"): dequantizing an int8 checkpoint into bfloat16 slots ran at 1.9 GB/s of
-bfloat16 written on the loader's thread alone (its source just read by O_DIRECT, its destination a cold slot: the
-pass is then bound by memory traffic, not arithmetic) and at about half that beside the compute: 2.8 s of a 4.5 s
-pass went to decompression, and int8 ran 0.59x fp16. A slot that keeps the codes (1 byte a weight instead of 2)
-needs no decompression, and torch's weight-only int8 kernel reads them as they are:
+A slot that keeps the codes (1 byte a weight instead of 2) needs no dequantization on the loader's thread, and
+torch's weight-only int8 kernel reads them as they are:
 
-  `torch._weight_int8pack_mm(x, q, s)` = (x @ q^T) * s, x [N, in] bfloat16, q [out, in] int8, s [out] bfloat16;
-  one thread, [336, 1536] (a moefied expert): 0.024 / 0.044 / 0.091 / 0.18 / 0.35 ms at 1 / 4 / 8 / 16 / 32 rows,
-  against F.linear on the dequantized bfloat16 weight 0.083 / 0.070 / 0.071 / 0.070 / 0.082 ms plus 0.22 ms to
-  dequantize it (cache-warm). The kernel is a row loop, so above `PACKED_MAX_ROWS` rows (prefill) the weight is
-  dequantized on the spot and F.linear used.
+  `torch._weight_int8pack_mm(x, q, s)` = (x @ q^T) * s, x [N, in] bfloat16, q [out, in] int8, s [out] bfloat16.
 
-Only weights whose input width is a multiple of `PACKED_ALIGN` are packed (the kernel's limit). Numerics: the
-scale is the stored float32 scale rounded to the compute dtype (the kernel takes the activation dtype); both row
-regimes compute with it (`dequantize` rounds q * s once), so a packed target is one fixed model up to the summation
-order of its GEMMs, as any bfloat16 target is across batch shapes (the kernel computes each row on its own, so a
-row's result does not depend on the rows beside it). Used by default (`EngineConfig.packed_weights` "auto") only
-where `linear.packed_kernel` holds: bfloat16 on a CPU with native 16-bit GEMMs.
+The kernel is a row loop, so above `PACKED_MAX_ROWS` rows (prefill) the weight is dequantized on the spot and
+F.linear used. Only weights whose input width is a multiple of `PACKED_ALIGN` are packed (the kernel's limit).
+Numerics: the scale is the stored float32 scale rounded to the compute dtype (the kernel takes the activation
+dtype); both row regimes compute with it (`dequantize` rounds q * s once), so a packed target is one fixed model up
+to the summation order of its GEMMs, as any bfloat16 target is across batch shapes (the kernel computes each row on
+its own, so a row's result does not depend on the rows beside it). Used by default (`EngineConfig.packed_weights`
+"auto") only where `linear.packed_kernel` holds: bfloat16 on a CPU with native 16-bit GEMMs. Which weights a format
+keeps packed is the format's (runtime/formats/ `stays_packed`). The measurements behind the row limit and the
+default: docs/perf/README.md, "kernel choices".
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """Measure the planner's `HardwareProfile` on this machine for one model pair, and cache it by fingerprint.
 
-Every number is timed here, none is typed in: weight streaming into ring slots (from disk with O_DIRECT, or
-from the host-RAM tier), the device GEMM rate at the target's FFN shape versus rows, CPU attention time versus
-new tokens x attended length (least-squares fit of c0 + c1 n + c2 n ctx), the head's GEMM rate, and one draft token
-step versus rows; then real passes calibrate the stream rate and the per-pass overheads (calibrate.py). A
-profile is saved as JSON with its provenance under `~/.cache/specoffload/profiles/` and
-reused while the fingerprint (machine, CPU, cores, torch, device, models, dtype, weights tier) matches.
+Every number is timed here, none is typed in (`measure`): weight streaming into ring slots (from disk with O_DIRECT,
+or from the host-RAM tier), split into the read rate and the decompression / conversion rate of compressed or
+converted weights; the device GEMM rate at the target's FFN shape versus rows, streamed and resident (packed);
+CPU attention time versus new tokens x attended length (least-squares fit of c0 + c1 n + c2 n ctx); the head's
+GEMM rate; one draft token step versus rows (the drafter class's `step_model`); beside a GPU, the host <-> device
+copy of hidden states versus rows. Then real passes on engines the caller builds (`open_engine`: this module never
+imports the engine) calibrate the stream rate and the per-pass overheads (calibrate.py). A profile is saved as JSON
+with its provenance under `~/.cache/specoffload/profiles/` and reused while the fingerprint (machine, CPU, cores,
+torch, threads, device, models, drafter, dtype, weights tier, packed slots, profiler version) matches.
 """
 
 from __future__ import annotations
