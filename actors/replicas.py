@@ -41,7 +41,7 @@ from specoffload.planner.errors import SpecOffloadError
 from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Prompt
 from specoffload.runtime.offline.chunks import Chunk, ChunkDone, LeaseBook, chunked, errors_only
-from specoffload.runtime.offline.rows import RowJob, RowRequest, RowResult, frozen_logprobs
+from specoffload.runtime.offline.rows import RowJob, RowRequest, RowResult
 from specoffload.runtime.request import GenerationResult
 from specoffload.runtime.sampling import SamplingParams
 from specoffload.runtime.tokenizer import load_tokenizer
@@ -232,10 +232,7 @@ class ReplicaPool:
                 replica.call_s += t0 - sent.pop(ref)
                 leases[replica.index] -= 1
                 rows[replica.index] -= len(chunk.rows)
-                results = tuple(RowResult(tuple(r["token_ids"]), r["text"], r["finish_reason"], r["num_drafted"],
-                                          r["num_accepted"], r.get("stop_reason"), frozen_logprobs(r.get("logprobs")),
-                                          r.get("time_to_first_token_s"), r.get("time_s"))
-                                for r in out["results"])
+                results = tuple(RowResult.of(r) for r in out["results"])
                 self._count(replica, chunk, results, out)
                 if chunk.number in redone:
                     self._event("chunk_redone", replica, chunk=chunk.number)

@@ -20,7 +20,7 @@ from specoffload.planner.errors import SpecOffloadError
 
 from .config import EngineConfig
 from .offline.chunks import Chunk, ChunkDone
-from .offline.rows import RowJob, RowResult, frozen_logprobs
+from .offline.rows import RowJob, RowResult
 
 GROUP = "specoffload.backends"
 
@@ -73,8 +73,7 @@ class LocalBackend:
 
         for r in self.engine.stream((list(j.token_ids), j.params, j.key) for j in jobs()):
             state, n = rows[r.index]
-            state[1][n] = RowResult(tuple(r.token_ids), r.text, r.finish_reason, r.num_drafted, r.num_accepted,
-                                    r.stop_reason, frozen_logprobs(r.logprobs), r.time_to_first_token_s, r.time_s)
+            state[1][n] = RowResult.of(r)
             state[2] -= 1
             if state[2] == 0:
                 ready.append(ChunkDone(state[0], tuple(state[1])))

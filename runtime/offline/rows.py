@@ -80,6 +80,15 @@ class RowResult:
     time_to_first_token_s: float | None = None  # from the row's admission to its first token
     time_s: float | None = None  # from the row's admission to its end
 
+    @classmethod
+    def of(cls, result: Any) -> RowResult:
+        """From an engine's `GenerationResult`, or its fields as a mapping (what a replica sends back over Ray):
+        the one place a result becomes a row's."""
+        get = result.get if isinstance(result, dict) else (lambda name, default=None: getattr(result, name, default))
+        return cls(tuple(get("token_ids")), get("text"), get("finish_reason"), get("num_drafted", 0),
+                   get("num_accepted", 0), get("stop_reason"), frozen_logprobs(get("logprobs")),
+                   get("time_to_first_token_s"), get("time_s"))
+
 
 Row = RowJob | RowError
 
