@@ -334,7 +334,7 @@ def test_the_row_reader_never_raises_and_uses_documented_codes(line: bytes, limi
             dump_row(fmt.error_row(prepared)).encode("utf-8")  # the error row is writable
         else:
             result = RowResult(prepared.token_ids[:2], "out", "stop")
-            dump_row(fmt.result_row(prepared, preparer.finish(prepared, result), "m")).encode("utf-8")
+            dump_row(fmt.result_row(prepared, result, "m")).encode("utf-8")
 
 
 def test_format_detection_survives_a_hostile_first_row(tmp_path: Path) -> None:

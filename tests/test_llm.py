@@ -84,6 +84,28 @@ def test_stop_strings(chat_models, single_thread, draft) -> None:
     llm.shutdown()
 
 
+def test_a_job_row_is_cut_at_its_stop_string_by_the_engine(chat_models, single_thread, tmp_path) -> None:
+    """A batch job's row with a stop string: the engine ends it at the token that completes the string and cuts
+    the text before it (the one place stop strings are cut: runtime/request.py and Engine's results)."""
+    import json
+
+    from specoffload.runtime.cli import main
+
+    llm = LLM(model=chat_models["llama"])
+    free = llm.generate("hello", SamplingParams(max_tokens=24, ignore_eos=True))[0].outputs[0]
+    llm.shutdown()
+    stop = free.text[6:8]
+    cut = free.text.find(stop)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    assert main(["generate", "--model", str(chat_models["llama"]), "--prompts", str(prompts), "-o", str(out),
+                 "--max-tokens", "24", "--ignore-eos", "--stop", stop, "--no-progress"]) == 0
+    row = json.loads(out.read_text())
+    assert (row["text"], row["finish_reason"]) == (free.text[:cut], "stop")
+    assert row["token_ids"] == free.token_ids[: cut + len(stop)]
+
+
 def test_chat_and_prompt_errors(chat_models, single_thread) -> None:
     llm = LLM(model=chat_models["llama"])
     convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]

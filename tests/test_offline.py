@@ -158,7 +158,7 @@ def test_prepare_checks_limits_and_gives_each_row_its_parameters() -> None:
     own = prep(RowRequest(0, 1, "completions", prompt=(1,), overrides={"seed": 9, "temperature": 0.0,
                                                                        "max_new_tokens": 2, "stop": ("|", "bc")}))
     assert own.params.seed == 9 and own.params.greedy and own.params.max_new_tokens == 2
-    assert own.params.stop == own.stop == ("|", "bc") and own.params.stop_token_ids == ()  # the engine stops on them
+    assert own.params.stop == ("|", "bc") and own.params.stop_token_ids == ()  # the engine stops on them
     chat = prep(RowRequest(1, 2, "chat", messages=({"role": "user", "content": "ab"},)))
     assert chat.token_ids == (0, 1, 25)
     errors = [prep(RowRequest(0, 1, prompt=p)) for p in ("", "abcdef", (40,))]
@@ -169,15 +169,6 @@ def test_prepare_checks_limits_and_gives_each_row_its_parameters() -> None:
     no_tok = Preparer(None, Limits(40, 8), defaults, 2)
     assert no_tok(RowRequest(0, 1, prompt="abc")).code == "invalid_request"
     assert no_tok(RowRequest(0, 1, "chat", messages=({"role": "user", "content": "x"},))).code == "no_chat_template"
-
-
-def test_stop_strings_cut_the_text_and_the_tokens_after_the_one_that_completes_them() -> None:
-    prep = Preparer(FakeTokenizer(), Limits(40, 64), SamplingParams(), 4)
-    job = prep(RowRequest(0, 1, "completions", prompt="a", overrides={"stop": ("cd",)}))
-    done = prep.finish(job, RowResult((0, 1, 2, 3, 4), "abcde", "length"))
-    assert (done.text, done.token_ids, done.finish_reason) == ("ab", (0, 1, 2, 3), "stop")
-    untouched = RowResult((0, 1), "ab", "length")
-    assert prep.finish(job, untouched) is untouched
 
 
 # ------------------------------------------------------------------------------------------------ manifest

@@ -194,7 +194,7 @@ class _Writer:
                 failed += 1
                 self._report(row)
                 continue
-            samples = [self.preparer.finish(row, next(results)) for _ in range(row.params.n)]  # Chunk.jobs' order
+            samples = [next(results) for _ in range(row.params.n)]  # Chunk.jobs' order; cut at stop strings already
             self.metrics.add(samples)
             lines.append(self.fmt.result_row(row, samples[0] if len(samples) == 1 else samples, self.model,
                                              tokenizer=self.preparer.tokenizer))

@@ -1,6 +1,6 @@
 """From a parsed row to what the engine runs: token ids and the row's own SamplingParams (its stop strings
-included: the engine ends the row at the token that completes one and cuts the text before it, runtime/request.py);
-`finish` cuts again after the run, for results of engines that did not (it changes nothing otherwise).
+included: the engine ends the row at the token that completes one and cuts the text before it, runtime/request.py
+and `Engine`'s results: the one place stop strings are cut).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from ..bounded_encode import TooLong, encode_bounded
 from ..sampling import SamplingParams
-from .rows import RowError, RowJob, RowRequest, RowResult
+from .rows import RowError, RowJob, RowRequest
 
 #: SamplingParams fields a row may set for itself (OpenAI batch body fields, by SamplingParams name)
 ROW_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "presence_penalty",
@@ -48,7 +48,7 @@ class Preparer:
             params = self._params(item)
         except ValueError as err:  # a range (param_ranges.py), or a stop string that is not Unicode
             return _error(item, "invalid_parameter", str(err))
-        return RowJob(item, tuple(ids), params, tuple(item.overrides.get("stop", ())))
+        return RowJob(item, tuple(ids), params)
 
     def _encode(self, r: RowRequest) -> list[int] | RowError:
         tok, lim = self.tokenizer, self.limits
@@ -97,26 +97,6 @@ class Preparer:
         # the engine ends a row at its stop string and cuts the text; a field out of range is a ValueError naming it
         return replace(d, stop=stop, **fields)
 
-    def finish(self, job: RowJob, result: RowResult) -> RowResult:
-        """Cut the text before the first stop string and the tokens after the one that completes it."""
-        if not job.stop or result.text is None:
-            return result
-        hits = [i for s in job.stop if (i := result.text.find(s)) >= 0]
-        if not hits:
-            return result
-        ids = list(result.token_ids)
-
-        def has_stop(n: int) -> bool:
-            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-            return any(s in text for s in job.stop)
-
-        lo, hi = 1, len(ids)  # the fewest tokens whose text contains a stop string
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
-        logprobs = result.logprobs[:lo] if result.logprobs is not None else None
-        return replace(result, text=result.text[: min(hits)], token_ids=tuple(ids[:lo]), finish_reason="stop",
-                       logprobs=logprobs)
 
 
 def _error(r: RowRequest, code: str, message: str) -> RowError:

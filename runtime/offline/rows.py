@@ -49,7 +49,6 @@ class RowJob:
     request: RowRequest
     token_ids: tuple[int, ...]
     params: SamplingParams
-    stop: tuple[str, ...] = ()  # stop strings, applied to the text after the run
     sample: int = 0  # which of the row's params.n independent samples this engine request is
 
     @property
