@@ -121,13 +121,13 @@ class DrafterTraits:
     offloaded_only    it runs with device_memory set only; False: a resident engine (the same pipeline, nothing
                       streamed) runs it too
     shares_target     in the target's process it drafts with the target's own parts and KV cache (`TargetShare`)
-    adapts            its `adapt` re-chooses what it keeps: the pipeline calls it every config.migrate_interval rounds
     model_free        it holds no model and proposes in microseconds (modelfree.py): a backend builds it in the
                       coordinator's process (no draft actor), and one batch drafts between its passes by default
     options           a frozen dataclass of its settings (fields made with `option`; validated in its
                       __post_init__, raising ConfigError): EngineConfig.drafter_options keys and CLI flags
     settings          (class method) its options as the config sets them
-    adapt_interval    (class method) verify rounds between two `adapt` calls (0: never)
+    adapt_interval    (class method) verify rounds between two `adapt` calls, where its `adapt` re-chooses what it
+                      keeps (0: never)
     footprint         (class method) its weights and KV cache as placement counts them
     profile_key       (class method) what the profiled draft step depends on (profiler.py `fingerprint`)
     step_model        (class method) the model one draft step runs, for the profiler to time
@@ -138,7 +138,6 @@ class DrafterTraits:
     needs_moe_target: ClassVar[bool] = False
     offloaded_only: ClassVar[bool] = True
     shares_target: ClassVar[bool] = False
-    adapts: ClassVar[bool] = False
     model_free: ClassVar[bool] = False
     options: ClassVar[type] = NoOptions
 
@@ -217,7 +216,7 @@ class NoDrafter(DrafterTraits):
 #: the Drafter methods every registered class implements (the coordinator calls them, locally or over the wire)
 DRAFTER_METHODS = ("reset", "drop", "lengths", "truncate", "select_rows", "reset_rows", "propose", "adapt")
 #: the class attributes every registered class declares (`DrafterTraits`)
-DRAFTER_TRAITS = ("proposes", "needs_checkpoint", "needs_moe_target", "offloaded_only", "shares_target", "adapts",
+DRAFTER_TRAITS = ("proposes", "needs_checkpoint", "needs_moe_target", "offloaded_only", "shares_target",
                   "model_free", "options", "settings", "adapt_interval", "footprint", "profile_key", "step_model")
 
 #: drafter name (EngineConfig.drafter) -> class; add one with `register_drafter`

@@ -45,13 +45,10 @@ class ModelDrafter(BatchKV, DrafterTraits):
         draft.preload()
         return draft, None
 
-    def __init__(self, config: EngineConfig | None, weights: WeightPlan | None = None,
-                 slots: Sequence[Tensor] | None = None, *, model: Transformer | None = None) -> None:
-        """model: an already built draft model (the resident runner's); default: config.draft's."""
-        if model is None:
-            assert config is not None and config.draft is not None
-            model = Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
-        self.model = model
+    def __init__(self, config: EngineConfig, weights: WeightPlan | None = None,
+                 slots: Sequence[Tensor] | None = None) -> None:
+        assert config.draft is not None
+        self.model = Transformer(config.draft, dtype=config.draft_torch_dtype, device=config.device)
         self.model.preload()
         self.caches: dict[int, KVCache] = {}
 

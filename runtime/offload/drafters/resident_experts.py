@@ -74,7 +74,6 @@ class ResidentExpertDrafter(BatchKV, DrafterTraits):
 
     needs_moe_target = True
     shares_target = True
-    adapts = True
     options = ResidentExpertOptions
 
     @classmethod
