@@ -14,6 +14,7 @@ from specoffload.planner.units import MemorySizeError, machine_memory_bytes, par
 
 from .errors import ConfigError
 from .offload.drafters import check_options, drafter_named
+from .param_ranges import MAX_LOGPROBS
 
 __all__ = ["ConfigError", "EngineConfig"]
 
@@ -106,6 +107,9 @@ class EngineConfig:
         "suffix_spec_factor" of "suffix", "resident_experts" / "migrate_interval" of "self", ...); an unknown name or
         a bad value is a ConfigError. Unnamed settings keep their drafter's defaults.
 
+    max_logprobs: the most log-probabilities per token a request may ask for (`SamplingParams.logprobs`; vLLM's
+        engine argument, with its default 20): a larger ask is refused, not answered with the whole vocabulary.
+
     Continuous batching (offloaded; runtime/offload/batches.py):
     refill: a finished row's slot takes a waiting prompt at once, prefilled inside its batch's next streamed pass
         beside the other rows' decode tokens (False: a batch waits for its slowest row, then takes a new wave).
@@ -138,6 +142,7 @@ class EngineConfig:
     drafter: str | None = None
     kv_block_size: int = 0
     drafter_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    max_logprobs: int = MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -214,6 +219,8 @@ class EngineConfig:
         if isinstance(self.kv_block_size, bool) or not isinstance(self.kv_block_size, int) or self.kv_block_size < 0:
             raise ConfigError(f"kv_block_size must be an integer >= 0 (0: contiguous KV caches), "
                               f"got {self.kv_block_size!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
         if self.packed_weights not in ("auto", "on", "off"):

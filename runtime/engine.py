@@ -225,6 +225,9 @@ class Engine:
     def _request(self, index: int, ids: list[int], p: SamplingParams, key: int | str) -> Request:
         if not isinstance(p, SamplingParams):  # (a SamplingParams checked its ranges when it was made)
             raise PromptError(f"request {index}: params must be a SamplingParams, got {type(p).__name__}")
+        if p.logprobs is not None and p.logprobs > self.config.max_logprobs:
+            raise PromptError(f"request {index}: logprobs = {p.logprobs} is more than max_logprobs = "
+                              f"{self.config.max_logprobs} (raise the engine's max_logprobs to allow it)")
         eos = frozenset(self.target.config.eos_token_ids)
         if p.stop and self.tokenizer is None:
             raise PromptError(f"prompt {index}: stop strings need the target's tokenizer ({self.config.target} has "

@@ -8,20 +8,23 @@ goes through :func:`warp_logits` with one :class:`SamplingParams`.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .param_ranges import check_sampling
+from .param_ranges import SAMPLING_EPS, check_sampling
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, with vLLM's names and meanings. ``temperature == 0`` means greedy decoding.
 
+    Every field is checked against its range when the value is made (runtime/param_ranges.py).
     max_new_tokens (also accepted as vLLM's ``max_tokens``; `max_tokens` reads it back): new tokens at most.
+    temperature: 0 (and anything below 1e-5, as in vLLM) is greedy.
     min_tokens: EOS and the stop ids are masked (logit -inf) until this many tokens are out.
     stop: strings that end the completion; the text is cut before the first one (kept when
     include_stop_str_in_output). stop_token_ids: ids that end it (the id is kept in token_ids).
@@ -51,36 +54,29 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not self.max_new_tokens >= 1:
-            raise ValueError(f"max_new_tokens (max_tokens) must be >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k == -1:
+        """Check every field against its range (param_ranges.py: one message naming the field, never a TypeError)
+        and normalise: top_k -1 -> 0, a temperature below SAMPLING_EPS -> 0 (greedy, as vLLM), stop a tuple."""
+        if self.top_k == -1 and type(self.top_k) is int:
             object.__setattr__(self, "top_k", 0)
-        if not self.top_k >= 0:
-            raise ValueError(f"top_k must be >= 0 (or -1: off), got {self.top_k!r}")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_new_tokens}], got {self.min_tokens!r}")
-        if not self.n >= 1:
-            raise ValueError(f"n must be >= 1, got {self.n!r}")
-        if self.logprobs is not None and not self.logprobs >= 0:
-            raise ValueError(f"logprobs must be >= 0 (or None: off), got {self.logprobs!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:  # OpenAI's range; also rejects NaN
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not 0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "temperature", float(self.temperature))
-        for name in ("top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            object.__setattr__(self, name, float(getattr(self, name)))
+        try:
+            ids = tuple(operator.index(t) for t in self.stop_token_ids)
+        except TypeError:
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r:.60}") from None
+        object.__setattr__(self, "stop_token_ids", ids)
         check_sampling(self)  # the ranges every request is held to (param_ranges.py): checked once, here
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_new_tokens}], got {self.min_tokens!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r:.60}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r:.60}")
+        object.__setattr__(self, "stop", tuple(stop))
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if self.temperature < SAMPLING_EPS:  # softmax(l / T) is one-hot to float32 precision: greedy
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def max_tokens(self) -> int:

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from ..param_ranges import overrides_problem
+from ..param_ranges import MAX_LOGPROBS, MAX_N, overrides_problem
 from .reading import RowProblem, head_custom_id, row_json
 from .rows import RowError, RowJob, RowRequest, RowResult
 from .simple import OutputMismatch
@@ -48,8 +48,6 @@ URLS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: body fields accepted only at the value that means "nothing special" (what this engine does anyway)
 NEUTRAL = {"best_of": (1,), "stream": (False,), "echo": (False,), "top_logprobs": (None, 0)}
-MAX_N = 16  # samples per row
-MAX_LOGPROBS = 20  # top-N log-probabilities per token (the OpenAI API's bound)
 LOGPROB_FLOOR = -9999.0  # what a -inf log-probability is written as (JSON has no infinity; vLLM's floor)
 IGNORED = ("user",)
 _SHOWN = {"max_new_tokens": "max_tokens"}  # SamplingParams name -> the body's name, in messages
