@@ -319,13 +319,13 @@ class PagedKVCache:
         self._capacity = needed
 
     def scratch_view(self) -> PagedKVCache:
-        """A cache over the same block tables with its own copy of `lengths` and no growth (a drafter drafting
-        into the target's cache, see runtime/offload/drafters.py). Its writes past this cache's valid positions
-        allocate the blocks they need in this cache's tables (freed by this cache's next advance or truncate);
-        the view itself never frees a block, and its select_rows / reset_rows change only its own lengths."""
+        """A cache over the same block tables with its own copy of `lengths` (a drafter drafting into the target's
+        cache, runtime/offload/drafters/resident_experts.py). Its writes past this cache's valid positions allocate
+        the blocks they need in this cache's tables (freed by this cache's next advance or truncate), so it grows
+        as this cache does (capacity is a per-row limit here, not storage: blocks come from the pool); the view
+        itself never frees a block, and its select_rows / reset_rows change only its own lengths."""
         view = PagedKVCache.__new__(PagedKVCache)
         view.__dict__.update(self.__dict__)
-        view.growable = False
         view._gather = view._slots = view._out = None
         view._set_lengths(self._lengths)
         return view

@@ -11,8 +11,7 @@ import torch
 from specoffload.planner.shapes import PartKey, self_draft_shape
 
 from ...errors import ConfigError
-from ...kv_blocks import OutOfBlocksError
-from ...kv_cache import KVCache
+from ...kv_cache import CacheCapacityError, KVCache
 from ...models.config import ModelConfig
 from ...models.model import Transformer
 from ...sampling import SamplingParams
@@ -172,11 +171,12 @@ class ResidentExpertDrafter(BatchKV, DrafterTraits):
                 seeds: Sequence[int] | None = None,
                 warps: Sequence[Sequence[float]] | None = None) -> tuple[Tensor, Tensor | None]:
         """Feed ids [rows, T] and draw the next token per row, routing among the resident experts only. Drafting
-        into a paged target KV whose pool has no free block for the draft positions proposes nothing (tokens -1:
-        the round ends, its rows verify what they have; runtime/speculative.py `cut_drafts`)."""
+        into the target's KV where it cannot hold the draft positions (a paged pool with no free block, or a
+        cache at its fixed capacity; nothing is written then) proposes nothing (tokens -1: the round ends, its rows
+        verify what they have; runtime/speculative.py `cut_drafts`)."""
         try:
             return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds, self.allowed, warps)
-        except OutOfBlocksError:
+        except CacheCapacityError:  # (OutOfBlocksError included)
             return torch.full((ids.shape[0],), -1, dtype=torch.long), None
 
     @wire
