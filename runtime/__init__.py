@@ -14,6 +14,7 @@ _EXPORTS = {
     "Engine": ".engine",
     "GenerateStats": ".stats",
     "PromptError": ".engine",
+    "EngineBusyError": ".turns",
     "VocabularyMismatchError": ".engine",
     "CheckpointError": ".models.errors",
     "SpecOffloadError": "specoffload.planner.errors",
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "CompletionOutput",
     "Engine",
+    "EngineBusyError",
     "EngineConfig",
     "GenerateStats",
     "GenerationResult",
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     from .request import GenerationResult
     from .sampling import SamplingParams
     from .stats import GenerateStats
+    from .turns import EngineBusyError
 
 
 def __getattr__(name: str) -> Any:

@@ -45,6 +45,7 @@ from .sampling import SamplingParams
 from .stats import GenerateStats, OffloadStats
 from .tokenizer import load_tokenizer
 from .trace import Tracer
+from .turns import Turn
 
 Prompt = str | Sequence[int]
 
@@ -63,6 +64,7 @@ class Engine:
     workers: how an offloaded engine builds its workers (default: in this process); recovery: what it does
     when one is lost mid-generation (default: nothing, the error propagates). Both are for backends (actors/).
     plan: a ready plan (e.g. from `specoffload plan`); default: made from the config.
+    One call runs at a time (runtime/turns.py): `generate` and `stream` from other threads wait their turn.
     """
 
     def __init__(self, config: EngineConfig, *, workers: WorkerFactory | None = None,
@@ -100,6 +102,7 @@ class Engine:
             plan = make_plan(config, self.models, max_seq_len, profile=self.profile)
         self.plan = plan
         self.tracer = Tracer(enabled=config.trace)
+        self._turn = Turn("Engine")
         self.last_stats: GenerateStats | None = None
         self.placement: Placement | None = None
         self.workers: Workers | None = None
@@ -167,16 +170,17 @@ class Engine:
         keys: each prompt's identity for its random stream (default: its index in `prompts`): a sampled row draws
         from (its params' seed, its key) alone (runtime/rng.py), so it comes out the same whatever else runs.
         """
-        encoded = self._encode(prompts)
-        per_row = _per_row(params, len(encoded))
-        if keys is not None and len(keys) != len(encoded):
-            raise ValueError(f"keys: one per prompt ({len(encoded)}); got {len(keys)}")
-        requests = [self._request(i, ids, p, i if keys is None else keys[i])
-                    for i, (ids, p) in enumerate(zip(encoded, per_row))]
-        self.replanner.prompt_len = sum(len(r.prompt) for r in requests) / len(requests)
-        with torch.inference_mode():
-            self.last_stats = self.pipeline.run(requests, progress=progress)
-        return [self._result(r) for r in requests]
+        with self._turn("generate"):
+            encoded = self._encode(prompts)
+            per_row = _per_row(params, len(encoded))
+            if keys is not None and len(keys) != len(encoded):
+                raise ValueError(f"keys: one per prompt ({len(encoded)}); got {len(keys)}")
+            requests = [self._request(i, ids, p, i if keys is None else keys[i])
+                        for i, (ids, p) in enumerate(zip(encoded, per_row))]
+            self.replanner.prompt_len = sum(len(r.prompt) for r in requests) / len(requests)
+            with torch.inference_mode():
+                self.last_stats = self.pipeline.run(requests, progress=progress)
+            return [self._result(r) for r in requests]
 
     def generate_iter(
         self, prompts: Iterable[Prompt], params: SamplingParams | Iterable[SamplingParams] | None = None,
@@ -212,15 +216,16 @@ class Engine:
             self.replanner.prompt_len = prompt_tokens / (i + 1)
             return r
 
-        requests = rows.map(request) if isinstance(rows, (Feed, MappedFeed)) else map(request, rows)
-        finished = self.pipeline.stream(requests, progress=progress)
-        while True:
-            with torch.inference_mode():  # around the runner's work only, not the caller's between two results
-                r = next(finished, None)
-            if r is None:
-                break
-            yield self._result(r)
-        self.last_stats = self.pipeline.last_stats
+        with self._turn("stream"):  # held from the first result asked for until exhausted or closed
+            requests = rows.map(request) if isinstance(rows, (Feed, MappedFeed)) else map(request, rows)
+            finished = self.pipeline.stream(requests, progress=progress)
+            while True:
+                with torch.inference_mode():  # around the runner's work only, not the caller's between two results
+                    r = next(finished, None)
+                if r is None:
+                    break
+                yield self._result(r)
+            self.last_stats = self.pipeline.last_stats
 
     def _request(self, index: int, ids: list[int], p: SamplingParams, key: int | str) -> Request:
         if not isinstance(p, SamplingParams):  # (a SamplingParams checked its ranges when it was made)

@@ -9,7 +9,8 @@
 `generate` returns vLLM-shaped `RequestOutput`s (runtime/outputs.py) in input order; `generate_iter` yields each
 as its request finishes (prompts read lazily, one pipeline); `chat` runs conversations through the target's chat
 template. `n` samples of a prompt are n rows of the engine, each with its own random stream: sample i of a
-request seeded s draws from (s, i) alone, wherever the request sits in the batch (runtime/rng.py).
+request seeded s draws from (s, i) alone, wherever the request sits in the batch (runtime/rng.py). One call runs at
+a time (runtime/turns.py): calls from other threads wait their turn.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .offload.drafters import option_owners
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import GenerationResult
 from .sampling import SamplingParams
+from .turns import Turn
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -69,6 +71,7 @@ class LLM:
         except TypeError as err:  # an unknown keyword: say which, in one line
             raise ConfigError(f"LLM: {err}".replace("EngineConfig.__init__()", "")) from None
         self.engine = Engine(config)
+        self._turn = Turn("LLM")  # one call at a time (runtime/turns.py): other threads wait their turn
         self.seed = seed
         self._ids = itertools.count()
 
@@ -86,9 +89,10 @@ class LLM:
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
         """Complete every prompt (a string, token ids, {"prompt": ...} or {"prompt_token_ids": [...]}, or a list
         of them); one RequestOutput per prompt, in input order."""
-        items = _prompt_list(prompts)
-        return self._run([(text, ids) for text, ids in (self._prompt(i, p) for i, p in enumerate(items))],
-                         sampling_params, use_tqdm)
+        with self._turn("generate"):
+            items = _prompt_list(prompts)
+            return self._run([(text, ids) for text, ids in (self._prompt(i, p) for i, p in enumerate(items))],
+                             sampling_params, use_tqdm)
 
     def generate_iter(self, prompts: Iterable[PromptInput],
                       sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -106,20 +110,27 @@ class LLM:
                     yield ids, self._row_params(params), key
 
         index = []  # engine row -> (request, sample)
-        for r in self.engine.stream(_recording(engine_rows(), index, params.n)):
-            request, sample = index[r.index]
-            done = pending.setdefault(request, {})
-            done[sample] = r
-            if len(done) == params.n:
-                request_id, text, ids = info.pop(request)
-                yield self._output(request_id, text, ids, [done[s] for s in range(params.n)])
-                del pending[request]
+        with self._turn("generate_iter"):  # from the first output asked for until exhausted or closed
+            for r in self.engine.stream(_recording(engine_rows(), index, params.n)):
+                request, sample = index[r.index]
+                done = pending.setdefault(request, {})
+                done[sample] = r
+                if len(done) == params.n:
+                    request_id, text, ids = info.pop(request)
+                    yield self._output(request_id, text, ids, [done[s] for s in range(params.n)])
+                    del pending[request]
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
              chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Complete one conversation (a list of {"role", "content"} messages) or a list of them, each through the
         target's chat template with the assistant's turn opened; one RequestOutput per conversation."""
+        with self._turn("chat"):
+            return self._chat(messages, sampling_params, use_tqdm, chat_template_kwargs)
+
+    def _chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+              sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
+              chat_template_kwargs: Mapping[str, Any] | None) -> list[RequestOutput]:
         conversations = _conversations(messages)
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
