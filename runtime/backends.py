@@ -9,6 +9,7 @@ protocol of runtime/offline/job.py).
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,8 +59,11 @@ class LocalBackend:
         """Every chunk's rows through one long-lived engine stream (`Engine.generate_iter`): rows are pulled as
         slots free up, so a chunk is never a drain point; a chunk is done (and handed back, in any order) when its
         last row finishes. `window` is for backends with several workers."""
-        rows: list[tuple[list, int]] = []  # stream position -> (its chunk's state, its place in the chunk)
+        # stream position -> (its chunk's state, its place in the chunk), for the rows in flight only: a finished
+        # row's entry goes, so a long job holds the chunks it has not written yet, not the ones it has
+        rows: dict[int, tuple[list, int]] = {}
         ready: list[ChunkDone] = []  # chunks of error rows only, done as soon as they are read
+        position = itertools.count()
 
         def jobs() -> Iterator[RowJob]:
             for chunk in chunks:
@@ -68,11 +72,11 @@ class LocalBackend:
                     continue
                 state = [chunk, [None] * len(chunk.jobs), len(chunk.jobs)]
                 for n, job in enumerate(chunk.jobs):
-                    rows.append((state, n))
+                    rows[next(position)] = (state, n)
                     yield job
 
         for r in self.engine.stream((list(j.token_ids), j.params, j.key) for j in jobs()):
-            state, n = rows[r.index]
+            state, n = rows.pop(r.index)
             state[1][n] = RowResult.of(r)
             state[2] -= 1
             if state[2] == 0:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,13 +55,21 @@ class OffloadStats(GenerateStats):
         return self.expert_hits / self.expert_picks if self.expert_picks else None
 
 
-def request_totals(requests: Iterable[Any]) -> dict[str, int]:
-    """The GenerateStats fields that sum over a call's requests (runtime/request.py `Request`)."""
-    requests = list(requests)
-    return {
-        "num_prompts": len(requests),
-        "prompt_tokens": sum(len(r.prompt) for r in requests),
-        "generated_tokens": sum(len(r.output) for r in requests),
-        "num_drafted": sum(r.num_drafted for r in requests),
-        "num_accepted": sum(r.num_accepted for r in requests),
-    }
+class RequestTotals:
+    """The GenerateStats fields that sum over a call's requests (runtime/request.py `Request`), added up as each
+    request finishes, so a job keeps counters, not its finished requests (memory flat however many rows run)."""
+
+    FIELDS = ("num_prompts", "prompt_tokens", "generated_tokens", "num_drafted", "num_accepted")
+
+    def __init__(self) -> None:
+        self.num_prompts = self.prompt_tokens = self.generated_tokens = self.num_drafted = self.num_accepted = 0
+
+    def add(self, r: Any) -> None:
+        self.num_prompts += 1
+        self.prompt_tokens += len(r.prompt)
+        self.generated_tokens += len(r.output)
+        self.num_drafted += r.num_drafted
+        self.num_accepted += r.num_accepted
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.FIELDS}

@@ -105,7 +105,7 @@ def run_ours(label: str, config: EngineConfig, prompts: list[list[int]], params:
         start = time.perf_counter()
         results = engine.generate(prompts[:rows_needed], params)
         stats = engine.last_stats
-        window = steady_window(engine.pipeline.verify_log, engine.plan.num_batches)
+        window = steady_window(list(engine.pipeline.verify_log), engine.plan.num_batches)
         run = {"wall_s": stats.wall_s, "passes": stats.passes, "generated": stats.generated_tokens,
                "bytes_per_pass": stats.bytes_read / max(stats.passes, 1),
                "acceptance": stats.acceptance_rate if stats.num_drafted else None,

@@ -38,7 +38,8 @@ class OpExecutor:
         self.tracer = tracer
         self._cond = threading.Condition()
         self._queues: dict[str, list[Op]] = {r: [] for r in resources}
-        self._done: set[int] = set()
+        self._done: set[int] = set()  # done op ids >= _done_below (ids below it are all done: memory stays flat)
+        self._done_below = 0
         self._running: set[int] = set()  # taken from a queue, not done yet
         self._error: BaseException | None = None
         self._failed = ""  # what failed, for the message: "op ffn(i=0, ...)" or "start of the io worker"
@@ -66,7 +67,7 @@ class OpExecutor:
     def wait(self, op_ids: Sequence[int], timeout: float | None = None) -> None:
         """Block until every op in op_ids is done (or cancelled); re-raise a failure of any op."""
         with self._cond:
-            ok = self._cond.wait_for(lambda: self._error is not None or all(i in self._done for i in op_ids), timeout)
+            ok = self._cond.wait_for(lambda: self._error is not None or all(self._is_done(i) for i in op_ids), timeout)
             self._raise_if_failed()
             if not ok:
                 raise TimeoutError(f"ops {list(op_ids)} not done after {timeout} s")
@@ -85,7 +86,7 @@ class OpExecutor:
                 keep = []
                 for op in q:
                     if op.step >= step:
-                        self._done.add(op.id)
+                        self._mark_done(op.id)
                         dropped += 1
                     else:
                         keep.append(op)
@@ -107,6 +108,16 @@ class OpExecutor:
         self.close()
 
     # ---- workers ------------------------------------------------------------------------------
+    def _is_done(self, op_id: int) -> bool:
+        return op_id < self._done_below or op_id in self._done
+
+    def _mark_done(self, op_id: int) -> None:
+        """Note op_id done (under the lock); the ids below the lowest one not done leave the set."""
+        self._done.add(op_id)
+        while self._done_below in self._done:
+            self._done.remove(self._done_below)
+            self._done_below += 1
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise PipelineError(f"pipeline {self._failed} failed: {self._error}") from self._error
@@ -119,7 +130,7 @@ class OpExecutor:
 
     def _next_ready(self, resource: str) -> Op | None:
         for n, op in enumerate(self._queues[resource]):
-            if all(d in self._done for d in op.deps):
+            if all(self._is_done(d) for d in op.deps):
                 self._running.add(op.id)
                 return self._queues[resource].pop(n)
         return None
@@ -150,7 +161,7 @@ class OpExecutor:
                 return
             with self._cond:
                 self._running.discard(op.id)
-                self._done.add(op.id)
+                self._mark_done(op.id)
                 self._cond.notify_all()
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Protocol
 
@@ -49,7 +50,7 @@ from ..speculative import (
     pad_right,
     row_warps,
 )
-from ..stats import OffloadStats, request_totals
+from ..stats import OffloadStats, RequestTotals
 from ..trace import Tracer
 from .batches import Batch, Batches
 from .executor import OpExecutor
@@ -59,6 +60,7 @@ from .workers import WeightPlan, Workers
 
 #: seconds an idle schedule (every batch empty, its feed open) waits for requests before looking again
 IDLE_WAIT_S = 0.05
+VERIFY_LOG_PASSES = 1 << 16  # verify passes `verify_log` keeps (the last ones)
 #: the params the workers get beside per-row warps (a batch of greedy rows passes no warps and verifies greedily)
 GREEDY = SamplingParams()
 
@@ -97,9 +99,10 @@ class Pipeline:
         self.compute_threads = compute_threads or torch.get_num_threads()
         self.adapt_interval = adapt_interval if plan.drafting else 0
         self.verified = 0  # verify ops run in the current run (progress reports)
-        #: per verify op of the current run: (perf_counter at its end, batch, tokens it committed, rows); the
-        #: steady-state decode rate of a window of passes is read off it (scripts/bench_moe.py)
-        self.verify_log: list[tuple[float, int, int, int]] = []
+        #: per verify op of the current run: (perf_counter at its end, batch, tokens it committed, rows), the last
+        #: VERIFY_LOG_PASSES of them (a long job's memory stays flat); the steady-state decode rate of a window of
+        #: passes is read off it (scripts/bench_moe.py)
+        self.verify_log: deque[tuple[float, int, int, int]] = deque(maxlen=VERIFY_LOG_PASSES)
         #: seconds the io thread spent in load ops (reading and converting weights into slots), and its value at
         #: the last verify: the loads between two verifies are attributed to the later pass (replan.py)
         self.load_seconds = self.load_mark = 0.0
@@ -122,13 +125,13 @@ class Pipeline:
         start = time.perf_counter()
         self.tracer.clear()
         self.verified = 0
-        self.verify_log = []
+        self.verify_log = deque(maxlen=VERIFY_LOG_PASSES)
         self.running = True
         self.last_stats = None
         total = len(requests) if isinstance(requests, Sized) else None
         bar = tqdm(total=total, desc="generate", unit="prompt", disable=not progress)
         finished: queue.SimpleQueue[Request] = queue.SimpleQueue()
-        done: list[Request] = []
+        done = RequestTotals()  # counters only: a finished request is the caller's once yielded
 
         def admit(r: Request) -> Request:
             if self.replanner.tokens_per_row is None:  # the first row's budget prices the slowest row
@@ -150,7 +153,7 @@ class Pipeline:
         def drain() -> Iterator[Request]:
             while not finished.empty():
                 r = finished.get()
-                done.append(r)
+                done.add(r)
                 yield r
 
         try:
@@ -173,7 +176,7 @@ class Pipeline:
         busy = {kind: sum(s.end - s.start for s in spans if s.name == kind) for kind in ("draft", "verify")}
         target_s = sum(s.end - s.start for s in spans if s.name in ("embed", "attention", "ffn", "head"))
         self.last_stats = OffloadStats(
-            **request_totals(done),
+            **done.as_dict(),
             steps=totals["steps"],
             wall_s=time.perf_counter() - start,
             prefill_s=0.0,
@@ -204,7 +207,7 @@ class Pipeline:
         that finished meanwhile); adds the steps and target passes to `totals`."""
         schedule = PipelineSchedule(self.num_layers, self.weights.units(), self.weights.num_buffers,
                                     draft_ops=self.plan.k_max, attention_streamed=self.weights.attention_streamed,
-                                    interleave=self.plan.interleave)
+                                    interleave=self.plan.interleave, keep_ops=False)
         handlers = {
             "load": self._load,
             "embed": self._embed,
@@ -214,7 +217,8 @@ class Pipeline:
             "verify": self._verify,
             "draft": self._draft,
         }
-        step_ops: list[list[int]] = []
+        step_ops: deque[list[int]] = deque(maxlen=3)  # the op ids of the last steps (a step waits on step - 2)
+        steps = 0
         # Each worker thread sets its own torch thread count (per thread in torch's OpenMP pool): the loader
         # converts with one thread so it does not fight the compute threads for the cores.
         threads = {"io": 1, "cpu": self.compute_threads, "device": self.compute_threads}
@@ -225,21 +229,23 @@ class Pipeline:
         ) as executor:
 
             def submit() -> None:
-                target = bool(self.batches[schedule.target_batch(len(step_ops))].rows)
+                nonlocal steps
+                target = bool(self.batches[schedule.target_batch(steps)].rows)
                 ops = schedule.next_step(target=target)
                 totals["steps"] += 1
                 totals["passes"] += target
                 step_ops.append([op.id for op in ops])
+                steps += 1
                 executor.submit(ops)
 
             for _ in range(2):
                 submit()
             while True:
                 # Step s's target batch was last verified at step s - 2: wait for that, then decide step s.
-                executor.wait(step_ops[len(step_ops) - 2])
+                executor.wait(step_ops[-2])
                 yield
                 if self.batches.done:
-                    executor.cancel_from(len(step_ops) - 1)
+                    executor.cancel_from(steps - 1)
                     executor.wait_all()
                     break
                 if self.batches.idle:  # an open feed, empty for now: wait for requests (no empty steps meanwhile)
@@ -248,7 +254,7 @@ class Pipeline:
                     if self.batches.waiting:
                         self.batches.admit_all()
                     continue
-                target = self.batches[schedule.target_batch(len(step_ops))]
+                target = self.batches[schedule.target_batch(steps)]
                 if not target.rows and self.batches.can_admit(target):  # a feed's rows for an empty batch: admit
                     executor.wait_all()  # them once the ops in flight (its draft ops among them) are done
                     self.batches.grow(target)

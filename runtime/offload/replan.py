@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections import deque
 from collections.abc import Hashable, Sequence
 
 from specoffload.planner import AcceptanceTracker, HardwareProfile, ModelCosts, estimate_step, replan
@@ -47,6 +48,7 @@ logger = logging.getLogger("specoffload.offload")
 CONFIDENCE = 0.8
 #: decode passes whose median period calibrates the stream rate (fewer observed: the profile's rate)
 PASS_WINDOW = 8
+PASS_LOG = 1 << 12  # passes `pass_log` keeps
 #: a stream rate no disk reaches: the model's step without io stalls
 UNBOUNDED = 1e18
 
@@ -68,7 +70,8 @@ class Replanner:
         self.replans: list[dict[str, float]] = []
         self.rounds = 0
         # (seconds, k, rows, load seconds) of every decode pass observed
-        self.pass_log: list[tuple[float, int, int, float]] = []
+        #: (seconds, k, rows, load seconds) of the last PASS_LOG passes (a long job's memory stays flat)
+        self.pass_log: deque[tuple[float, int, int, float]] = deque(maxlen=PASS_LOG)
         self.tokens_per_row: int | None = None  # the run's max_new_tokens: the slowest row of a wave is priced
         self.prompt_len: float | None = None  # the run's mean prompt tokens (the engine's): the prefill share
         self.stream_rate: float | None = None
@@ -89,7 +92,7 @@ class Replanner:
         when too few passes were observed or they say nothing about the rate."""
         if self.profile is None or self.costs is None or self.placement is None:
             return self.profile
-        rate = observed_stream_rate(self.profile, self.costs, self.placement, self.pass_log[-PASS_WINDOW:],
+        rate = observed_stream_rate(self.profile, self.costs, self.placement, list(self.pass_log)[-PASS_WINDOW:],
                                     self.plan.max_seq_len // 2, self.expert_loading)
         if rate is None:
             return self.profile

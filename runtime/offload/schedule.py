@@ -89,6 +89,8 @@ class PipelineSchedule:
     num_buffers: ring slots; draft_ops: draft ops per step, the plan's k_max (0: no drafter, one batch, no draft ops).
     interleave: with draft ops, two batches alternate (the default); False: one batch drafts for itself after its
         own verify, its next pass waiting for the drafts (the ring's loads for that pass still start during them).
+    keep_ops: keep every op emitted (`ops`, for tests and checks); False (the pipeline): only count them, so a long
+        job's memory stays flat (a step's ops refer to earlier ones by id only).
     """
 
     num_layers: int
@@ -97,7 +99,9 @@ class PipelineSchedule:
     draft_ops: int = 0
     attention_streamed: Sequence[int] = ()
     interleave: bool = True
+    keep_ops: bool = True
     _ops: list[Op] = field(default_factory=list, init=False)
+    _emitted: int = field(default=0, init=False)  # ops emitted so far: the next op's id
     _slot_user: dict[int, int] = field(default_factory=dict, init=False)  # slot -> last op id using it
     _next_slot: int = field(default=0, init=False)
     _last_verify: dict[int, int] = field(default_factory=dict, init=False)  # batch -> verify op id
@@ -122,7 +126,9 @@ class PipelineSchedule:
 
     @property
     def ops(self) -> list[Op]:
-        """Every op emitted so far, in priority order."""
+        """Every op emitted so far, in priority order (with keep_ops)."""
+        if not self.keep_ops:
+            raise RuntimeError("this schedule keeps no ops (keep_ops=False)")
         return list(self._ops)
 
     def target_batch(self, step: int) -> int:
@@ -142,7 +148,7 @@ class PipelineSchedule:
         new: list[Op] = []
 
         def emit(kind: str, deps: Sequence[int | None] = (), **where: int) -> int:
-            op = Op(len(self._ops) + len(new), kind, i, deps=tuple(sorted({d for d in deps if d is not None})),
+            op = Op(self._emitted + len(new), kind, i, deps=tuple(sorted({d for d in deps if d is not None})),
                     **where)
             new.append(op)
             return op.id
@@ -196,7 +202,9 @@ class PipelineSchedule:
             self._last_verify[a] = emit("verify", [head], batch=a)
         for _, t in drafts:
             self._emit_draft(emit, i, b, t)
-        self._ops.extend(new)
+        self._emitted += len(new)
+        if self.keep_ops:
+            self._ops.extend(new)
         return new
 
     def _emit_draft(self, emit, step: int, batch: int, token: int) -> None:  # noqa: ANN001
@@ -209,8 +217,8 @@ class PipelineSchedule:
     def _slot_of(self, op_id: int | None, new: list[Op]) -> int:
         if op_id is None:
             return -1
-        base = len(self._ops)
-        return new[op_id - base].slot if op_id >= base else self._ops[op_id].slot
+        base = self._emitted  # (a slot is only ever asked of this step's ops)
+        return new[op_id - base].slot
 
 
 def check_schedule(ops: Sequence[Op], num_buffers: int) -> None:
