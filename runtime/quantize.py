@@ -22,14 +22,13 @@ from pathlib import Path
 import torch
 
 from .formats import FORMATS, WeightFormat, quantize, weight_format
-from .hashing import PROVENANCE, sha256_file, source_record
+from .hashing import HASHES, PROVENANCE, sha256_file, source_record
 from .models.checkpoint import INDEX_FILE, Checkpoint
 from .models.config import ModelConfig
 from .models.errors import CheckpointError
 from .models.quantized import QUANT_FILE, QuantManifest
 from .models.weights import WeightLoader
 
-HASHES = "safetensors_sha256"  # the key scripts/get_models.py and runtime/offline/manifest.py read
 _DTYPE_NAME = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int8: "I8",
                torch.uint8: "U8"}  # fmt: skip
 _TORCH = {v: k for k, v in _DTYPE_NAME.items()}

@@ -65,6 +65,17 @@ def _profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     profiler.PROFILE_DIR = old
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _verified_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Checkpoints verified against their recorded hashes are remembered: keep that record out of ~/.cache."""
+    from specoffload.runtime import hashing
+
+    old = hashing.VERIFIED_CACHE
+    hashing.VERIFIED_CACHE = tmp_path_factory.mktemp("verified") / "verified.json"
+    yield
+    hashing.VERIFIED_CACHE = old
+
+
 def dense_shape(name: str, layers: int, attention: int, mlp: int, head: int, embedding: int, kv: int) -> ModelShape:
     """A synthetic dense model's parts for the planner's tests: bytes per embedding, per layer's attention and MLP,
     and the head; kv: KV-cache bytes per token."""

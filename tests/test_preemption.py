@@ -103,7 +103,7 @@ def test_a_batch_that_lost_rows_regrows(tiny_models, resident_greedy, draft) -> 
         Batches.preempt = original
     assert [r.token_ids for r in out] == resident_greedy(TARGET) * 3
     assert marks, "no row was preempted: the pool is too roomy for this test"
-    rows_after = [rows for _, b, _, rows in list(pipeline.verify_log)[marks[0]:] if b == 0]  # batch 0's passes from then
+    rows_after = [rows for _, b, _, rows in list(pipeline.verify_log)[marks[0]:] if b == 0]  # batch 0 from then
     first_short = next(i for i, rows in enumerate(rows_after) if rows < 3)
     assert 3 in rows_after[first_short:], rows_after  # ... and full again later
 

@@ -92,8 +92,9 @@ def _rewrite_header(file: Path, edit) -> None:
     ("manifest", r"corrupt .*quantization.json"),
     ("no_manifest", r"holds compressed tensors .* but no quantization.json"),
 ])
-def test_reader_refuses_a_damaged_layout_with_one_line(quantized, tmp_path, damage, message):
-    ckpt = tmp_path / "bad"
+def test_reader_refuses_a_damaged_layout_with_one_line(quantized, tmp_path, monkeypatch, damage, message):
+    monkeypatch.setenv("SPECOFFLOAD_SKIP_HASH_CHECK", "1")  # (the file no longer has its recorded hash: the layout
+    ckpt = tmp_path / "bad"  # check under that is what is tested here)
     shutil.copytree(quantized("qwen2_moe", "int4"), ckpt)
     name = "model.layers.0.mlp.shared_expert.down_proj.weight"  # [64, 48]: two groups of 32, the last padded
     st, manifest = ckpt / "model.safetensors", ckpt / "quantization.json"

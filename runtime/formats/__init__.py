@@ -70,6 +70,18 @@ class WeightFormat:
         """Write the weight into `dest` [..., padded in] (float32, contiguous, rows of whole groups) in place."""
         raise NotImplementedError
 
+    def check_parts(self, parts: dict[str, torch.Tensor]) -> str | None:
+        """What is wrong with a weight's stored components (a damaged file), or None: the base checks that every
+        floating component (scale, zero point) is finite and that scales are >= 0; a format adds its own rules.
+        `parts` may hold a subset of the components (the small ones are checked at open time)."""
+        for suffix, t in parts.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"{suffix} holds NaN or infinite values"
+        scale = parts.get("scale")
+        if scale is not None and bool((scale < 0).any()):
+            return f"scale holds negative values (min {float(scale.min()):.4g})"
+        return None
+
     def stays_packed(self, shape: tuple[int, ...]) -> bool:
         """A streamed weight of `shape` is kept as its codes in its ring slot (packed slots on) and multiplied by a
         kernel (runtime/models/packed.py); default: never."""

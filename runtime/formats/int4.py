@@ -54,6 +54,16 @@ class Int4(WeightFormat):
         q = q.round_().clamp_(0, INT4_LEVELS).to(torch.uint8).flatten(-2)  # [..., groups * group]
         return {"qweight": q[..., 0::2] | (q[..., 1::2] << 4), "scale": scale, "zero": lo}
 
+    def check_parts(self, parts: dict[str, torch.Tensor]) -> str | None:
+        """The base checks, and every group's range, zero .. zero + 15 * scale, within float16's (+-65504)."""
+        problem = super().check_parts(parts)
+        scale, zero = parts.get("scale"), parts.get("zero")
+        if problem is None and scale is not None and zero is not None:
+            top = (zero.float() + INT4_LEVELS * scale.float()).abs().max() if scale.numel() else 0.0
+            if float(top) > torch.finfo(torch.float16).max:
+                problem = f"zero + 15 * scale reaches {float(top):.4g} (weights beyond float16's range)"
+        return problem
+
     def dequantize_rows(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         q, scale = parts["qweight"], parts["scale"]
         groups = scale.shape[-1]

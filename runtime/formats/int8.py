@@ -17,6 +17,7 @@ from ..models.packed import packable
 from . import WeightFormat, register_format, round_up
 
 INT8_MAX = 127
+MAX_SCALE = torch.finfo(torch.float16).max / INT8_MAX  # scale * 127 within float16's range
 
 
 @register_format
@@ -42,6 +43,17 @@ class Int8(WeightFormat):
     def dequantize_rows(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         dest.copy_(parts["qweight"])  # [..., in] int8 -> float32, exact
         return dest.mul_(parts["scale"])  # [..., 1] float32 per row
+
+    def check_parts(self, parts: dict[str, torch.Tensor]) -> str | None:
+        """The base checks, codes in [-127, 127] and scales of at most MAX_SCALE (a weight beyond float16's range,
+        +-65504, is no weight a 16-bit checkpoint held: a damaged scale)."""
+        problem = super().check_parts(parts)
+        scale, q = parts.get("scale"), parts.get("qweight")
+        if problem is None and scale is not None and bool((scale > MAX_SCALE).any()):
+            problem = f"scale holds {float(scale.max()):.4g} (> {MAX_SCALE:.4g}: weights beyond float16's range)"
+        if problem is None and q is not None and bool((q < -INT8_MAX).any()):
+            problem = "qweight holds code -128 (int8 codes are -127 .. 127)"
+        return problem
 
     def stays_packed(self, shape: tuple[int, ...]) -> bool:
         return packable(shape)

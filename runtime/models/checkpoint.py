@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from ..formats import COMPONENTS, WeightFormat, dequantize_into
+from ..hashing import check_recorded_hashes
 from ..json_bounds import JsonBounds, loads_bounded
 from .errors import CheckpointError
 from .quantized import QUANT_FILE, QuantManifest, check_components, read_manifest
@@ -91,6 +92,7 @@ class Checkpoint:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory not found: {self.path}")
+        check_recorded_hashes(self.path)  # the files its provenance.json records, when it records them
         self._entries: dict[str, _Entry] = {}
         for file in self._files():
             for name, entry in _read_header(file).items():
@@ -99,6 +101,7 @@ class Checkpoint:
         #: the compression manifest of a `specoffload quantize` checkpoint (models/quantized.py), else None
         self.quantization: QuantManifest | None = read_manifest(self.path)
         self._quant: dict[str, dict[str, _Entry]] = self._open_quantized()
+        self._check_scales()
 
     def names(self) -> list[str]:
         """Every weight's name; a compressed weight under its own name (its components are not listed)."""
@@ -190,6 +193,7 @@ class Checkpoint:
             ref = self.quantized(name, index)
             assert ref is not None
             parts = {c.suffix: self.get(f"{name}.{c.suffix}", None, device, index) for c in ref.components}
+            self._check_parts(name, ref.spec, parts)
             shape = self.shape_of(name, index)
             dest = torch.empty(shape, dtype=dtype or torch.float32, device=device)
             return dequantize_into(dest, parts, ref.spec)
@@ -249,6 +253,21 @@ class Checkpoint:
                                       f"{len(files)} files")
             out[name] = parts
         return out
+
+    def _check_scales(self) -> None:
+        """Every compressed weight's small components (scale, zero point) read and checked by its format (finite,
+        in range: `WeightFormat.check_parts`), so a damaged one fails here in one line naming tensor and file;
+        the codes are checked where they are first read (`get`, the streamer)."""
+        for name, parts in self._quant.items():
+            assert self.quantization is not None
+            small = {c: self.get(f"{name}.{c}") for c in parts if c != "qweight"}
+            self._check_parts(name, self.quantization.spec, small)
+
+    def _check_parts(self, name: str, spec: WeightFormat, parts: dict[str, torch.Tensor]) -> None:
+        problem = spec.check_parts(parts)
+        if problem is not None:
+            file = self._quant[name]["qweight"].file
+            raise CheckpointError(f"compressed checkpoint {file}: {name}: {problem}; re-run `specoffload quantize`")
 
     def _check_index(self, name: str, entry: _Entry, index: int) -> int:
         rows = entry.shape[0] if entry.shape else 0

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..hashing import sha256_file
+from ..hashing import HASHES, sha256_file
 
 FORMAT_VERSION = 2
 #: files of a checkpoint directory, besides its weights, whose content can change a row (hashed when present)
@@ -27,7 +27,7 @@ ROW_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
              "merges.txt", "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
              "chat_template.json")
 #: provenance.json key with {file name: SHA-256} of a converted checkpoint (scripts/get_models.py writes it)
-PROVENANCE_HASHES = "safetensors_sha256"
+PROVENANCE_HASHES = HASHES
 
 
 class ManifestError(ValueError):

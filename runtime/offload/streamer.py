@@ -195,6 +195,7 @@ class WeightStreamer:
         self.copy_seconds = 0.0
         self.decompress_seconds = 0.0  # of compressed weights, included in copy_seconds
         self._packed: torch.Tensor | None = None  # scratch for compressed bytes read from disk (grown on demand)
+        self._checked: set[tuple[PartKey, str]] = set()  # compressed fields whose components were checked
         self._cuda = self.device.type == "cuda"
         self._lock = threading.Lock()
         self._layouts: dict[PartKey, PartLayout] = {}
@@ -422,14 +423,28 @@ class WeightStreamer:
                     parts = self._components(packed, packed_at[key], field)
                     if field.packed:
                         view = self._packed_view(slot, base, field)
+                        self._check_once(key, field, {**parts, "qweight": view.qweight} if codes_in_slot else parts)
                         if not codes_in_slot:
                             view.qweight.copy_(parts["qweight"])
                         view.scale.copy_(parts["scale"].view(-1))  # [out] float32 -> compute dtype
                         continue
+                    self._check_once(key, field, parts)
                     dequantize_into(self._flat(slot, base, field).view(field.shape), parts, field.quant.spec)
         elapsed = time.perf_counter() - t0
         self.decompress_seconds += elapsed
         self.copy_seconds += elapsed
+
+    def _check_once(self, key: PartKey, field: FieldLayout, parts: dict[str, torch.Tensor]) -> None:
+        """The first time a compressed field is read, check its components (codes included: the small ones were
+        checked when the checkpoint was opened); a damaged one is a CheckpointError naming tensor and file."""
+        if (key, field.field) in self._checked:
+            return
+        assert field.quant is not None
+        problem = field.quant.spec.check_parts(parts)
+        if problem is not None:
+            raise CheckpointError(f"compressed checkpoint {field.location.path}: {field.ref.name}: {problem}; "
+                                  "re-run `specoffload quantize`")
+        self._checked.add((key, field.field))
 
     # --- copies --------------------------------------------------------------------------------------------
 
