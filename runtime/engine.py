@@ -33,6 +33,7 @@ from specoffload.planner.plan import Plan
 
 from .bounded_encode import TooLong, encode_bounded
 from .config import ConfigError, EngineConfig
+from .models.linear import bound_kernel_caches
 from .models.model import Transformer
 from .offload.pipeline import Pipeline, Recovery
 from .offload.profiler import load_or_measure
@@ -70,6 +71,7 @@ class Engine:
     def __init__(self, config: EngineConfig, *, workers: WorkerFactory | None = None,
                  recovery: Recovery | None = None, plan: Plan | None = None) -> None:
         self.config = config
+        bound_kernel_caches()  # a long job's ragged batches would fill oneDNN's kernel caches (models/linear.py)
         if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {config.device!r}: this torch ({torch.__version__}) sees no CUDA GPU; "
                               "use device='cpu'")

@@ -5,6 +5,8 @@ rejects), and what the rest of the engine asks of them (no footprint, no actor, 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -50,6 +52,33 @@ def test_ngram_index_equals_the_brute_force_definition(ops, n, k):
     fresh = NgramIndex(min_n, max_n)
     fresh.extend(index.tokens)
     assert fresh.table == index.table  # truncation left exactly the index of what is kept
+
+
+def test_ngram_index_with_every_hash_colliding_still_equals_the_definition(monkeypatch):
+    """Keys are hashes: with one hash for every n-gram the candidates' tokens decide, so proposals do not change."""
+    from specoffload.runtime.offload import matching
+
+    monkeypatch.setattr(matching, "hash", lambda _: 7, raising=False)
+    rng = random.Random(3)
+    tokens = [rng.randrange(4) for _ in range(80)]
+    for min_n, max_n in ((1, 1), (1, 3), (2, 5)):
+        index = NgramIndex(min_n, max_n)
+        for end in range(len(tokens)):
+            index.extend(tokens[end:end + 1])
+            assert index.propose(4) == ngram_reference(index.tokens, min_n, max_n, 4)
+        assert len(index.table) == 1
+
+
+def test_ngram_index_is_linear_in_the_row():
+    """(max_n - min_n + 1) entries per token at most, each an int key and a position: a 1,200-token prompt at the
+    largest lookup holds no n-gram tuples (before: 2.7 GB at max 100000)."""
+    from specoffload.runtime.offload.drafters.modelfree import MAX_LOOKUP
+
+    rng = random.Random(0)
+    index = NgramIndex(1, MAX_LOOKUP)
+    index.extend([rng.randrange(50) for _ in range(1200)])
+    assert all(type(key) is int for key in index.table)
+    assert sum(len(v) for v in index.table.values()) <= 1200 * MAX_LOOKUP
 
 
 def test_suffix_literal_case():
@@ -154,6 +183,7 @@ def test_model_free_frees_the_draft_models_memory_for_rows(tiny_models):
 @pytest.mark.parametrize(("kwargs", "match"), [
     (dict(prompt_lookup_min=0), "prompt_lookup_min"),
     (dict(prompt_lookup_min=4, prompt_lookup_max=3), "1 <= min <= max"),
+    (dict(prompt_lookup_max=100000), "max <= 32"),
     (dict(suffix_min_prob=1.5), "suffix_min_prob"),
     (dict(suffix_max_depth=0), "suffix_max_depth"),
     (dict(suffix_spec_factor=0), "suffix_spec_factor"),

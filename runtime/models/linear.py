@@ -9,12 +9,18 @@
   - an int8 weight kept packed in its ring slot (`PackedInt8`, where `packed_kernel` holds): torch's weight-only
     int8 kernel at decode row counts (runtime/models/packed.py).
 On CUDA F.linear is used as is. The measurements behind each rule: docs/perf/README.md, "kernel choices".
+
+oneDNN compiles a kernel per GEMM shape and keeps it in two caches (its own and ideep's, 1024 entries each by
+default, ~0.3-0.5 MB an entry); ragged batches (refill, chunked prefill) bring new row counts all job long, so those
+caches alone grew a long job's memory by ~500 MB. `bound_kernel_caches` caps both at KERNEL_CACHE entries (the
+passes of one job use a few dozen shapes), unless the environment already sets them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import TypeVar
 
 import torch
@@ -47,6 +53,16 @@ def packed_kernel(dtype: torch.dtype, device: torch.device | str) -> bool:
     bfloat16 GEMMs (the kernel's fast path), and a torch that has the kernel."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and native_16bit(torch.bfloat16)
             and hasattr(torch, "_weight_int8pack_mm"))
+
+
+KERNEL_CACHE = 128  # oneDNN primitives kept per cache (module docstring)
+
+
+def bound_kernel_caches() -> None:
+    """Cap oneDNN's primitive caches at KERNEL_CACHE entries, unless the environment sets them: oneDNN and ideep
+    read these variables when they first create a kernel, so this holds if no GEMM has run in this process yet."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(KERNEL_CACHE))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:

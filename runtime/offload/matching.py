@@ -2,8 +2,8 @@
 Python over token lists, no torch: what the "ngram" and "suffix" drafters (modelfree.py) propose per row.
 
     ngram_reference   prompt lookup by brute force (the definition; tests compare `NgramIndex` with it)
-    NgramIndex        the same proposal from an incremental index: O(max_n - min_n + 1) dict operations per token
-                      appended, per truncated token and per proposal, whatever the row's length
+    NgramIndex        the same proposal from an incremental index: O(max_n - min_n + 1) dict operations and
+                      entries per token appended (linear in the row's length), per truncated token and per proposal
     SuffixIndex       positions of every token and token pair of a sequence; `propose` matches the query's
                       longest suffix (up to max_depth tokens) and walks the most frequent continuation, each token
                       with its empirical probability (SuffixDecoding, Oliaro et al. 2024, a path of its tree)
@@ -45,10 +45,12 @@ def ngram_reference(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> li
 
 
 class NgramIndex:
-    """Prompt lookup over one row's tokens, kept incrementally: `table` maps each n-gram (min_n <= n <= max_n)
-    that is followed by a token to the positions of those following tokens, in increasing order (the last is the
-    most recent occurrence). `extend` appends tokens and indexes them; `truncate` pops the entries of the removed
-    positions, so the index always equals the one built from scratch on `tokens`."""
+    """Prompt lookup over one row's tokens, kept incrementally: `table` maps the hash of each n-gram (min_n <= n <=
+    max_n) that is followed by a token to the positions of those following tokens, in increasing order (the last is
+    the most recent occurrence). Keys are hashes, not the n-grams themselves, so the index holds
+    (max_n - min_n + 1) small entries per token, linear in the row's length; `propose` checks a candidate's tokens
+    before using it (two n-grams of one hash never mix). `extend` appends tokens and indexes them; `truncate` pops
+    the entries of the removed positions, so the index always equals the one built from scratch on `tokens`."""
 
     __slots__ = ("max_n", "min_n", "table", "tokens")
 
@@ -57,7 +59,7 @@ class NgramIndex:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
-        self.table: dict[tuple[int, ...], list[int]] = {}
+        self.table: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -69,7 +71,7 @@ class NgramIndex:
             c = len(tokens)  # the new token's position: it follows the n-grams ending at c - 1
             tokens.append(int(token))
             for n in range(self.min_n, min(self.max_n, c) + 1):
-                key = tuple(tokens[c - n: c])
+                key = hash(tuple(tokens[c - n: c]))
                 entry = table.get(key)
                 if entry is None:
                     table[key] = [c]
@@ -81,7 +83,7 @@ class NgramIndex:
         tokens, table = self.tokens, self.table
         for c in range(len(tokens) - 1, max(length, 0) - 1, -1):
             for n in range(self.min_n, min(self.max_n, c) + 1):
-                key = tuple(tokens[c - n: c])
+                key = hash(tuple(tokens[c - n: c]))
                 entry = table[key]
                 entry.pop()  # c is the entry's last position: positions were appended in increasing order
                 if not entry:
@@ -94,10 +96,10 @@ class NgramIndex:
         if k <= 0:
             return []
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            entry = self.table.get(tuple(tokens[size - n:]))
-            if entry:
-                start = entry[-1]
-                return tokens[start: start + k]
+            suffix = tokens[size - n:]
+            for start in reversed(self.table.get(hash(tuple(suffix)), ())):
+                if tokens[start - n: start] == suffix:  # (not another n-gram of the same hash)
+                    return tokens[start: start + k]
         return []
 
 

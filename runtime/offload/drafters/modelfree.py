@@ -52,6 +52,7 @@ NO_TOKEN = -1
 #: defaults: see README "Model-free drafters" and docs/perf/drafter_acceptance.json
 DEFAULT_LOOKUP_MIN = 1
 DEFAULT_LOOKUP_MAX = 3
+MAX_LOOKUP = 32  # the longest n-gram prompt lookup may match: its index holds max - min + 1 entries per token
 DEFAULT_SUFFIX_DEPTH = 24
 DEFAULT_SUFFIX_MIN_PROB = 0.1
 DEFAULT_SUFFIX_SPEC_FACTOR = 1.0
@@ -67,13 +68,13 @@ class NgramOptions:
 
     prompt_lookup_min: int = option(DEFAULT_LOOKUP_MIN, "ngram: the shortest suffix n-gram looked up in the row's "
                                                         "prompt and output")
-    prompt_lookup_max: int = option(DEFAULT_LOOKUP_MAX, "ngram: the longest")
+    prompt_lookup_max: int = option(DEFAULT_LOOKUP_MAX, f"ngram: the longest (at most {MAX_LOOKUP})")
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if not (_is_int(lo) and _is_int(hi)) or not 1 <= lo <= hi:
-            raise ConfigError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
-                              f"got {lo!r} and {hi!r}")
+        if not (_is_int(lo) and _is_int(hi)) or not 1 <= lo <= hi <= MAX_LOOKUP:
+            raise ConfigError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max <= "
+                              f"{MAX_LOOKUP}, got {lo!r} and {hi!r}")
 
 
 @dataclass(frozen=True)
