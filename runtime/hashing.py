@@ -22,6 +22,7 @@ from .models.errors import CheckpointError
 
 PROVENANCE = "provenance.json"  # a built checkpoint's record of where it came from
 HASHES = "safetensors_sha256"  # provenance key: {file name: hex SHA-256} of the checkpoint's own files
+QUANT_HASH = "quantization_sha256"  # provenance key: hex SHA-256 of a compressed checkpoint's quantization.json
 SKIP_HASH_ENV = "SPECOFFLOAD_SKIP_HASH_CHECK"
 VERIFIED_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specoffload" / "verified.json"
 
@@ -55,7 +56,8 @@ def source_record(directory: Path) -> dict[str, object]:
 
 
 def check_recorded_hashes(directory: str | Path) -> None:
-    """Compare each file that `directory`'s provenance.json lists under HASHES with its recorded SHA-256; raise
+    """Compare each file that `directory`'s provenance.json lists under HASHES (and a compressed checkpoint's
+    quantization.json, under QUANT_HASH) with its recorded SHA-256; raise
     CheckpointError naming the first file that differs or is missing. Nothing to do without such a record."""
     global _warned_skip
     d = Path(directory)
@@ -66,6 +68,8 @@ def check_recorded_hashes(directory: str | Path) -> None:
     hashes = record.get(HASHES) if isinstance(record, dict) else None
     if not isinstance(hashes, dict) or not hashes:
         return
+    if isinstance(record.get(QUANT_HASH), str):  # a compressed checkpoint's manifest (logical shapes and dtypes)
+        hashes = {**hashes, "quantization.json": record[QUANT_HASH]}
     if os.environ.get(SKIP_HASH_ENV, "") not in ("", "0"):
         if not _warned_skip:
             logger.warning("%s is set: checkpoint files are not checked against their recorded SHA-256", SKIP_HASH_ENV)

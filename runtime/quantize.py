@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .formats import FORMATS, WeightFormat, quantize, weight_format
-from .hashing import HASHES, PROVENANCE, sha256_file, source_record
+from .hashing import HASHES, PROVENANCE, QUANT_HASH, sha256_file, source_record
 from .models.checkpoint import INDEX_FILE, Checkpoint
 from .models.config import ModelConfig
 from .models.errors import CheckpointError
@@ -72,49 +72,55 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: WeightFormat, at
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    shards = _shards(ckpt)
-    weight_map: dict[str, str] = {}
-    manifest = QuantManifest(spec, {n: (ckpt.shape(n), _DTYPE_NAME[ckpt.torch_dtype(n)]) for n in sorted(chosen)})
-    stored = original = 0
-    for file, names in shards.items():
-        groups: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]] = []
-        for name in names:
-            original += ckpt.nbytes(name)
-            if name in chosen:
-                comps = spec.components(ckpt.shape(name))
-                groups.append((name, [(f"{name}.{c}", d, s) for c, (d, s) in comps.items()]))
-            else:
-                dtype = _DTYPE_NAME.get(ckpt.torch_dtype(name))
-                if dtype is None:
-                    raise CheckpointError(f"{src}: {name} is {ckpt.torch_dtype(name)}, which `quantize` cannot copy")
-                groups.append((name, [(name, dtype, ckpt.shape(name))]))
-        stored += _write_file(tmp / file, groups, lambda name: _produce(ckpt, name, chosen, spec))
-        weight_map.update((n, file) for _, stored_as in groups for n, _, _ in stored_as)
-        if log:
-            log(f"wrote {file}")
-    if (src / INDEX_FILE).is_file():
-        index = {"metadata": {"total_size": stored}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (tmp / QUANT_FILE).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
-    for side in src.iterdir():
-        if side.is_file() and side.suffix != ".safetensors" and side.name not in (INDEX_FILE, PROVENANCE, QUANT_FILE):
-            shutil.copy2(side, tmp / side.name)
-    record = {
-        "tool": "specoffload quantize",
-        "scheme": spec.name,
-        "group_size": spec.group,
-        "compressed": "ffn+attention" if attention else "ffn",
-        "compressed_tensors": len(chosen),
-        "source": source_record(src),
-        "bytes": {"source": original, "stored": stored},
-        "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "torch_version": torch.__version__,
-        "quantization_sha256": sha256_file(tmp / QUANT_FILE),
-        HASHES: {p.name: sha256_file(p) for p in sorted([*tmp.glob("*.safetensors"), *tmp.glob("*.index.json")])},
-    }
-    (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
-    Checkpoint(tmp)  # the reader accepts what we wrote (layout checked against the manifest)
-    tmp.rename(out)
+    try:
+        shards = _shards(ckpt)
+        weight_map: dict[str, str] = {}
+        manifest = QuantManifest(spec, {n: (ckpt.shape(n), _DTYPE_NAME[ckpt.torch_dtype(n)]) for n in sorted(chosen)})
+        stored = original = 0
+        for file, names in shards.items():
+            groups: list[tuple[str, list[tuple[str, str, tuple[int, ...]]]]] = []
+            for name in names:
+                original += ckpt.nbytes(name)
+                if name in chosen:
+                    comps = spec.components(ckpt.shape(name))
+                    groups.append((name, [(f"{name}.{c}", d, s) for c, (d, s) in comps.items()]))
+                else:
+                    dtype = _DTYPE_NAME.get(ckpt.torch_dtype(name))
+                    if dtype is None:
+                        raise CheckpointError(f"{src}: {name} is {ckpt.torch_dtype(name)}, which `quantize` cannot "
+                                              "copy")
+                    groups.append((name, [(name, dtype, ckpt.shape(name))]))
+            stored += _write_file(tmp / file, groups, lambda name: _produce(ckpt, name, chosen, spec))
+            weight_map.update((n, file) for _, stored_as in groups for n, _, _ in stored_as)
+            if log:
+                log(f"wrote {file}")
+        if (src / INDEX_FILE).is_file():
+            index = {"metadata": {"total_size": stored}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / QUANT_FILE).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+        for side in src.iterdir():
+            kept = side.name not in (INDEX_FILE, PROVENANCE, QUANT_FILE)
+            if side.is_file() and side.suffix != ".safetensors" and kept:
+                shutil.copy2(side, tmp / side.name)
+        record = {
+            "tool": "specoffload quantize",
+            "scheme": spec.name,
+            "group_size": spec.group,
+            "compressed": "ffn+attention" if attention else "ffn",
+            "compressed_tensors": len(chosen),
+            "source": source_record(src),
+            "bytes": {"source": original, "stored": stored},
+            "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "torch_version": torch.__version__,
+            QUANT_HASH: sha256_file(tmp / QUANT_FILE),
+            HASHES: {p.name: sha256_file(p) for p in sorted([*tmp.glob("*.safetensors"), *tmp.glob("*.index.json")])},
+        }
+        (tmp / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+        Checkpoint(tmp)  # the reader accepts what we wrote (layout checked against the manifest)
+        tmp.rename(out)
+    except BaseException:  # a failed build leaves nothing behind (no .partial directory to trip over)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return record
 
 
@@ -122,7 +128,11 @@ def _produce(ckpt: Checkpoint, name: str, chosen: set[str], spec: WeightFormat) 
     """The tensors stored for `name`: its components if compressed (suffixed names), else itself as stored."""
     if name not in chosen:
         return {name: ckpt.get(name)}
-    return {f"{name}.{c}": t for c, t in quantize(ckpt.get(name), spec).items()}
+    try:
+        parts = quantize(ckpt.get(name), spec)
+    except ValueError as err:  # non-finite values, a range the format cannot hold
+        raise CheckpointError(f"{ckpt.path}: cannot compress {name}: {err}") from None
+    return {f"{name}.{c}": t for c, t in parts.items()}
 
 
 def _shards(ckpt: Checkpoint) -> dict[str, list[str]]:

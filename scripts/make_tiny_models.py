@@ -152,6 +152,10 @@ def build(name: str, out_dir: Path) -> Path:
     config = make_config()
     torch.manual_seed(seed)
     model = _MODEL_CLASS[config.model_type](config).eval()
+    with torch.no_grad():  # transformers initialises biases to zero: random ones, so a bias left out shows
+        for pname, param in model.named_parameters():
+            if pname.endswith(".bias"):
+                param.normal_(0.0, 0.02)
     path = Path(out_dir) / name
     shutil.rmtree(path, ignore_errors=True)
     model.save_pretrained(path, **save_options)

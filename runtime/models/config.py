@@ -48,6 +48,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool  # the attention's output projection has a bias (Llama with attention_bias)
     rope_type: str
     layer_windows: tuple[int | None, ...]  # per layer: sliding window size, None = full causal attention
     num_experts: int  # 0 for dense models
@@ -180,6 +181,7 @@ def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) ->
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=_qkv_bias(family, hf),
+        o_bias=family == "llama" and bool(getattr(hf, "attention_bias", False)),
         rope_type=rope_type,
         layer_windows=_layer_windows(family, hf, num_layers),
         num_experts=num_experts,

@@ -164,9 +164,9 @@ def attention_forward(
             )  # [rows, heads, width, D]
     out = out.transpose(1, 2).reshape(batch, steps, heads * dim)  # [B, T, heads * D]
     if mask is None:
-        return hidden + linear(out, w.o)
+        return hidden + linear(out, w.o, w.o_bias)
     result = hidden.clone()
-    result[mask] = hidden[mask] + linear(out[mask], w.o)  # [n valid, H]
+    result[mask] = hidden[mask] + linear(out[mask], w.o, w.o_bias)  # [n valid, H]
     return result
 
 

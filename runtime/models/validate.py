@@ -7,6 +7,11 @@
 2. Every tensor the config implies is present, has exactly the shape the config implies (one line naming the
    tensor, its file, the expected and the found shape) and a float dtype (F64, F32, F16, BF16): a float model with
    an int32 tensor, or intermediate_size off by one, is refused instead of running.
+3. No tensor the config does not imply (one line naming it and its file): a config with fewer num_hidden_layers
+   than the checkpoint, or of another architecture, would otherwise run part of the weights. Buffers that some
+   checkpoints carry and the model recomputes (`rotary_emb.inv_freq`), a stored head beside tied embeddings and
+   empty tensors (a part of size 0 that transformers saves anyway, such as a shared expert of width 0, with its
+   gate) are allowed.
 
 Only headers are read (Checkpoint reads nothing else at open).
 """
@@ -23,6 +28,7 @@ from .errors import CheckpointError
 from .weights import WeightLoader
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed from the config
 
 
 def expected_shape(config: ModelConfig, key: PartKey, field: str) -> tuple[int, ...]:
@@ -34,7 +40,7 @@ def expected_shape(config: ModelConfig, key: PartKey, field: str) -> tuple[int, 
     shapes = {
         "embed": (c.vocab_size, h), "lm_head": (c.vocab_size, h), "norm": (h,), "input_norm": (h,),
         "post_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "q_bias": (q,), "k_bias": (kv,),
-        "v_bias": (kv,), "up": (inter, h), "down": (h, inter), "gate_up": (2 * inter, h),
+        "v_bias": (kv,), "o_bias": (h,), "up": (inter, h), "down": (h, inter), "gate_up": (2 * inter, h),
         "shared_gate_proj": (shared, h), "shared_up_proj": (shared, h), "shared_down_proj": (h, shared),
         "shared_expert_gate": (1, h),
     }  # fmt: skip
@@ -75,3 +81,13 @@ def validate_checkpoint(checkpoint: Checkpoint, config: ModelConfig) -> None:
         if entry.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"tensor {name!r} in {entry.file}: expected a float dtype ({', '.join(FLOAT_DTYPES)})"
                                   f", found {entry.dtype}")
+    extra = [n for n in checkpoint.names() if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+             and not (n == "lm_head.weight" and config.tie_word_embeddings)
+             and math.prod(checkpoint.entry(n).shape) > 0  # (empty: a part of size 0, e.g. no shared expert)
+             and not (n.endswith(".shared_expert_gate.weight") and not config.has_shared_expert)]
+    if extra:
+        entry = checkpoint.entry(extra[0])
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(f"tensor {extra[0]!r} in {entry.file}{more} is not part of the model {where} describes "
+                              f"({config.num_layers} layers, {config.num_experts or 'no'} experts): config and weights "
+                              "disagree")

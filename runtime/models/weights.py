@@ -41,6 +41,7 @@ class AttentionWeights:
     q_bias: Tensor | None = None  # [heads * head_dim]
     k_bias: Tensor | None = None  # [kv_heads * head_dim]
     v_bias: Tensor | None = None  # [kv_heads * head_dim]
+    o_bias: Tensor | None = None  # [hidden]
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,8 @@ class WeightLoader:
             refs |= {x: TensorRef(f"{p}.self_attn.{x}_proj.weight") for x in "qkvo"}
             if cfg.qkv_bias:
                 refs |= {f"{x}_bias": TensorRef(f"{p}.self_attn.{x}_proj.bias") for x in "qkv"}
+            if cfg.o_bias:
+                refs["o_bias"] = TensorRef(f"{p}.self_attn.o_proj.bias")
             return refs
         if key.kind == "dense_mlp":
             refs = {"post_norm": TensorRef(f"{p}.post_attention_layernorm.weight")}

@@ -24,6 +24,7 @@ MAX_LINE_BYTES = 16 << 20
 #: what an over-long line keeps of its start (its custom_id, for the error row)
 HEAD_BYTES = 4096
 _PIECE = 1 << 20  # an over-long line is skipped in pieces of this many bytes
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark: skipped at the start of a prompt file
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class InputSource:
                     lineno += 1
                     if digest is not None:
                         digest.update(line)
+                    if lineno == 1 and line.startswith(BOM):  # a UTF-8 byte-order mark (Windows editors) is no text
+                        line = line[len(BOM):]
                     if line.endswith(b"\n") or len(line) <= limit:
                         body = line.removesuffix(b"\n").removesuffix(b"\r")
                         if len(body) <= limit:
