@@ -17,7 +17,7 @@ from specoffload.runtime import Engine, EngineConfig, SamplingParams
 
 
 @pytest.mark.usefixtures("single_thread")
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(drafter=st.sampled_from(["self", "model", "ngram", "suffix", "none"]), block=st.sampled_from([1, 3, 4, 16]),
        lengths=st.lists(st.integers(1, 44), min_size=1, max_size=10), tight=st.booleans(),
        k=st.integers(1, 4), batch=st.integers(1, 4), seed=st.integers(0, 2**16))

@@ -42,7 +42,6 @@ CASES = {
     "resident-none": dict(),
     "resident-model": dict(draft="qwen2_draft", num_draft_tokens=3),
     "resident-suffix": dict(drafter="suffix", num_draft_tokens=3),
-    "offloaded-none": dict(device_memory="1GiB", max_batch_size=2, num_draft_tokens=0, max_seq_len=40),
     "offloaded-model": dict(device_memory="1GiB", max_batch_size=2, draft="qwen2_draft", num_draft_tokens=3,
                             max_seq_len=40),
     "offloaded-self": dict(device_memory="1GiB", max_batch_size=2, drafter="self", num_draft_tokens=3,
