@@ -15,9 +15,10 @@ a time (runtime/turns.py): calls from other threads wait their turn.
 
 from __future__ import annotations
 
+import difflib
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,30 @@ Message = Mapping[str, Any]
 #: vLLM's names of engine options -> EngineConfig's
 _VLLM_OPTIONS = {"max_num_seqs": "max_batch_size", "max_model_len": "max_seq_len",
                  "num_speculative_tokens": "num_draft_tokens", "speculative_model": "draft"}
+#: vLLM options that change nothing on one device: accepted at these values (any value where the tuple is empty)
+_VLLM_NO_OPS: dict[str, tuple[Any, ...]] = {
+    "tensor_parallel_size": (1,), "pipeline_parallel_size": (1,), "data_parallel_size": (1,),
+    "enforce_eager": (), "disable_log_stats": (), "trust_remote_code": (False,), "quantization": (None,),
+    "disable_custom_all_reduce": (), "enable_prefix_caching": (False, None), "task": ("generate", "auto"),
+}
+#: vLLM options whose meaning differs here: refused, with what to use instead
+_VLLM_INSTEAD = {
+    "tensor_parallel_size": "one engine runs on one device; for several, run replicas on a Ray cluster "
+                            "(`specoffload generate --backend ray --replicas N`)",
+    "pipeline_parallel_size": "one engine runs on one device (replicas: --backend ray)",
+    "data_parallel_size": "replicas run on a Ray cluster: `specoffload generate --backend ray --replicas N`",
+    "gpu_memory_utilization": "give the budget itself: device_memory='12GiB' (the weights that do not fit stream)",
+    "trust_remote_code": "this engine runs the model families it implements in its own code, never a "
+                         "checkpoint's code",
+    "quantization": "compress a checkpoint with `specoffload quantize --scheme int8|int4` and load that directory",
+    "enable_prefix_caching": "there is no prefix cache yet",
+    "task": "this engine generates text only",
+    "max_num_batched_tokens": "prefill_chunk caps the prompt tokens one pass feeds",
+    "swap_space": "host_memory bounds the host side (KV cache and the 'ram' weights tier)",
+    "cpu_offload_gb": "device_memory is the budget; everything beyond it streams from host memory or disk",
+}
+#: speculative_config's "method" -> our drafter (a "model" key alone means a draft model)
+_SPEC_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "model", "self": "self"}
 
 
 class LLM:
@@ -46,11 +71,15 @@ class LLM:
     requests whose SamplingParams have none. Other keywords are EngineConfig's (runtime/config.py), or vLLM's
     names for them: max_num_seqs (max_batch_size), max_model_len (max_seq_len), num_speculative_tokens
     (num_draft_tokens), speculative_model (draft); a drafter's option (prompt_lookup_max=4) goes into
-    drafter_options.
+    drafter_options. vLLM's `speculative_config` dict ({"method": "ngram" | "suffix" | "draft_model" | "self",
+    "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", ...}) sets the drafter; settings
+    that change nothing on one device (tensor_parallel_size=1, enforce_eager, ...) are accepted, those that would
+    are refused in one line saying what to use; an unknown keyword names the closest known one.
     """
 
     def __init__(self, model: str | Path, draft: str | Path | None = None, *, device_memory: int | str | None = None,
                  dtype: str = "auto", seed: int | None = None, **options: Any) -> None:
+        draft = _vllm_settings(options, draft)
         for vllm_name, ours in _VLLM_OPTIONS.items():
             if vllm_name in options:
                 value = options.pop(vllm_name)
@@ -66,10 +95,12 @@ class LLM:
         given = {key: options.pop(key) for key in list(options) if key in named}
         if given:
             options["drafter_options"] = {**options.get("drafter_options", {}), **given}
-        try:
-            config = EngineConfig(target=model, draft=draft, device_memory=device_memory, dtype=dtype, **options)
-        except TypeError as err:  # an unknown keyword: say which, in one line
-            raise ConfigError(f"LLM: {err}".replace("EngineConfig.__init__()", "")) from None
+        unknown = [key for key in options if key not in _CONFIG_FIELDS]
+        if unknown:  # one line, with the closest name this engine knows
+            close = difflib.get_close_matches(unknown[0], [*_CONFIG_FIELDS, *_VLLM_OPTIONS, *named], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"LLM: unexpected keyword {unknown[0]!r}{hint}")
+        config = EngineConfig(target=model, draft=draft, device_memory=device_memory, dtype=dtype, **options)
         self.engine = Engine(config)
         self._turn = Turn("LLM")  # one call at a time (runtime/turns.py): other threads wait their turn
         self.seed = seed
@@ -234,6 +265,57 @@ class LLM:
             num_drafted_tokens=sum(r.num_drafted for r in samples),
             num_accepted_tokens=sum(r.num_accepted for r in samples))
         return RequestOutput(request_id, text, list(prompt_ids), outputs, True, metrics)
+
+
+_CONFIG_FIELDS = frozenset(f.name for f in fields(EngineConfig)) - {"target"}
+
+
+def _vllm_settings(options: dict[str, Any], draft: str | Path | None) -> str | Path | None:
+    """Take vLLM's engine settings out of `options` (in place): those that change nothing on one device are
+    dropped, those whose meaning differs refused in one line saying what to use instead, and `speculative_config`
+    ({"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", ...}) turned into
+    the drafter, its options and k. Returns the draft checkpoint (the argument, or speculative_config's model)."""
+    for name, allowed in _VLLM_NO_OPS.items():
+        if name in options and (not allowed or options[name] in allowed):
+            options.pop(name)
+    for name, instead in _VLLM_INSTEAD.items():
+        if name in options:
+            raise ConfigError(f"LLM: {name}={options[name]!r} is not supported here: {instead}")
+    spec = options.pop("speculative_config", None)
+    if spec is None:
+        return draft
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"LLM: speculative_config must be a dict (vLLM's), got {type(spec).__name__}")
+    spec = dict(spec)
+    method = spec.pop("method", None)
+    spec_model = spec.pop("model", None)
+    if method is None:
+        method = "draft_model" if spec_model is not None else None
+    if method not in _SPEC_METHODS:
+        raise ConfigError(f"LLM: speculative_config method {method!r} is not supported here; use one of "
+                          f"{sorted(_SPEC_METHODS)} (a 'model' with no method is a draft model)")
+    drafter = _SPEC_METHODS[method]
+    if drafter == "model":
+        if spec_model is None:
+            raise ConfigError("LLM: speculative_config method 'draft_model' needs its 'model' (a checkpoint directory)")
+        if draft is not None and draft != spec_model:
+            raise ConfigError("LLM: draft and speculative_config's model name the same option: give one of them")
+        draft = spec_model
+    elif spec_model is not None:
+        raise ConfigError(f"LLM: speculative_config method {method!r} takes no 'model'")
+    if "drafter" in options and options["drafter"] != drafter:
+        raise ConfigError(f"LLM: drafter={options['drafter']!r} and speculative_config's method {method!r}: give one")
+    options["drafter"] = drafter
+    if "num_speculative_tokens" in spec:
+        options["num_speculative_tokens"] = spec.pop("num_speculative_tokens")
+    named = option_owners()
+    given = {key: spec.pop(key) for key in list(spec) if key in named}
+    if given:
+        options["drafter_options"] = {**options.get("drafter_options", {}), **given}
+    if spec:
+        raise ConfigError(f"LLM: speculative_config key {next(iter(spec))!r} is not supported here (known: method, "
+                          f"model, num_speculative_tokens, {', '.join(sorted(named))})")
+    return draft
 
 
 def _checked(p: Any) -> SamplingParams:

@@ -137,3 +137,29 @@ def test_paths_expand_home_and_dtype_auto(chat_models, monkeypatch, tmp_path) ->
     assert EngineConfig(target=fp16, dtype="float16").dtype == "float16"
     with pytest.raises(ConfigError, match="dtype"):
         EngineConfig(target=fp16, dtype="float8")
+
+
+def test_vllm_engine_spellings(chat_models, single_thread) -> None:
+    """vLLM's speculative_config sets the drafter (a draft model equals draft=...; ngram takes its lookup options);
+    single-device settings pass, those that would change something are refused in one line with what to use; a
+    misspelt keyword names the closest one."""
+    target, draft = chat_models["llama"], chat_models["qwen2_draft"]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    via_config = LLM(target, speculative_config={"model": str(draft), "num_speculative_tokens": 3},
+                     tensor_parallel_size=1, enforce_eager=True, trust_remote_code=False)
+    assert via_config.config.drafter_name == "model" and via_config.config.num_draft_tokens == 3
+    direct = LLM(target, draft=draft, num_speculative_tokens=3)
+    assert ([o.outputs[0].token_ids for o in via_config.generate(["hello"], params)]
+            == [o.outputs[0].token_ids for o in direct.generate(["hello"], params)])
+    ngram = LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert ngram.config.drafter_name == "ngram" and ngram.config.drafter_options == {"prompt_lookup_max": 4}
+    for kwargs, message in ((dict(speculative_config={"method": "eagle", "model": "x"}), "method 'eagle' is not "
+                                                                                          "supported here"),
+                            (dict(tensor_parallel_size=2), "replicas"),
+                            (dict(gpu_memory_utilization=0.9), "device_memory="),
+                            (dict(speculative_config={"method": "ngram", "foo": 1}), "key 'foo'"),
+                            (dict(max_num_seq=4), "did you mean 'max_num_seqs'"),
+                            (dict(quantization="awq"), "specoffload quantize")):
+        with pytest.raises(ConfigError, match=message) as err:
+            LLM(target, **kwargs)
+        assert "\n" not in str(err.value)
