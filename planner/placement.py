@@ -27,7 +27,7 @@ Nothing here reads files, touches tensors or starts threads; the executor consum
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -478,7 +478,13 @@ def _no_fit_message(
         problems.append(
             f"at least {format_bytes(min_host)} ({min_host} bytes) of host memory (budget {format_bytes(host_memory)})"
         )
-    hint = "lower batch_size, kv_capacity or num_buffers"
-    if policy.weights_tier == "ram":
-        hint += ", or stream the weights from disk (weights_tier='disk')"
+    # the floor: one row, one ring slot, no draft, at the job's KV length; below it only a larger budget helps
+    floor = minimum_device_memory(target, None, replace(policy, batch_size=1, num_batches=1, num_buffers=1))
+    if device_memory < floor:
+        hint = (f"no batch size, ring or draft fits under {format_bytes(floor)} (one row, one buffer, no draft, "
+                f"{policy.kv_capacity} KV positions): raise device_memory to at least {format_bytes(floor)}")
+    else:
+        hint = f"lower batch_size, kv_capacity or num_buffers, or raise device_memory to {format_bytes(min_device)}"
+        if policy.weights_tier == "ram":
+            hint += ", or stream the weights from disk (weights_tier='disk')"
     return f"{pair} does not fit: with {policy.describe()} it needs {' and '.join(problems)}; {hint}."

@@ -219,8 +219,8 @@ def search(profile: HardwareProfile, space: SearchSpace) -> SearchResult:
                                 kv_expected_tokens=policy.kv_expected_tokens,
                                 prefill_chunk=estimate.steady.prefill_chunk if estimate.steady else None))
     if not feasible:
-        reasons = "; ".join(f"batch={b}, k={k}: {why}" for b, k, why in infeasible[:3])
-        raise NoFeasiblePolicyError(f"no (batch, k) fits the memory budgets. First reasons: {reasons}")
+        b, k, why = infeasible[0]  # the smallest: what it needs (and the floor under every batch) says it all
+        raise NoFeasiblePolicyError(f"no (batch, k) fits the memory budgets; the smallest, batch={b}, k={k}: {why}")
     best_at = [max(r[n] for r in rates.values()) for n in range(len(scenarios))]
     feasible = [replace(p, worst_ratio=min(r / b for r, b in zip(rates[(p.batch, p.k, p.interleave)], best_at)),
                         predicted_low=rates[(p.batch, p.k, p.interleave)][0] if space.alpha_range is not None

@@ -486,3 +486,21 @@ def test_expert_groups_size_the_ring_per_group() -> None:
     assert "ring buffers 2 x 1000 B (units of 2 experts)" in [item.name for item in p.items]
     with pytest.raises(PlacementError, match="expert_group"):
         PlacementPolicy(batch_size=1, expert_group=-1)
+
+
+def test_a_budget_too_small_names_the_knob_that_helps() -> None:
+    """Below the floor (one row, one buffer, no draft) only a larger budget helps, and the message says so with the
+    floor; above it, a smaller batch or ring helps, and the message names the budget this policy needs."""
+    from dataclasses import replace
+
+    from tests.conftest import dense_shape
+
+    target = dense_shape("t", layers=4, attention=1000, mlp=50_000, head=20_000, embedding=20_000, kv=64)
+    policy = PlacementPolicy(batch_size=8, num_batches=1, kv_capacity=256, num_buffers=2)
+    floor = minimum_device_memory(target, None, replace(policy, batch_size=1, num_buffers=1))
+    needed = minimum_device_memory(target, None, policy)
+    assert floor < needed
+    with pytest.raises(PlacementError, match=f"raise device_memory to at least {format_bytes(floor)}"):
+        place(target, None, policy, floor - 1, 10**12)
+    with pytest.raises(PlacementError, match=f"lower batch_size, .* or raise device_memory to {format_bytes(needed)}"):
+        place(target, None, policy, floor + 1, 10**12)
