@@ -219,6 +219,9 @@ def search(profile: HardwareProfile, space: SearchSpace) -> SearchResult:
                                 kv_expected_tokens=policy.kv_expected_tokens,
                                 prefill_chunk=estimate.steady.prefill_chunk if estimate.steady else None))
     if not feasible:
+        if not infeasible:
+            raise NoFeasiblePolicyError(f"no (batch, k) to search: batches {space.batches}, k {space.ks}"
+                                        + ("" if space.draft is not None else " (k >= 1 needs a draft)"))
         b, k, why = infeasible[0]  # the smallest: what it needs (and the floor under every batch) says it all
         raise NoFeasiblePolicyError(f"no (batch, k) fits the memory budgets; the smallest, batch={b}, k={k}: {why}")
     best_at = [max(r[n] for r in rates.values()) for n in range(len(scenarios))]

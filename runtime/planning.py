@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specoffload.planner import HardwareProfile, ModelCosts, SearchSpace, Workload, search
 from specoffload.planner.acceptance import Acceptance
 from specoffload.planner.placement import Placement, PlacementPolicy, minimum_device_memory, place
 from specoffload.planner.plan import MAX_AUTO_K, Plan, fixed_plan, planned
-from specoffload.planner.search import DEFAULT_BATCHES
+from specoffload.planner.search import DEFAULT_BATCHES, NoFeasiblePolicyError
 from specoffload.planner.shapes import ModelShape, PartKey
 
 from .config import ConfigError, EngineConfig
@@ -148,12 +148,12 @@ def make_plan(
     batches = DEFAULT_BATCHES if config.max_batch_size == "auto" else (int(config.max_batch_size),)
     if not has_draft:
         ks: tuple[int, ...] = (0,)
-    elif config.num_draft_tokens == "auto":
-        ks = tuple(range(MAX_AUTO_K + 1))
+    elif config.num_draft_tokens == "auto":  # a drafter asked for runs: k >= 1 (only --drafter auto chooses none)
+        ks = tuple(range(1, MAX_AUTO_K + 1))
     else:
         ks = (int(config.num_draft_tokens),)
     auto_k = config.num_draft_tokens == "auto"
-    result = search(profile, SearchSpace(
+    space = SearchSpace(
         models.target, models.draft, workload,
         config.acceptance_prior if alpha is None else alpha,
         int(config.device_memory), config.host_budget,
@@ -166,9 +166,20 @@ def make_plan(
         alpha_range=alpha_range, refill=config.refill,
         kv_block_size=_kv_block_size(config), kv_expected_use=True,
         host_attention=config.host_attention,
-    ))
+    )
+    result = search(profile, space)
     plan = planned(result, max_seq_len, auto_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
+    if has_draft and auto_k:  # the drafter runs as asked; say so when the planner predicts it loses
+        try:
+            plain = search(profile, replace(space, draft=None, ks=(0,), draft_pins=frozenset())).best
+        except NoFeasiblePolicyError:
+            plain = None
+        if plain is not None and plain.predicted_tokens_per_s > result.best.predicted_tokens_per_s:
+            logger.warning("drafter %r runs as asked (k = %d, batch %d: predicted %.3g tokens/s), though the planner "
+                           "predicts %.3g tokens/s without a draft (batch %d; --drafter none, or --drafter auto to let "
+                           "it choose)", config.drafter_name, plan.k, plan.batch, result.best.predicted_tokens_per_s,
+                           plain.predicted_tokens_per_s, plain.batch)
     return plan
 
 

@@ -347,7 +347,7 @@ def test_online_replanning_turns_speculation_off_and_merges_the_batches(tiny_mod
 
     real_search = planning.search
     monkeypatch.setattr(planning, "search", lambda profile, space: real_search(profile, dc_replace(
-        space, ks=(2,), batches=(2,))))
+        space, ks=(2,), batches=(2,)) if space.draft is not None else space))  # (not the no-draft comparison)
     slow_draft = _profile(stream_bytes_per_s=1e12, ffn_flops_per_s=((1, 1e9),), attention_fit=(1e-6, 0.0, 0.0),
                           draft_step_s=((1, 1.0),))
     monkeypatch.setattr(engine_module, "load_or_measure", lambda *a, **kw: slow_draft)

@@ -55,7 +55,8 @@ def test_online_replanning_raises_k_when_every_draft_is_accepted(tiny_models, si
     from specoffload.runtime import planning
 
     real_search = planning.search
-    monkeypatch.setattr(planning, "search", lambda profile, space: real_search(profile, replace(space, ks=(1,))))
+    monkeypatch.setattr(planning, "search", lambda profile, space: real_search(
+        profile, replace(space, ks=(1,)) if space.draft is not None else space))  # (not the no-draft comparison)
     # An io-bound machine (slow stream, fast compute and draft), so that at alpha ~ 1 a longer k is clearly better
     # (tiny models measured on a shared CPU are too noisy to decide this reliably).
     io_bound = HardwareProfile(
