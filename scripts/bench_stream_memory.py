@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts.common import PERF, utc_now, write_json
+from scripts.common import PERF, run_meta, utc_now, write_json
 from scripts.readme_section import write_section
 
 BIN = Path(sys.executable).parent
@@ -123,8 +123,8 @@ def main() -> None:
         "largest_peak_rss_mib_kernel_caches_off": bare["peak_rss"] / 2**20,
         "kernel_caches_off_written": bare["output_rows"] == bare["rows"],
     }
-    record = {"benchmark": "stream_memory", "run_at": utc_now(), "quick": args.quick, "summary": summary,
-              "runs": runs, "kernel_caches_off": bare}
+    record = {"benchmark": "stream_memory", "run_at": utc_now(), **run_meta("float32"), "quick": args.quick,
+              "summary": summary, "runs": runs, "kernel_caches_off": bare}
     write_json(args.out, record)
     print(json.dumps(summary, indent=2))
     if not args.quick:

@@ -47,6 +47,40 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def run_meta(dtype: str) -> dict:
+    """What a benchmark JSON records about its run: machine (CPU model, its AVX / AMX / FMA flags, cores), torch
+    version, dtype, commit (with "+dirty" when the tree has changes), full argv and time."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    import torch
+
+    cpu = {"model": platform.processor() or platform.machine(), "cores": os.cpu_count(), "flags": []}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu["model"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                cpu["flags"] = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+                break
+    except OSError:
+        pass
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no")
+                                                     else "")
+    return {"machine": cpu, "torch": torch.__version__, "dtype": dtype, "commit": commit, "argv": sys.argv,
+            "date": utc_now()}
+
+
 def write_json(path: Path, data: object) -> Path:
     """Write ``data`` as indented JSON with a final newline, creating the folder; returns ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
