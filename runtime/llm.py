@@ -117,9 +117,10 @@ class LLM:
     # ---- generation ---------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (a string, token ids, {"prompt": ...} or {"prompt_token_ids": [...]}, or a list
-        of them); one RequestOutput per prompt, in input order."""
+        of them); one RequestOutput per prompt, in input order. use_tqdm (vLLM's, default on): a progress bar on
+        stderr with the committed tokens per second."""
         with self._turn("generate"):
             items = _prompt_list(prompts)
             return self._run([(text, ids) for text, ids in (self._prompt(i, p) for i, p in enumerate(items))],
@@ -152,7 +153,7 @@ class LLM:
                     del pending[request]
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
              chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Complete one conversation (a list of {"role", "content"} messages) or a list of them, each through the
         target's chat template with the assistant's turn opened; one RequestOutput per conversation."""

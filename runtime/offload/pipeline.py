@@ -154,6 +154,9 @@ class Pipeline:
             while not finished.empty():
                 r = finished.get()
                 done.add(r)
+                if progress:  # the rate of the finished rows' tokens since the start (the bar counts rows)
+                    bar.set_postfix_str(f"{done.generated_tokens / (time.perf_counter() - start):.1f} tok/s",
+                                        refresh=False)
                 yield r
 
         try:
