@@ -87,6 +87,10 @@ class LocalBackend:
         self.bytes_read += getattr(stats, "bytes_read", 0)
         self.passes += getattr(stats, "passes", 0)
 
+    def committed_tokens(self) -> int:
+        """Tokens the engine has committed in this job so far (rows still running included): the live rate."""
+        return self.engine.pipeline.committed_tokens
+
     def report(self) -> None:
         engine = self.engine
         if engine.placement is not None:  # (resident: nothing streamed or re-planned to report)

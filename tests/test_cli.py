@@ -329,6 +329,8 @@ def test_progress_lines_on_a_timer_whatever_the_chunking(tiny_models, tmp_path, 
     lines = [line for line in err.splitlines() if line.startswith("progress: ") and "rows" in line]
     assert len(lines) >= 3, err  # one chunk (256 rows), several lines
     assert "models loaded in" in err and "s loading)" in err
+    before_any_row = [line for line in lines if line.startswith("progress: 0/12 rows")]
+    assert any(" 0.0 tok/s" not in line for line in before_any_row[1:]), lines  # the rate moves before a row is out
     record = json.loads(summary.read_text())
     assert record["load_s"] >= 0 and record["total_s"] >= record["wall_s"] + record["load_s"] - 1e-6
     # per-request metrics, one entry per row: 40 new tokens each (EOS ignored), a first token before the end

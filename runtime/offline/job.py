@@ -153,7 +153,7 @@ def _generate(spec: JobSpec, config: EngineConfig, open_backend: Callable[[Engin
               ) -> tuple[float, dict[str, Any]]:
     """Hand the chunks to the backend and write what comes back in input order; returns (seconds, its summary)."""
     backend = open_backend(config)
-    progress.generating()
+    progress.generating(getattr(backend, "committed_tokens", None))  # (the Ray backends count rows written)
     start = time.perf_counter()
     try:
         order = InOrder(first=resumed.rows // spec.chunk_size)

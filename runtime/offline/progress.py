@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -45,6 +46,7 @@ class Progress:
         self.tally = Tally()
         self.created = self.start = self.last = time.monotonic()
         self.load_s: float | None = None
+        self.live: Callable[[], int] | None = None  # tokens committed so far, rows in flight included (backend)
         tty = self.enabled and self.stream.isatty()
         self.bar = tqdm(total=self.total, initial=self.done_before, unit="row", desc="generate", file=self.stream,
                         disable=not tty, dynamic_ncols=True)
@@ -56,9 +58,11 @@ class Progress:
             self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
             self._ticker.start()
 
-    def generating(self) -> None:
-        """The models are loaded: rates count from now; the time until now is the load time."""
+    def generating(self, live: Callable[[], int] | None = None) -> None:
+        """The models are loaded: rates count from now; the time until now is the load time. live: the backend's
+        tokens committed so far (rows in flight included), so the rate moves before a chunk is written."""
         with self._lock:
+            self.live = live
             self.start = self.last = time.monotonic()
             self.load_s = self.start - self.created
         if self.lines:
@@ -87,7 +91,12 @@ class Progress:
             self._print(f"progress: {self.line()}")
 
     def rate(self) -> float:
-        return self.tally.tokens / max(time.monotonic() - self.start, 1e-9)
+        """Tokens per second since generation started: committed by the engine so far when the backend says
+        (`live`), else those of the rows written."""
+        tokens = self.tally.tokens
+        if self.live is not None:
+            tokens = max(tokens, self.live())
+        return tokens / max(time.monotonic() - self.start, 1e-9)
 
     def _postfix(self) -> str:
         t = self.tally

@@ -103,6 +103,8 @@ class Pipeline:
         #: VERIFY_LOG_PASSES of them (a long job's memory stays flat); the steady-state decode rate of a window of
         #: passes is read off it (scripts/bench_moe.py)
         self.verify_log: deque[tuple[float, int, int, int]] = deque(maxlen=VERIFY_LOG_PASSES)
+        #: tokens committed by the verify passes of the current run so far (live progress: the CLI's rate)
+        self.committed_tokens = 0
         #: seconds the io thread spent in load ops (reading and converting weights into slots), and its value at
         #: the last verify: the loads between two verifies are attributed to the later pass (replan.py)
         self.load_seconds = self.load_mark = 0.0
@@ -126,6 +128,7 @@ class Pipeline:
         self.tracer.clear()
         self.verified = 0
         self.verify_log = deque(maxlen=VERIFY_LOG_PASSES)
+        self.committed_tokens = 0
         self.running = True
         self.last_stats = None
         total = len(requests) if isinstance(requests, Sized) else None
@@ -379,7 +382,9 @@ class Pipeline:
         load_s, self.load_mark = self.load_seconds - self.load_mark, self.load_seconds
         if self.verify_log and decoding:  # the pass's period, and the loads done, since the end of the previous one
             self.replanner.observe_pass(now - self.verify_log[-1][0], k, len(b.rows), load_s)
-        self.verify_log.append((now, b.index, sum(len(r.output) for r in b.rows) - before, len(b.rows)))
+        committed = sum(len(r.output) for r in b.rows) - before
+        self.committed_tokens += committed
+        self.verify_log.append((now, b.index, committed, len(b.rows)))
         drafted = [n for n in ready if b.num_drafts[n] >= 1]
         if drafted:
             self.replanner.record([accepted[n] for n in drafted], [b.num_drafts[n] for n in drafted],
