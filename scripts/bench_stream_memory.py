@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10k and 30k rows only: a smoke run, not a result")
     parser.add_argument("--out", type=Path, default=PERF / "stream_memory.json")
     args = parser.parse_args()
+    meta = run_meta("float32")  # (at the start: the commit the runs ran)
     sizes = (10_000, 30_000) if args.quick else (10_000, 100_000, 1_000_000)
     work = Path(tempfile.mkdtemp(prefix="so-stream-"))
     from scripts.make_tiny_models import make_tiny_models
@@ -123,7 +124,7 @@ def main() -> None:
         "largest_peak_rss_mib_kernel_caches_off": bare["peak_rss"] / 2**20,
         "kernel_caches_off_written": bare["output_rows"] == bare["rows"],
     }
-    record = {"benchmark": "stream_memory", "run_at": utc_now(), **run_meta("float32"), "quick": args.quick,
+    record = {"benchmark": "stream_memory", "run_at": utc_now(), **meta, "quick": args.quick,
               "summary": summary, "runs": runs, "kernel_caches_off": bare}
     write_json(args.out, record)
     print(json.dumps(summary, indent=2))
