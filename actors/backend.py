@@ -8,6 +8,7 @@ from typing import Any
 
 from ray.exceptions import RayError
 
+from specoffload.planner.plan import Plan
 from specoffload.runtime.backends import BackendError, BackendOptions
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.offline.chunks import Chunk, ChunkDone
@@ -20,7 +21,8 @@ class RayBackend:
     """The Ray actor runtime behind the CLI's job: `--replicas` engines, one per node, leasing its chunks
     (replicas.py)."""
 
-    def __init__(self, config: EngineConfig, options: BackendOptions) -> None:
+    def __init__(self, config: EngineConfig, options: BackendOptions, plan: Plan | None = None) -> None:
+        """plan: the job's plan; each replica plans for its own node instead (its profile), so it is unused."""
         if not config.offloaded:
             raise BackendError("--backend ray runs the offloaded engine: give --device-memory")
         if options.trace is not None:

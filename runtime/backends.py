@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specoffload.planner.errors import SpecOffloadError
+from specoffload.planner.plan import Plan
 
 from .config import EngineConfig
 from .offline.chunks import Chunk, ChunkDone
@@ -44,12 +45,12 @@ class BackendOptions:
 class LocalBackend:
     """The engine in this process (offloaded when the config has device_memory, else resident)."""
 
-    def __init__(self, config: EngineConfig, options: BackendOptions) -> None:
+    def __init__(self, config: EngineConfig, options: BackendOptions, plan: Plan | None = None) -> None:
         from .engine import Engine  # heavy import (torch, transformers) only when needed
 
         if options.replicas not in (None, 1):
             raise BackendError("--replicas runs engines on a Ray cluster: add --backend ray")
-        self.engine = Engine(config)
+        self.engine = Engine(config, plan=plan)  # the job's plan (offline/job.py), else the engine's own
         self.options = options
         self.bytes_read = self.passes = 0
         if options.show_placement:

@@ -341,7 +341,7 @@ def _generate(args: argparse.Namespace) -> int:
     options = BackendOptions(progress=not args.no_progress, show_placement=args.show_placement, trace=args.trace,
                              ray_address=args.ray_address, replicas=args.replicas)
     backend = load_backend(args.backend)  # an unknown name fails before any file is touched
-    return run_job(spec, config, lambda job_config: backend(job_config, options))
+    return run_job(spec, config, lambda job_config, plan: backend(job_config, options, plan=plan))
 
 
 def _version() -> str:

@@ -146,6 +146,8 @@ def make_plan(
     if workload is None:
         workload = Workload(num_prompts=256, prompt_len=max_seq_len / 2, new_tokens=max_seq_len - max_seq_len // 2)
     batches = DEFAULT_BATCHES if config.max_batch_size == "auto" else (int(config.max_batch_size),)
+    if config.max_batch_size == "auto":  # never more rows than the job has prompts: no KV placed for absent rows
+        batches = tuple(sorted({min(b, max(1, int(workload.num_prompts))) for b in batches}))
     if not has_draft:
         ks: tuple[int, ...] = (0,)
     elif config.num_draft_tokens == "auto":  # a drafter asked for runs: k >= 1 (only --drafter auto chooses none)

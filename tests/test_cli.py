@@ -362,3 +362,20 @@ def test_device_flag_errors_are_one_line(tiny_models, tmp_path, capsys):
         assert main([*base, "--device", "cuda", "--overwrite"]) == 2
         err = capsys.readouterr().err
         assert "sees no CUDA GPU" in err and "Traceback" not in err
+
+
+def test_plan_and_generate_give_the_same_plan_for_the_same_job(tiny_models, tmp_path, capsys):
+    """`generate` plans a planned job as `plan` does (the warm-up on the job's prompts, then the search over its
+    workload), so the batch and k it runs are the ones `plan` prints; neither is larger than the job."""
+    import re
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": [1, 5 + i, 9, 5 + i]}) + "\n" for i in range(6)))
+    common = ["--model", str(tiny_models["llama"]), "--prompts", str(prompts), "--drafter", "ngram",
+              "--device-memory", "1GiB", "--max-tokens", "8"]
+    assert main(["plan", *common]) == 0
+    planned = re.search(r"--batch-size (\d+) -k (\d+)", capsys.readouterr().out)
+    assert main(["generate", *common, "--ignore-eos", "-o", str(tmp_path / "o.jsonl")]) == 0
+    ran = re.search(r"plan: batch=(\d+), k=(\d+).*re-planned", capsys.readouterr().err)
+    assert planned and ran and planned.groups() == ran.groups()
+    assert int(ran.group(1)) <= 6 and int(ran.group(2)) >= 1  # no larger than the job; the drafter asked for runs

@@ -85,3 +85,27 @@ def test_online_replanning_raises_k_when_every_draft_is_accepted(tiny_models, si
 def test_auto_without_a_budget_is_a_config_error(tiny_models):
     with pytest.raises(ConfigError, match="device_memory"):
         EngineConfig(tiny_models["llama"], num_draft_tokens="auto")
+
+
+def test_a_planned_batch_is_never_larger_than_the_job(tiny_models):
+    """Batch 'auto' searches batches up to the job's prompts only (no KV placed for rows that cannot exist), for
+    every job size; the largest job gets the batches beyond it."""
+    from specoffload.planner import Workload
+    from specoffload.runtime.planning import ModelPair, make_plan
+    from tests.conftest import dense_shape
+
+    target = dense_shape("t", layers=4, attention=10_000, mlp=400_000, head=50_000, embedding=50_000, kv=64)
+    profile = HardwareProfile(
+        provenance={"synthetic": True}, device="cpu", shared_compute=True, weights_tier="disk",
+        stream_bytes_per_s=1e7, ffn_flops_per_s=((1, 1e10), (256, 1e12)), attention_fit=(1e-7, 0.0, 0.0),
+        draft_step_s=((1, 1e-6), (64, 1e-5)),
+    )
+    config = EngineConfig(tiny_models["llama"], device_memory="64MiB", max_seq_len=48, num_draft_tokens=0)
+    models = ModelPair(target, None, model_context=64, dtype_bytes=2, top_k=0)
+    batches = set()
+    for rows in range(1, 21):
+        plan = make_plan(config, models, 48, workload=Workload(num_prompts=rows, prompt_len=8, new_tokens=32),
+                         profile=profile)
+        assert plan.batch <= rows, (rows, plan.batch)
+        batches.add(plan.batch)
+    assert max(batches) > 4  # (the profile makes large batches pay: the cap is what held them)

@@ -22,6 +22,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Protocol
 
+from specoffload.planner.plan import Plan
+
 from ..config import EngineConfig
 from ..models.config import ModelConfig
 from ..planning import resolve_max_seq_len
@@ -41,6 +43,7 @@ from .unique import check_unique_ids
 
 #: failed rows reported one line each on stderr; the rest are counted (every one is an error row in the output)
 MAX_ERROR_LINES = 20
+PLAN_SAMPLE = 256  # a planned job is planned on its first this many prompts (`_job_plan`)
 
 
 class JobBackend(Protocol):
@@ -66,8 +69,10 @@ class JobSpec:
     choose_drafter: bool = False  # --drafter auto: measure the drafters on the job's prompts first (`_auto_drafter`)
 
 
-def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineConfig], JobBackend]) -> int:
-    """Run the job (see the module docstring); returns the exit status."""
+def run_job(spec: JobSpec, config: EngineConfig,
+            open_backend: Callable[[EngineConfig, Plan | None], JobBackend]) -> int:
+    """Run the job (see the module docstring); returns the exit status. open_backend(config, plan): the backend,
+    given the plan made for this job (None: the engine plans for itself)."""
     if spec.chunk_size < 1:
         raise ValueError(f"--chunk-size must be >= 1, got {spec.chunk_size}")
     if spec.output is None and spec.resume:
@@ -78,6 +83,8 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
         config, preparer, sha, total = _scan(spec, config, fmt)
         if spec.choose_drafter:
             config = _auto_drafter(spec, config, fmt, preparer)
+        loading = time.monotonic()  # (planning is part of loading the job)
+        plan = _job_plan(spec, config, fmt, preparer) if config.planned else None
         out.start(_manifest(spec, config, fmt, sha, total, preparer.limits))
         resumed = out.resume(fmt, (fmt.parse(raw) for raw in spec.source.rows()), total, spec.chunk_size)
         _say_resumed(spec, resumed, total)
@@ -86,9 +93,10 @@ def run_job(spec: JobSpec, config: EngineConfig, open_backend: Callable[[EngineC
             return 0
         writer = _Writer(spec, fmt, out, preparer, model_name=Path(config.target).name)
         progress = Progress(total, resumed.rows, spec.progress, spec.progress_interval)
+        progress.created = loading
         rows = (preparer(fmt.parse(raw)) for raw in spec.source.rows(start=resumed.rows))
-        wall, details = _generate(spec, config, open_backend, chunked(rows, spec.chunk_size), resumed, writer,
-                                  progress)
+        wall, details = _generate(spec, config, lambda c: open_backend(c, plan), chunked(rows, spec.chunk_size),
+                                  resumed, writer, progress)
         failed = resumed.failed + progress.tally.failed
         if failed:
             where = spec.output or "the output"
@@ -123,6 +131,31 @@ def _scan(spec: JobSpec, config: EngineConfig, fmt: Format) -> tuple[EngineConfi
     if config.max_seq_len is not None:
         limits = replace(limits, max_seq_len=min(config.max_seq_len, limits.context))
     return config, Preparer(tokenizer, limits, spec.params, spec.chunk_size), sha, total
+
+
+def _job_plan(spec: JobSpec, config: EngineConfig, fmt: Format, preparer: Preparer) -> Plan:
+    """The plan for this job, made as `specoffload plan` makes it (runtime/warmup.py `plan_job`: a warm-up of the
+    drafter on the job's prompts, then the search over the job's workload), from its first PLAN_SAMPLE rows: the
+    batch is then never larger than the job and the plan is the one `plan` prints for the same prompts."""
+    from ..engine import Engine
+    from ..models.model import Transformer
+    from ..offload.profiler import load_or_measure
+    from ..planning import ModelPair
+    from ..warmup import plan_job
+
+    say = (lambda m: print(m, file=sys.stderr)) if spec.progress else (lambda m: None)  # noqa: E731
+    prompts = []
+    for raw in spec.source.rows():
+        if isinstance(job := preparer(fmt.parse(raw)), RowJob):
+            prompts.append(list(job.token_ids))
+            if len(prompts) == PLAN_SAMPLE:
+                break
+    profile = load_or_measure(config, log=say, open_engine=Engine)
+    models = ModelPair.for_config(config, Transformer(config.target, dtype=config.torch_dtype), shares_kv=True)
+    assert config.max_seq_len is not None  # (offloaded: sized to the job by _scan)
+    planned = plan_job(config, models, prompts, spec.params, config.max_seq_len, profile=profile).plan
+    say(f"plan: {planned.describe()}, for this job's {len(prompts)} first prompts")
+    return planned
 
 
 def _auto_drafter(spec: JobSpec, config: EngineConfig, fmt: Format, preparer: Preparer) -> EngineConfig:
