@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from specoffload.planner import AcceptanceEstimate, HardwareProfile, Workload
@@ -165,14 +165,19 @@ class JobPlan:
 
 
 def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence[int]], params: SamplingParams,
-             max_seq_len: int, profile: HardwareProfile | None = None) -> JobPlan:
+             max_seq_len: int, profile: HardwareProfile | None = None,
+             log: Callable[[str], None] | None = None) -> JobPlan:
     """Warm-up (when a drafter may be used and the plan is the planner's), then the search over the job's workload
     with the warm-up's plausible acceptance range: the plan `Engine(config, plan=...)` runs. Without a drafter, a
-    paged target KV (placed by expected use) gets a no-draft warm-up for the mean output length."""
+    paged target KV (placed by expected use) gets a no-draft warm-up for the mean output length. log: a line per
+    warm-up, before it runs."""
+    say = log or (lambda _: None)
     workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
     warmup = None
     # a model-free drafter: its acceptance replayed on a no-draft warm-up's outputs (runtime/drafter_replay.py)
     if config.planned and config.drafter_class.model_free and config.num_draft_tokens != 0:
+        say(f"warm-up: no-draft outputs of {min(len(prompts), WARMUP_PROMPTS)} prompts, to replay "
+            f"{config.drafter_name!r} on")
         rows, mean_new = warmup_outputs(config, prompts, params)
         workload = replace(workload, mean_new_tokens=min(workload.new_tokens, mean_new))
         k = max(MAX_AUTO_K, config.num_draft_tokens if isinstance(config.num_draft_tokens, int) else 0)
@@ -181,12 +186,14 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
         return JobPlan(plan, workload, None, ragged)
     if config.planned and models.draft is not None and config.num_draft_tokens != 0:
         profile = profile or load_or_measure(config, open_engine=Engine)
+        say(f"warm-up: the draft's acceptance on {min(len(prompts), WARMUP_PROMPTS)} prompts")
         warmup = measure_acceptance(config, prompts, params, profile=profile)
         if warmup.stream_rate is not None:  # the disk's rate now (it drifts: runtime/offload/replan.py)
             profile = profile.scaled_io(warmup.stream_rate / profile.stream_bytes_per_s)
         if warmup.mean_new_tokens is not None:  # rows stopping at EOS: the steady state's row length
             workload = replace(workload, mean_new_tokens=min(workload.new_tokens, warmup.mean_new_tokens))
     elif config.planned and config.offloaded and config.kv_block_size:  # a paged KV is placed by expected use
+        say(f"warm-up: output lengths of {min(len(prompts), WARMUP_PROMPTS)} prompts (the paged KV's size)")
         _, mean_new = warmup_outputs(config, prompts, params)
         workload = replace(workload, mean_new_tokens=min(workload.new_tokens, mean_new))
     plan = make_plan(config, models, max_seq_len, workload=workload, profile=profile,

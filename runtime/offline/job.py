@@ -153,7 +153,7 @@ def _job_plan(spec: JobSpec, config: EngineConfig, fmt: Format, preparer: Prepar
     profile = load_or_measure(config, log=say, open_engine=Engine)
     models = ModelPair.for_config(config, Transformer(config.target, dtype=config.torch_dtype), shares_kv=True)
     assert config.max_seq_len is not None  # (offloaded: sized to the job by _scan)
-    planned = plan_job(config, models, prompts, spec.params, config.max_seq_len, profile=profile).plan
+    planned = plan_job(config, models, prompts, spec.params, config.max_seq_len, profile=profile, log=say).plan
     say(f"plan: {planned.describe()}, for this job's {len(prompts)} first prompts")
     return planned
 
