@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -384,7 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_plan(sub)
     quantize.add_parser(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's message, with the closest flag this command knows (vLLM's spellings included)
+        known = list(sub.choices[args.command]._option_string_actions)
+        flag = next((u.split("=", 1)[0] for u in unknown if u.startswith("--")), "")
+        close = difflib.get_close_matches(flag, known, n=1) if flag else []
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
         if args.command == "quantize":
             return quantize.run(args, lambda m: print(m, file=sys.stderr))

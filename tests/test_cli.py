@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specoffload.runtime.cli import main
 
 
@@ -379,3 +381,12 @@ def test_plan_and_generate_give_the_same_plan_for_the_same_job(tiny_models, tmp_
     ran = re.search(r"plan: batch=(\d+), k=(\d+).*re-planned", capsys.readouterr().err)
     assert planned and ran and planned.groups() == ran.groups()
     assert int(ran.group(1)) <= 6 and int(ran.group(2)) >= 1  # no larger than the job; the drafter asked for runs
+
+
+def test_a_misspelt_flag_names_the_closest_one(tiny_models, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(tiny_models["llama"]), "--prompts", str(tmp_path / "p.jsonl"),
+              "--num-speculative-token", "2"])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments: --num-speculative-token 2 (did you mean --num-speculative-tokens?)" in \
+        capsys.readouterr().err
