@@ -163,3 +163,25 @@ def test_vllm_engine_spellings(chat_models, single_thread) -> None:
         with pytest.raises(ConfigError, match=message) as err:
             LLM(target, **kwargs)
         assert "\n" not in str(err.value)
+
+
+def test_default_sampling_params_follow_the_models_generation_config(chat_models, tmp_path) -> None:
+    """As vLLM: a call without sampling_params runs the target's generation_config.json values over vLLM's
+    defaults (temperature 1.0, 16 tokens); do_sample false is greedy."""
+    import json
+
+    model = shutil.copytree(chat_models["llama"], tmp_path / "m")
+    llm = LLM(model)
+    plain = llm.get_default_sampling_params()
+    assert plain.temperature == 1.0 and plain.max_tokens == 16
+    assert len(llm.generate(["hello"])[0].outputs[0].token_ids) <= 16
+    (model / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+         "repetition_penalty": 1.05, "max_new_tokens": 40}))
+    tuned = llm.get_default_sampling_params()
+    assert (tuned.temperature, tuned.top_p, tuned.top_k, tuned.repetition_penalty, tuned.max_tokens) == \
+        (0.7, 0.8, 20, 1.05, 40)
+    (model / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
+    assert llm.get_default_sampling_params().greedy
+    (model / "generation_config.json").write_text(json.dumps({"temperature": -3}))  # out of range: vLLM's defaults
+    assert llm.get_default_sampling_params().temperature == 1.0
