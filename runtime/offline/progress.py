@@ -70,8 +70,9 @@ class Progress:
 
     def _tick(self) -> None:
         while not self._stop.wait(self.interval):
-            with self._lock:
-                line = self.line()
+            with self._lock:  # before generation starts, the phase (not a rate of 0 tokens/s)
+                line = self.line() if self.load_s is not None else \
+                    f"loading models ({time.monotonic() - self.created:.0f} s)"
             self._print(f"progress: {line}")
 
     def _print(self, text: str) -> None:
