@@ -77,6 +77,8 @@ def run_job(spec: JobSpec, config: EngineConfig,
         raise ValueError(f"--chunk-size must be >= 1, got {spec.chunk_size}")
     if spec.output is None and spec.resume:
         raise ValueError("--resume needs --output (rows on stdout cannot be resumed)")
+    if spec.progress:  # the first phase: reading the input (a pass over it) and the model's config and tokenizer
+        print(f"progress: reading {spec.source.name} and {Path(config.target).name}", file=sys.stderr, flush=True)
     fmt = input_format(spec.source, spec.input_format)
     out = OutputFile(spec.output, resume=spec.resume, overwrite=spec.overwrite) if spec.output else StdoutOutput()
     with closing(out):
