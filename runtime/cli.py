@@ -338,7 +338,7 @@ def _generate(args: argparse.Namespace) -> int:
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,
                    overwrite=args.overwrite, chunk_size=args.chunk_size, params=params, progress=not args.no_progress,
                    progress_interval=args.progress_interval, summary=args.summary,
-                   choose_drafter=args.drafter == "auto")
+                   choose_drafter=args.drafter == "auto", plan_here=args.backend == "local")
     options = BackendOptions(progress=not args.no_progress, show_placement=args.show_placement, trace=args.trace,
                              ray_address=args.ray_address, replicas=args.replicas)
     backend = load_backend(args.backend)  # an unknown name fails before any file is touched

@@ -67,6 +67,9 @@ class JobSpec:
     window: int = 8  # chunks handed out ahead of the oldest unwritten one, per worker
     summary: Path | None = None  # where to write the final summary as JSON
     choose_drafter: bool = False  # --drafter auto: measure the drafters on the job's prompts first (`_auto_drafter`)
+    # a planned config is planned for the job here (`_job_plan`) and the backend runs that plan; False: the backend
+    # plans itself (remote replicas measure and plan on their own nodes, not on the driver)
+    plan_here: bool = True
 
 
 def run_job(spec: JobSpec, config: EngineConfig,
@@ -86,7 +89,7 @@ def run_job(spec: JobSpec, config: EngineConfig,
         if spec.choose_drafter:
             config = _auto_drafter(spec, config, fmt, preparer)
         loading = time.monotonic()  # (planning is part of loading the job)
-        plan = _job_plan(spec, config, fmt, preparer) if config.planned else None
+        plan = _job_plan(spec, config, fmt, preparer) if config.planned and spec.plan_here else None
         out.start(_manifest(spec, config, fmt, sha, total, preparer.limits))
         resumed = out.resume(fmt, (fmt.parse(raw) for raw in spec.source.rows()), total, spec.chunk_size)
         _say_resumed(spec, resumed, total)
