@@ -175,7 +175,7 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
         models = ModelPair.for_config(cfg, target, shares_kv=True)
         try:
             plan = make_plan(cfg, models, max_seq_len, workload=workload, alpha=acceptance, profile=prof,
-                             alpha_range=alpha_range)
+                             alpha_range=alpha_range, compare_no_draft=False)  # ("none" is a candidate)
         except SpecOffloadError as exc:  # nothing of its search fits (a draft model's memory, typically)
             if name == "none":
                 raise

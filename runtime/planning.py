@@ -125,6 +125,7 @@ def make_plan(
     alpha: Acceptance | None = None,
     profile: HardwareProfile | None = None,
     alpha_range: tuple[float, float] | None = None,
+    compare_no_draft: bool = True,
 ) -> Plan:
     """The plan for `config`: fixed when the user chose batch and k (or nothing streams), else the planner's best
     (batch, k) for `workload` (default: many prompts of max_seq_len / 2 tokens, as many new tokens) at acceptance
@@ -132,7 +133,9 @@ def make_plan(
     then: the caller measures it, runtime/offload/profiler.py `load_or_measure`); with `alpha_range` (a warm-up's
     plausible acceptance, runtime/warmup.py) the maximin pick over it. The search prices the config's `refill` (the
     steady state of refilled batches, or waves) and the plan carries it, with the per-pass prompt token budget the
-    planner chose (`Plan.prefill_chunk`; a fixed plan has none)."""
+    planner chose (`Plan.prefill_chunk`; a fixed plan has none). compare_no_draft: with a drafter asked for, say in
+    one line when the planner predicts no draft to be faster (off where the caller weighs no draft itself: --drafter
+    auto's candidates, runtime/drafter_choice.py)."""
     has_draft = models.draft is not None
     if not config.planned:
         k = int(config.num_draft_tokens) if has_draft else 0
@@ -172,7 +175,7 @@ def make_plan(
     result = search(profile, space)
     plan = planned(result, max_seq_len, auto_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
-    if has_draft and auto_k:  # the drafter runs as asked; say so when the planner predicts it loses
+    if has_draft and auto_k and compare_no_draft:  # the drafter runs as asked; say so when it is predicted to lose
         try:
             plain = search(profile, replace(space, draft=None, ks=(0,), draft_pins=frozenset())).best
         except NoFeasiblePolicyError:
