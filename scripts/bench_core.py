@@ -23,36 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from scripts.common import PERF, ROOT, median_spread, utc_now, write_json
+from scripts.common import PERF, ROOT, machine, median_spread, utc_now, write_json
 
 
 def _commit(path: Path) -> str:
     return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
-
-
-def _cpu() -> dict:
-    info = {"model": platform.processor() or platform.machine(), "cores": os.cpu_count(), "flags": []}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        if line.startswith("model name"):
-            info["model"] = line.split(":", 1)[1].strip()
-        if line.startswith("flags"):
-            flags = line.split(":", 1)[1].split()
-            info["flags"] = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
-            break
-    return info
 
 
 def _child(tree: Path, module: str, argv: list[str], out: str) -> dict:
@@ -126,7 +108,7 @@ def main() -> int:
     import torch
 
     path = write_json(PERF / f"{args.out}.json", {
-        "date": utc_now(), "argv": sys.argv, "machine": _cpu(), "torch": torch.__version__, "dtype": "bfloat16",
+        "date": utc_now(), "argv": sys.argv, "machine": machine(), "torch": torch.__version__, "dtype": "bfloat16",
         "commits": {arm: _commit(tree) for arm, tree in trees.items()}, "drafters_argv": drafters_argv,
         "refill_argv": refill_argv, "summary": summary, "rows": rows})
     print(f"wrote {path}")

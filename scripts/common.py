@@ -47,15 +47,10 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def run_meta(dtype: str) -> dict:
-    """What a benchmark JSON records about its run: machine (CPU model, its AVX / AMX / FMA flags, cores), torch
-    version, dtype, commit (with "+dirty" when the tree has changes), full argv and time."""
+def machine() -> dict:
+    """This machine for a benchmark's JSON: CPU model, its AVX / AMX / FMA / F16C flags, cores."""
     import os
     import platform
-    import subprocess
-    import sys
-
-    import torch
 
     cpu = {"model": platform.processor() or platform.machine(), "cores": os.cpu_count(), "flags": []}
     try:
@@ -67,6 +62,17 @@ def run_meta(dtype: str) -> dict:
                 break
     except OSError:
         pass
+    return cpu
+
+
+def run_meta(dtype: str) -> dict:
+    """What a benchmark JSON records about its run: `machine()`, torch version, dtype, commit (with "+dirty" when
+    the tree has changes), full argv and time."""
+    import subprocess
+    import sys
+
+    import torch
+
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
@@ -77,7 +83,7 @@ def run_meta(dtype: str) -> dict:
 
     commit = git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no")
                                                      else "")
-    return {"machine": cpu, "torch": torch.__version__, "dtype": dtype, "commit": commit, "argv": sys.argv,
+    return {"machine": machine(), "torch": torch.__version__, "dtype": dtype, "commit": commit, "argv": sys.argv,
             "date": utc_now()}
 
 
