@@ -337,9 +337,8 @@ def _vllm_settings(options: dict[str, Any], draft: str | Path | None) -> str | P
     if "num_speculative_tokens" in spec:
         options["num_speculative_tokens"] = spec.pop("num_speculative_tokens")
     named = option_owners()
-    given = {key: spec.pop(key) for key in list(spec) if key in named}
-    if given:
-        options["drafter_options"] = {**options.get("drafter_options", {}), **given}
+    for key in [key for key in spec if key in named]:  # a drafter's option: a keyword, as LLM(prompt_lookup_max=4)
+        options.setdefault(key, spec.pop(key))  # (a keyword given beside it wins, as over drafter_options)
     if spec:
         raise ConfigError(f"LLM: speculative_config key {next(iter(spec))!r} is not supported here (known: method, "
                           f"model, num_speculative_tokens, {', '.join(sorted(named))})")
