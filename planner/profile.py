@@ -166,6 +166,23 @@ class HardwareProfile:
                        decompress_bytes_per_s=(None if self.decompress_bytes_per_s is None
                                                else self.decompress_bytes_per_s * factor))
 
+    def scaled_compute(self, factor: float) -> HardwareProfile:
+        """This profile with every compute cost times `factor` (every rate divided by it, every time and overhead
+        multiplied): what a job's measured passes over the predicted ones say when the profile is off
+        (runtime/offload/replan.py `Replanner.check_profile`)."""
+        _positive("compute scale factor", factor)
+
+        def rates(points: tuple[tuple[int, float], ...] | None) -> tuple[tuple[int, float], ...] | None:
+            return None if points is None else tuple((r, v / factor) for r, v in points)
+
+        return replace(self, ffn_flops_per_s=rates(self.ffn_flops_per_s),
+                       resident_ffn_flops_per_s=rates(self.resident_ffn_flops_per_s),
+                       head_flops_per_s=None if self.head_flops_per_s is None else self.head_flops_per_s / factor,
+                       attention_fit=tuple(c * factor for c in self.attention_fit),
+                       draft_step_s=tuple((r, s * factor) for r, s in self.draft_step_s),
+                       pass_overhead_s=self.pass_overhead_s * factor,
+                       position_overhead_s=self.position_overhead_s * factor)
+
     def overhead_seconds(self, positions: int) -> float:
         """Per target pass outside the modelled ops: pass_overhead_s + position_overhead_s * positions verified."""
         return self.pass_overhead_s + self.position_overhead_s * positions

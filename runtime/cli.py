@@ -194,6 +194,61 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--quick-profile", action="store_true", help="fewer measurement points")
 
 
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure this machine's hardware profile for a model ahead of a job (cached, "
+                       "shared by every drafter; a drafter's own step is timed on top)", allow_abbrev=False,
+                       formatter_class=_HelpFormatter)
+    m = p.add_argument_group("model")
+    _add_model_flags(m)
+    o = p.add_argument_group("memory")
+    o.add_argument("--device-memory", required=True, help="the jobs' memory budget, e.g. 2GiB (the calibration "
+                   "passes stream under it)")
+    o.add_argument("--host-memory", default=None)
+    o.add_argument("--weights-tier", default="disk", choices=["disk", "ram"])
+    _add_drafter_options(p)
+    d = p.add_argument_group("measuring")
+    d.add_argument("--force", action="store_true", help="measure again even if a usable profile is cached")
+    d.add_argument("--quick", action="store_true", help="fewer measurement points and repetitions (a test's)")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """`specoffload profile`: the cached profile (measured first when there is none usable, or with --force), its
+    rates and the conditions it was measured in, on stdout."""
+    import time
+
+    from .engine import Engine
+    from .offload import profiler
+
+    config = EngineConfig(target=args.target, draft=args.draft, drafter=args.drafter, dtype=args.dtype,
+                          device=args.device, device_memory=args.device_memory, host_memory=args.host_memory,
+                          weights_tier=args.weights_tier, drafter_options=drafter_options(args))
+    path = profiler.profile_path(config)
+    if args.force:
+        profiler.mark_stale(config, "asked to measure again (--force)")
+    start = time.monotonic()
+    profile = profiler.load_or_measure(config, open_engine=Engine, quick=args.quick,
+                                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    conditions = profile.provenance.get("conditions") or {}
+    gemm = ", ".join(f"{rows}: {rate / 1e9:.1f}" for rows, rate in profile.ffn_flops_per_s)
+    steps = ", ".join(f"{rows}: {s * 1e3:.2f}" for rows, s in profile.draft_step_s)
+    others, spread = conditions.get("others_cores"), conditions.get("spread")
+    print(f"hardware profile of {Path(args.target).name} ({profile.provenance.get('dtype')}, "
+          f"{profile.weights_tier} tier, {profile.provenance.get('format')}): {path}")
+    print(f"  measured {profile.provenance.get('date')}; this call took {time.monotonic() - start:.1f} s")
+    print(f"  stream into slots   {profile.stream_bytes_per_s / 1e9:.2f} GB/s")
+    print(f"  FFN GEMM (rows: GFLOP/s)   {gemm}")
+    print(f"  attention           {profile.attention_fit[0] * 1e6:.0f} us + {profile.attention_fit[1] * 1e6:.2f} us "
+          f"x tokens + {profile.attention_fit[2] * 1e9:.3f} ns x tokens x attended, per layer")
+    print(f"  overheads           {profile.pass_overhead_s * 1e3:.2f} ms per pass + "
+          f"{profile.position_overhead_s * 1e6:.1f} us per position")
+    print(f"  draft step of {config.drafter_name!r} (rows: ms)   {steps}")
+    print("  conditions          " + (f"other processes {others:.2f} cores" if others is not None else
+                                      "others' load unknown") +
+          (f", largest spread {spread:.0%} ({conditions.get('spread_of')})" if spread is not None else "") +
+          (f"; DISTURBED: {conditions['disturbed']}" if conditions.get("disturbed") else ""))
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from specoffload.planner import Workload
     from specoffload.planner.units import format_bytes
@@ -384,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_plan(sub)
+    _add_profile(sub)
     quantize.add_parser(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse's message, with the closest flag this command knows (vLLM's spellings included)
@@ -399,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "profile":
+            return _profile(args)
     except (SpecOffloadError, PromptFileError, ValueError, FileNotFoundError, OSError) as e:
         print(f"specoffload: error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ loader's stream rate price every candidate alike.
 
 Planning. Every candidate is searched over the same batches and k (k = 0 included: a drafter that does not pay is
 planned as no draft) with its own placement (a draft model's weights and KV take memory, a model-free drafter's
-none) and its own draft cost (a draft model's measured step, `measure_draft_steps`; a model-free drafter's
+none) and its own draft cost (a draft model's measured step, profiler.py `drafter_steps`; a model-free drafter's
 proposal microseconds). The choice is the best predicted tokens/s (ties: the earlier candidate, none first); a
 winner planned at k = 0 is "none".
 """
@@ -36,7 +36,7 @@ from .config import ConfigError, EngineConfig
 from .drafter_replay import replay_acceptance
 from .models.model import Transformer
 from .offload.drafters import DRAFTERS
-from .offload.profiler import measure_draft_steps
+from .offload.profiler import drafter_steps
 from .planning import ModelPair, make_plan
 from .sampling import SamplingParams
 from .warmup import Warmup, measure_acceptance, warmup_outputs
@@ -139,13 +139,11 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
             configs[name] = candidate_config(config, name)
         except ConfigError as exc:
             skipped.append((name, str(exc)))
-    base_key = config.drafter_class.profile_key(config)
     profiles: dict[str, HardwareProfile] = {}
     warmups: dict[str, Warmup] = {}
     for name, cfg in configs.items():
         cls = cfg.drafter_class
-        needs_step = cls.proposes and not cls.model_free and cls.profile_key(cfg) != base_key
-        profiles[name] = replace(profile, draft_step_s=measure_draft_steps(cfg, quick)) if needs_step else profile
+        profiles[name] = replace(profile, draft_step_s=drafter_steps(cfg, quick))  # (cached beside the profile)
         if cls.proposes and not cls.model_free:
             try:
                 warmups[name] = measure_acceptance(cfg, prompts, params, profile=profiles[name])

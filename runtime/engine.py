@@ -36,7 +36,7 @@ from .config import ConfigError, EngineConfig
 from .models.linear import bound_kernel_caches
 from .models.model import Transformer
 from .offload.pipeline import Pipeline, Recovery
-from .offload.profiler import load_or_measure
+from .offload.profiler import load_or_measure, mark_stale
 from .offload.replan import Replanner
 from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
 from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
@@ -105,6 +105,7 @@ class Engine:
         self.plan = plan
         self.tracer = Tracer(enabled=config.trace)
         self._turn = Turn("Engine")
+        self._profile_marked = False
         self.last_stats: GenerateStats | None = None
         self.placement: Placement | None = None
         self.workers: Workers | None = None
@@ -182,6 +183,7 @@ class Engine:
             self.replanner.prompt_len = sum(len(r.prompt) for r in requests) / len(requests)
             with torch.inference_mode():
                 self.last_stats = self.pipeline.run(requests, progress=progress)
+            self._check_profile()
             return [self._result(r) for r in requests]
 
     def generate_iter(
@@ -228,6 +230,15 @@ class Engine:
                     break
                 yield self._result(r)
             self.last_stats = self.pipeline.last_stats
+            self._check_profile()
+
+    def _check_profile(self) -> None:
+        """A profile this run's passes found off (offload/replan.py `check_profile`) is measured again before the
+        next engine uses it (offload/profiler.py `mark_stale`)."""
+        off = self.replanner.profile_off
+        if off is not None and not self._profile_marked:
+            self._profile_marked = True
+            mark_stale(self.config, f"a job's decode passes took {off:.2f}x the predicted time")
 
     def _request(self, index: int, ids: list[int], p: SamplingParams, key: int | str) -> Request:
         if not isinstance(p, SamplingParams):  # (a SamplingParams checked its ranges when it was made)

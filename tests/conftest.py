@@ -56,13 +56,15 @@ def single_thread() -> Iterator[None]:
 
 @pytest.fixture(autouse=True, scope="session")
 def _profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Offloaded engines plan by default and cache measured hardware profiles: keep them out of ~/.cache."""
+    """Offloaded engines plan by default and cache measured hardware profiles: keep them out of ~/.cache. Other
+    processes' load does not make a test's profile disturbed (a test that checks that sets its own limit)."""
     from specoffload.runtime.offload import profiler
 
-    old = profiler.PROFILE_DIR
+    old = profiler.PROFILE_DIR, profiler.OTHERS_LIMIT
     profiler.PROFILE_DIR = tmp_path_factory.mktemp("profiles")
+    profiler.OTHERS_LIMIT = float("inf")
     yield
-    profiler.PROFILE_DIR = old
+    profiler.PROFILE_DIR, profiler.OTHERS_LIMIT = old
 
 
 @pytest.fixture(autouse=True, scope="session")

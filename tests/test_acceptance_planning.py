@@ -258,6 +258,44 @@ def test_replan_turns_speculation_off_and_merges_rows() -> None:
 
 
 
+def test_a_profile_off_by_more_than_the_margin_is_corrected_and_said(caplog) -> None:
+    """Passes slower (or faster) than the profile predicts by more than PROFILE_MARGIN, their loader at the profile's
+    rate (so the io cannot explain them): one warning, the compute costs scaled until the prediction matches, `profile_off` set; passes
+    within the margin change nothing."""
+    from specoffload.planner import estimate_step
+    from specoffload.planner.plan import fixed_plan
+    from specoffload.runtime.offload.replan import CHECK_PASSES, PROFILE_MARGIN, Replanner
+
+    policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
+    placement = place(TARGET, DRAFT, policy, 4200, GiB)
+    costs = ModelCosts.from_shapes(TARGET, DRAFT)
+    space = SearchSpace(TARGET, DRAFT, WORKLOAD, alpha=0.9, device_memory=4200, host_memory=GiB, batches=(2,),
+                        ks=(2,), unified_memory=False)
+    compute_bound = dc_replace(PROFILE, stream_bytes_per_s=1e9)
+    plan = dc_replace(fixed_plan(2, 2, 48), policy=search(compute_bound, space).best)
+    model = estimate_step(compute_bound, costs, placement, 2, 2, 0.0, 24, interleave=plan.interleave)
+    assert model.bound != "io"
+    for factor, off in ((1.1, False), (1 / 1.1, False), (2.0, True), (0.4, True)):
+        replanner = Replanner(plan, interval=1, profile=compute_bound, costs=costs, placement=placement)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="specoffload.offload"):
+            for _ in range(CHECK_PASSES):
+                replanner.observe_pass(factor * model.t_step, 2, 2, model.t_io)
+        assert replanner.checked
+        warned = [r for r in caplog.records if "hardware profile predicts" in r.getMessage()]
+        if not off:
+            assert not warned and replanner.profile_off is None and replanner.compute_scale == 1.0
+            continue
+        assert len(warned) == 1 and replanner.profile_off == pytest.approx(factor, rel=1e-6)
+        assert abs(math.log(replanner.profile_off)) > math.log(PROFILE_MARGIN)
+        corrected = replanner.calibrated_profile()
+        assert estimate_step(corrected, costs, placement, 2, 2, 0.0, 24, interleave=plan.interleave).t_step == \
+            pytest.approx(factor * model.t_step, rel=1e-3)
+        for _ in range(CHECK_PASSES):  # checked once per run: no second line
+            replanner.observe_pass(factor * model.t_step, 2, 2, model.t_io)
+        assert len([r for r in caplog.records if "hardware profile predicts" in r.getMessage()]) == 1
+
+
 def test_online_stream_rate_from_the_jobs_own_passes() -> None:
     """A pass that takes longer than everything but its io waited on the io: the rate it delivered is its bytes /
     its period, and the re-plan is made at that rate; a pass no slower than its compute says nothing."""
@@ -383,8 +421,8 @@ def test_calibration_fit_on_literal_points() -> None:
 
 
 def test_calibrated_profile_reproduces_the_measured_passes(tiny_models, single_thread, tmp_path, monkeypatch):
-    """Calibration on tiny models: passes with and without drafts are timed, the overheads are >= 0, and the
-    profile keeps the points through JSON."""
+    """Calibration on tiny models: no-draft passes at several row counts are timed (the profile is the model's,
+    whatever the drafter), the overheads are >= 0, and the profile keeps the points through JSON."""
     from specoffload.planner import HardwareProfile
     from specoffload.runtime.config import EngineConfig
     from specoffload.runtime.engine import Engine
@@ -395,7 +433,8 @@ def test_calibrated_profile_reproduces_the_measured_passes(tiny_models, single_t
     profile = profiler.load_or_measure(config, quick=True, open_engine=Engine)
     assert profile.pass_overhead_s >= 0 and profile.position_overhead_s >= 0
     points = profile.calibration
-    assert {(p["k"] == 0) for p in points} == {True, False} and all(p["measured_s"] > 0 for p in points)
+    assert [p["rows"] for p in points] == [16, 4] and all(p["k"] == 0 for p in points)
+    assert all(p["measured_s"] > 0 and p["positions"] == p["rows"] for p in points)
     assert HardwareProfile.from_json(json.loads(json.dumps(profile.to_json()))).calibration == points
 
 

@@ -86,6 +86,25 @@ def test_plan_prints_policy_table_and_alternatives(tiny_models, tmp_path, capsys
     assert list((tmp_path / "profiles").glob("*.json"))
 
 
+def test_profile_measures_ahead_of_a_job_then_reuses(tiny_models, tmp_path, capsys, monkeypatch):
+    """`specoffload profile`: phases with their ETA on stderr while it measures, the rates and conditions on stdout;
+    a second call (another drafter) measures nothing but that drafter's step; --force measures again."""
+    from specoffload.runtime.offload import profiler
+
+    monkeypatch.setattr(profiler, "PROFILE_DIR", tmp_path / "profiles")
+    cli = ["profile", "--model", str(tiny_models["llama"]), "--device-memory", "2MiB", "--quick"]
+    assert main(cli) == 0
+    out, err = capsys.readouterr()
+    assert "profile: 1/5 stream rate" in err and "profile: 5/5 calibration passes" in err and "s left)" in err
+    assert "hardware profile of llama" in out and "conditions" in out and "FFN GEMM" in out
+    assert main([*cli, "--draft", str(tiny_models["draft"])]) == 0
+    out, err = capsys.readouterr()
+    assert "measuring the hardware profile" not in err and "timing the draft step of 'model'" in err
+    assert "draft step of 'model'" in out
+    assert main([*cli, "--force"]) == 0
+    assert "again: marked stale: asked to measure again (--force)" in capsys.readouterr().err
+
+
 def _rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -5,6 +5,7 @@ one `register_drafter` line; whatever it proposes, greedy output stays the targe
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from specoffload.runtime.offload.drafters import (
 )
 from specoffload.runtime.offload.drafters.model import ModelDrafter
 from specoffload.runtime.offload.drafters.resident_experts import ResidentExpertDrafter
-from specoffload.runtime.offload.profiler import fingerprint
+from specoffload.runtime.offload.profiler import draft_key, fingerprint
 from specoffload.runtime.planning import ModelPair
 from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
@@ -169,9 +170,11 @@ def test_planning_and_the_profile_ask_the_class(tiny_models):
     fixed = ModelPair.for_config(_offloaded(tiny_models, "mixtral", drafter="fixed-token"), target, True)
     assert fixed.draft is not None and fixed.draft.total_bytes == 0 and fixed.draft.kv_bytes_per_token == 0
     assert fixed.self_draft_experts == 0 and fixed.draft_pins == frozenset()
-    keys = [fingerprint(c)["draft"] for c in (self_config, model_config, EngineConfig(tiny_models["mixtral"]),
-                                              _offloaded(tiny_models, "mixtral", drafter="fixed-token"))]
-    assert keys == ["self:2", tiny_models["qwen2_draft"].name, "", "fixed-token"]
+    configs = (self_config, model_config, EngineConfig(tiny_models["mixtral"]),
+               _offloaded(tiny_models, "mixtral", drafter="fixed-token"))
+    keys = [draft_key(c) for c in configs]
+    assert keys == ["self:2/float32", tiny_models["qwen2_draft"].name + "/float32", "", "fixed-token/float32"]
+    assert len({json.dumps(fingerprint(c), sort_keys=True) for c in configs}) == 1  # one profile for every drafter
 
 
 @pytest.mark.parametrize(("target", "interleave"), [("llama", True), ("mixtral", False)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -34,6 +35,83 @@ def test_profile_is_measured_once_then_reused(tiny_models, profile_dir, monkeypa
 
     monkeypatch.setattr(profiler, "measure", fail)
     assert profiler.load_or_measure(config, open_engine=Engine) == first
+
+
+def test_one_profile_serves_every_drafter(tiny_models, profile_dir, monkeypatch, single_thread):
+    """The profile is the model's: a second drafter reuses it and only its own draft step is timed (once: cached
+    beside the profile); a drafter with nothing to time gets the nominal step."""
+    ngram = EngineConfig(tiny_models["llama"], drafter="ngram", device_memory="1GiB")
+    model = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory="1GiB")
+    first = profiler.load_or_measure(ngram, quick=True, open_engine=Engine)
+    assert first.draft_step_s == profiler.NOMINAL_DRAFT_STEP
+    measured = []
+    monkeypatch.setattr(profiler, "measure", lambda *a, **k: measured.append(1))
+    timed = []
+    real_steps = profiler._draft_steps
+    monkeypatch.setattr(profiler, "_draft_steps", lambda *a, **k: timed.append(1) or real_steps(*a, **k))
+    with_model = profiler.load_or_measure(model, quick=True, open_engine=Engine)
+    assert not measured and timed == [1] and len(with_model.draft_step_s) >= 2
+    assert replace(with_model, draft_step_s=first.draft_step_s) == first  # the rest is the same profile
+    again = profiler.load_or_measure(model, open_engine=Engine)
+    assert not measured and timed == [1] and again == with_model
+    assert profiler.profile_path(ngram) == profiler.profile_path(model)
+
+
+def test_a_disturbed_measurement_is_taken_again_then_marked(tiny_models, profile_dir, monkeypatch, single_thread):
+    """Other processes busy while it measures (a busy /proc/stat, simulated: one extra core busy): the isolated rates
+    are taken MEASURE_TRIES times, the last is used for the job, saved as disturbed, and measured again by the next
+    load; a quiet machine's profile is kept."""
+    config = EngineConfig(tiny_models["llama"], device_memory="1GiB")
+    real = profiler._busy_seconds
+
+    def busy() -> tuple[float, float] | None:
+        now = real()
+        return None if now is None else (now[0] + 1.0 * time.monotonic(), now[1])  # + one core, all the time
+
+    monkeypatch.setattr(profiler, "_busy_seconds", busy)
+    monkeypatch.setattr(profiler, "OTHERS_LIMIT", 0.5)
+    tries = []
+    real_isolated = profiler._isolated
+    monkeypatch.setattr(profiler, "_isolated", lambda *a, **k: tries.append(1) or real_isolated(*a, **k))
+    lines: list[str] = []
+    busy_profile = profiler.load_or_measure(config, quick=True, open_engine=Engine, log=lines.append)
+    conditions = busy_profile.provenance["conditions"]
+    assert len(tries) == profiler.MEASURE_TRIES and conditions["others_cores"] > 0.5
+    assert "other processes kept" in conditions["disturbed"]
+    assert sum(line.startswith("profile: the measurement was disturbed") for line in lines) == \
+        profiler.MEASURE_TRIES - 1
+    assert lines[-1].startswith("profile: disturbed (other processes kept")
+    assert profiler.cached(config)[0] is None and "busy machine" in profiler.cached(config)[1]
+    monkeypatch.setattr(profiler, "_busy_seconds", real)  # quiet again
+    tries.clear()
+    quiet = profiler.load_or_measure(config, quick=True, open_engine=Engine, log=lines.append)
+    assert tries == [1] and not quiet.provenance["conditions"].get("disturbed")
+    assert quiet.provenance["conditions"]["others_cores"] < 0.5
+    assert profiler.cached(config)[0] == quiet
+
+
+def test_a_job_that_finds_the_profile_off_marks_it_stale(tiny_models, profile_dir, single_thread, caplog):
+    """A cached profile whose compute is ten times too fast for this machine: the job's passes say so in one line,
+    the run goes on correctly, and the cached profile is measured again before the next engine uses it."""
+    config = EngineConfig(tiny_models["llama"], device_memory="1GiB", max_seq_len=64, max_batch_size=2,
+                          num_draft_tokens="auto", drafter="ngram")
+    profile = profiler.load_or_measure(config, quick=True, open_engine=Engine)
+    path = profiler.profile_path(config)
+    replace(profile, provenance=dict(profile.provenance), draft_step_s=profile.draft_step_s
+            ).scaled_compute(0.1).save(path)
+    assert profiler.cached(config)[0] is not None
+    engine = Engine(config)
+    assert engine.replanner.profile is not None
+    prompts = [[3 + i, 9, 27, 40 + i] for i in range(2)]
+    with caplog.at_level("WARNING", logger="specoffload.offload"):
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    ref = Engine(EngineConfig(tiny_models["llama"], max_batch_size=2)).generate(prompts, SamplingParams(
+        max_new_tokens=40, ignore_eos=True))
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    assert engine.replanner.profile_off is not None and engine.replanner.profile_off > 1.25
+    assert len([r for r in caplog.records if "hardware profile predicts" in r.getMessage()]) == 1
+    cached, why = profiler.cached(config)
+    assert cached is None and "marked stale" in why
 
 
 def test_auto_policy_is_used_and_lossless(tiny_models, single_thread):

@@ -7,10 +7,12 @@ per row, and the executor's hand-offs per op; and an isolated stream rate timed 
 disk's moment-to-moment rate (docs/perf/README.md, "Measurements behind the acceptance model and the stream
 rate").
 
-Here real passes run: a fixed-plan offloaded `Engine` (built by the caller's `open_engine`: the engine imports
-the profiler, so this module does not import the engine) under the profiled config's budget, on synthetic prompts,
-at two plans: one batch without a draft, and (with a drafter) two batches at k = CALIBRATION_K, whose k = 0 passes
-are timed too. From the decode passes (the prefill ones skipped):
+Here real passes run: one fixed-plan offloaded `Engine` without a drafter (built by the caller's `open_engine`: the
+engine imports the profiler, so this module does not import the engine) under the profiled config's budget, on
+synthetic prompts, with CALIBRATION_ROWS rows per pass in turn (the first, or the most that fit under it, is the
+engine's batch; the others run fewer prompts through it). The profile is the model's, shared by every drafter, so
+no drafter runs here: positions per pass vary with the rows, and a drafter's own cost is its measured draft step
+(profiler.py `drafter_steps`). From the decode passes (the prefill ones skipped):
 
     stream rate   streamed bytes (compute dtype) / the load ops' busy seconds, over every timed pass: the rate the
                   io thread reaches beside the compute (replaces the isolated one when passes stream anything)
@@ -43,11 +45,10 @@ if TYPE_CHECKING:
 #: builds an engine for a config (`Engine` itself): the fixed-plan engines whose passes are timed
 EngineFactory = Callable[[EngineConfig], "Engine"]
 
-#: rows per batch of the calibration plans, the draft length of the drafting one, synthetic prompt length
-CALIBRATION_ROWS = (16, 8)
-CALIBRATION_K = 4
-PROMPT_TOKENS = 32
-NEW_TOKENS = 16
+#: rows per pass of the calibration passes (the first is the engine's batch), synthetic prompt length, new tokens
+CALIBRATION_ROWS = (16, 4)
+PROMPT_TOKENS = 16
+NEW_TOKENS = 8
 
 
 def calibrate(config: EngineConfig, profile: HardwareProfile, open_engine: EngineFactory,
@@ -57,11 +58,8 @@ def calibrate(config: EngineConfig, profile: HardwareProfile, open_engine: Engin
     returned as it is."""
     if config.device_memory is None:
         return profile
-    points: list[dict[str, Any]] = []
-    plain_rows, draft_rows = CALIBRATION_ROWS
-    points += _run(config, open_engine, plain_rows, 0, ks=(0,), quick=quick)
-    if config.drafter_class.proposes:
-        points += _run(config, open_engine, draft_rows, CALIBRATION_K, ks=(CALIBRATION_K, 0), quick=quick)
+    plain = replace(config, drafter="none", draft=None, draft_dtype=None, drafter_options={}, interleave=None)
+    points = _run(plain, open_engine, CALIBRATION_ROWS, quick=quick)
     loaded = sum(p["streamed_bytes"] for p in points)
     busy = sum(p["load_s"] for p in points)
     # the loader's seconds the isolated rates predict for the same loads (compressed parts: read + decompression)
@@ -85,12 +83,14 @@ def calibrate(config: EngineConfig, profile: HardwareProfile, open_engine: Engin
     return replace(calibrated, calibration=tuple(record))
 
 
-def _run(config: EngineConfig, open_engine: EngineFactory, rows: int, k_max: int, ks: tuple[int, ...],
+def _run(config: EngineConfig, open_engine: EngineFactory, row_counts: tuple[int, ...],
          quick: bool) -> list[dict[str, Any]]:
-    """Time decode passes of a fixed plan (rows per batch, k_max) at each k of `ks` (online k, same engine)."""
+    """Time the decode passes of one fixed no-draft plan at each of `row_counts` rows per pass (the engine's batch is
+    the first, halved until it fits the budget; a count above it is skipped)."""
     seq = PROMPT_TOKENS + NEW_TOKENS + 1
+    rows = row_counts[0]
     while True:  # the most rows (halving) that fit the budget
-        cfg = replace(config, max_batch_size=rows, num_draft_tokens=k_max, max_seq_len=seq, trace=True)
+        cfg = replace(config, max_batch_size=rows, num_draft_tokens=0, max_seq_len=seq, trace=True)
         try:
             engine = open_engine(cfg)  # a fixed plan (batch and k given): no profile needed
             break
@@ -102,12 +102,12 @@ def _run(config: EngineConfig, open_engine: EngineFactory, rows: int, k_max: int
     costs = engine.models.costs(engine.plan.drafting)
     batches = engine.plan.num_batches
     vocab = engine.target.config.vocab_size
-    prompts = [[(97 + 31 * i + 7 * t) % (vocab - 3) + 3 for t in range(PROMPT_TOKENS)] for i in range(rows * batches)]
     streamed = sum(stream_bytes(engine.placement, engine.models.target).values())
     out = []
     try:
-        for k in ks:
-            engine.replanner.k = k
+        for count in sorted({min(rows, r) for r in row_counts}, reverse=True):
+            prompts = [[(97 + 31 * i + 7 * t) % (vocab - 3) + 3 for t in range(PROMPT_TOKENS)]
+                       for i in range(count * batches)]
             engine.generate(prompts, SamplingParams(max_new_tokens=4 if quick else NEW_TOKENS, ignore_eos=True))
             ends = [end for end, *_ in engine.pipeline.verify_log]
             skip = 2 * batches  # the prefill passes, and the first decode pass of each batch
@@ -121,11 +121,10 @@ def _run(config: EngineConfig, open_engine: EngineFactory, rows: int, k_max: int
                     busy[s.name] += s.end - s.start
             timed = len(steps) or 1
             out.append({
-                "rows": rows, "k": k, "positions": rows * (k + 1), "attended_len": PROMPT_TOKENS + NEW_TOKENS // 2,
+                "rows": count, "k": 0, "positions": count, "attended_len": PROMPT_TOKENS + NEW_TOKENS // 2,
                 "measured_s": statistics.median(periods), "passes": len(periods),
                 "streamed_bytes": streamed * len(steps), "loads": len(steps), "load_s": busy["load"],
-                **{f"{kind}_s": busy[kind] / timed for kind in ("attention", "ffn", "head", "verify", "embed",
-                                                              "draft")},
+                **{f"{kind}_s": busy[kind] / timed for kind in ("attention", "ffn", "head", "verify", "embed")},
                 "costs": costs, "placement": engine.placement,
             })
     finally:

@@ -26,6 +26,13 @@ an unbounded stream rate), the pass waited on the io and the rate is its streame
 `stream_rate` holds the rate used last (None until observed). Measurements: docs/perf/README.md, "Measurements
 behind the acceptance model and the stream rate".
 
+The profile itself is checked once per run (`check_profile`), after CHECK_PASSES decode passes: their median period
+(the most common k and rows) against the step the profile, at the job's own stream rate, predicts for them. Off
+by more than PROFILE_MARGIN either way (the profile was measured on a busy machine, or the machine is busy now),
+one line says so, and the run goes on with the profile's compute costs scaled by the factor that makes the
+prediction match (`HardwareProfile.scaled_compute`, found by bisection: the step is non-decreasing in it);
+`profile_off` keeps the ratio for the engine, which marks the cached profile stale (profiler.py `mark_stale`).
+
 A new k takes effect at each batch's next draft round. Only when the planner chose k ("auto") and a drafter is
 loaded. While speculation is off nothing is drafted, so nothing new is observed: the decision stands for the rest
 of the run (k_max = 0 plans have no drafter to turn on).
@@ -51,6 +58,9 @@ PASS_WINDOW = 8
 PASS_LOG = 1 << 12  # passes `pass_log` keeps
 #: a stream rate no disk reaches: the model's step without io stalls
 UNBOUNDED = 1e18
+#: decode passes observed before the profile is checked against them; the ratio either way that says it is off
+CHECK_PASSES = 2 * PASS_WINDOW
+PROFILE_MARGIN = 1.25
 
 
 class Replanner:
@@ -75,6 +85,9 @@ class Replanner:
         self.tokens_per_row: int | None = None  # the run's max_new_tokens: the slowest row of a wave is priced
         self.prompt_len: float | None = None  # the run's mean prompt tokens (the engine's): the prefill share
         self.stream_rate: float | None = None
+        self.compute_scale = 1.0  # the profile's compute costs times this (`check_profile`)
+        self.profile_off: float | None = None  # measured / predicted pass period, when off by > PROFILE_MARGIN
+        self.checked = False
 
     @property
     def active(self) -> bool:
@@ -86,18 +99,68 @@ class Replanner:
         while the io thread spent `load_s` seconds in load ops (0: not measured)."""
         if seconds > 0 and rows > 0:
             self.pass_log.append((seconds, k, rows, max(0.0, load_s)))
+            if not self.checked and len(self.pass_log) >= CHECK_PASSES:
+                self.check_profile()
+
+    def attended_len(self) -> int:
+        """Keys a decode token attends to on average: the run's mean prompt plus half a row's new tokens (half the
+        KV length per row before the run says)."""
+        if self.prompt_len is None:
+            return self.plan.max_seq_len // 2
+        return max(1, min(self.plan.max_seq_len, round(self.prompt_len + (self.tokens_per_row or 0) / 2)))
+
+    def check_profile(self) -> float | None:
+        """The profile against the decode passes observed (module docstring): measured / predicted period of the
+        most common (k, rows) over the last CHECK_PASSES passes, or None when there is nothing to check."""
+        self.checked = True
+        if self.profile is None or self.costs is None or self.placement is None:
+            return None
+        passes = list(self.pass_log)[-CHECK_PASSES:]
+        shapes = [(k, rows) for _, k, rows, _ in passes]
+        k, rows = max(set(shapes), key=shapes.count)
+        periods = [s for s, kk, r, _ in passes if (kk, r) == (k, rows)]
+        if len(periods) < PASS_WINDOW // 2:
+            return None
+        profile = self.calibrated_profile()
+        assert profile is not None
+        measured, attended = statistics.median(periods), self.attended_len()
+
+        def step(scale: float) -> float:
+            scaled = profile.scaled_compute(scale) if scale != 1.0 else profile
+            return estimate_step(scaled, self.costs, self.placement, rows, k, 0.0, attended, self.expert_loading,
+                                 self.plan.interleave).t_step
+
+        predicted = step(1.0)
+        ratio = measured / predicted
+        if 1 / PROFILE_MARGIN <= ratio <= PROFILE_MARGIN:
+            return ratio
+        lo, hi = 1.0, 1.0
+        while step(hi) < measured and hi < 64:
+            hi *= 2
+        while step(lo) > measured and lo > 1 / 64:
+            lo /= 2
+        for _ in range(30):  # bisection: the step is non-decreasing in the scale
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if step(mid) < measured else (lo, mid)
+        self.compute_scale, self.profile_off = (lo + hi) / 2, ratio
+        logger.warning("the hardware profile predicts %.3g s per pass (%d rows, k %d) and this job's passes take "
+                       "%.3g s (%.2fx, beyond the %.0f%% margin): this run goes on with its compute costs x %.2f; "
+                       "the cached profile is measured again before the next job", predicted, rows, k, measured,
+                       ratio, (PROFILE_MARGIN - 1) * 100, self.compute_scale)
+        return ratio
 
     def calibrated_profile(self) -> HardwareProfile | None:
         """The profile at the stream rate the job's last decode passes show (module docstring); the profile itself
         when too few passes were observed or they say nothing about the rate."""
         if self.profile is None or self.costs is None or self.placement is None:
             return self.profile
-        rate = observed_stream_rate(self.profile, self.costs, self.placement, list(self.pass_log)[-PASS_WINDOW:],
+        base = self.profile if self.compute_scale == 1.0 else self.profile.scaled_compute(self.compute_scale)
+        rate = observed_stream_rate(base, self.costs, self.placement, list(self.pass_log)[-PASS_WINDOW:],
                                     self.plan.max_seq_len // 2, self.expert_loading)
         if rate is None:
-            return self.profile
+            return base
         self.stream_rate = rate
-        return self.profile.scaled_io(rate / self.profile.stream_bytes_per_s)  # (compressed parts' rates too)
+        return base.scaled_io(rate / base.stream_bytes_per_s)  # (compressed parts' rates too)
 
     def record(self, accepted: Sequence[int], k: int | Sequence[int],
                prompts: Sequence[Hashable] | None = None) -> None:
