@@ -260,8 +260,8 @@ def test_replan_turns_speculation_off_and_merges_rows() -> None:
 
 def test_a_profile_off_by_more_than_the_margin_is_corrected_and_said(caplog) -> None:
     """Passes slower (or faster) than the profile predicts by more than PROFILE_MARGIN, their loader at the profile's
-    rate (so the io cannot explain them): one warning, the compute costs scaled until the prediction matches, `profile_off` set; passes
-    within the margin change nothing."""
+    rate (so the io cannot explain them): one warning, the compute costs scaled until the prediction matches,
+    `profile_off` set; passes within the margin change nothing."""
     from specoffload.planner import estimate_step
     from specoffload.planner.plan import fixed_plan
     from specoffload.runtime.offload.replan import CHECK_PASSES, PROFILE_MARGIN, Replanner
