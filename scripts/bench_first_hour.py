@@ -25,7 +25,7 @@ from scripts.readme_section import write_section
 
 BIN = Path(sys.executable).parent
 MODELS = Path.home() / ".cache" / "specoffload" / "models"
-PHASE = re.compile(r"^(measuring|warm-up|plan:|drafter|progress:|hardware profile|generate)")
+PHASE = re.compile(r"^(profile:|measuring|warm-up|plan:|drafter|progress:|hardware profile|generate)")
 RATE = re.compile(r"progress: .* ([0-9.]+) tok/s")
 
 

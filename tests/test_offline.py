@@ -341,3 +341,23 @@ def test_lease_book_requeues_lost_chunks_first_and_completes_each_once() -> None
     assert book.complete(12) and book.complete(13) and book.complete(14)
     assert book.next().number == 15 and book.complete(15)
     assert book.next() is None and book.done
+
+
+def test_progress_eta_before_the_first_row_is_a_bound_from_tokens() -> None:
+    """No row written yet: the ETA is the tokens left if every row ran to max_tokens, at the live rate (at most);
+    once rows are written, the rows left at the rows-per-second so far."""
+    import io
+
+    from specoffload.runtime.offline.progress import Progress
+
+    committed = [0]
+    progress = Progress(total=4, enabled=True, interval=0, stream=io.StringIO(), max_tokens=100)
+    progress.generating(lambda: committed[0])
+    progress.start -= 10.0  # ten seconds of generating
+    committed[0] = 200  # 20 tok/s; 4 rows x 100 tokens - 200 committed = 200 left: at most 10 s
+    line = progress.line()
+    assert "0/4 rows" in line and "ETA at most 0m10s (rows at max tokens)" in line
+    assert "ETA ?" in Progress(total=4, enabled=False, interval=0, stream=io.StringIO()).line()  # no bound known
+    progress.update(rows=2, failed=0, tokens=200, drafted=0, accepted=0)
+    assert "2/4 rows" in progress.line() and "ETA 0m10s" in progress.line()
+    progress.close()

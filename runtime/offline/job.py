@@ -97,7 +97,8 @@ def run_job(spec: JobSpec, config: EngineConfig,
             print("nothing to do: every prompt has a row", file=sys.stderr)
             return 0
         writer = _Writer(spec, fmt, out, preparer, model_name=Path(config.target).name)
-        progress = Progress(total, resumed.rows, spec.progress, spec.progress_interval)
+        progress = Progress(total, resumed.rows, spec.progress, spec.progress_interval,
+                            max_tokens=spec.params.max_new_tokens)
         progress.created = loading
         rows = (preparer(fmt.parse(raw)) for raw in spec.source.rows(start=resumed.rows))
         wall, details = _generate(spec, config, lambda c: open_backend(c, plan), chunked(rows, spec.chunk_size),

@@ -3,7 +3,8 @@
 On a terminal: a tqdm bar over rows with tokens/s, acceptance and failed rows. Elsewhere (a Ray job's log, a file):
 one line every `interval` seconds, from a timer thread, however long a chunk takes: rows done of total, tokens/s,
 acceptance, ETA. Rates and the ETA count from `generating()` (the models loaded), not from the start: loading is
-reported apart (`load_s`).
+reported apart (`load_s`). The ETA is the rows left at the rows-per-second so far; before any row is written, the
+tokens left if every row ran to `max_tokens` at the tokens-per-second so far (an upper bound: "at most").
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Progress:
     enabled: bool = True
     interval: float = 10.0
     stream: TextIO = field(default_factory=lambda: sys.stderr)
+    max_tokens: int | None = None  # new tokens a row runs to at most (the ETA before the first row is written)
 
     def __post_init__(self) -> None:
         self.tally = Tally()
@@ -110,9 +112,15 @@ class Progress:
         t = self.tally
         done = self.done_before + t.rows
         elapsed = time.monotonic() - self.start
-        eta = (self.total - done) * elapsed / t.rows if t.rows else float("nan")
-        return (f"{done}/{self.total} rows ({100 * done / max(self.total, 1):.1f}%), {self._postfix()}, "
-                f"ETA {_duration(eta)}")
+        if t.rows:
+            eta = f"ETA {_duration((self.total - done) * elapsed / t.rows)}"
+        else:
+            rate = self.rate()
+            live = self.live() if self.live is not None else 0
+            left = (self.total - done) * self.max_tokens - live if self.max_tokens else None
+            eta = (f"ETA at most {_duration(max(0, left) / rate)} (rows at max tokens)" if left is not None and rate > 0
+                   else "ETA ?")
+        return f"{done}/{self.total} rows ({100 * done / max(self.total, 1):.1f}%), {self._postfix()}, {eta}"
 
     def close(self) -> None:
         self._stop.set()
