@@ -57,6 +57,40 @@ def _add_model_flags(g: argparse._ArgumentGroup, *, budget_required: bool = Fals
                         "cuda, attention and the KV cache stay on the CPU (auto: cuda when torch sees a GPU)")
 
 
+SAMPLING_GROUP = ("sampling (unset: the model's generation_config.json, else vLLM's defaults, as vLLM; an OpenAI "
+                  "batch row's own fields override these)")
+#: the sampling flags whose unset default comes from the model (sampling.py `model_defaults`) -> SamplingParams field
+MODEL_SAMPLING = {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
+                  "top_k": "top_k", "repetition_penalty": "repetition_penalty"}
+
+
+def _add_model_sampling_flags(s: argparse._ArgumentGroup) -> None:
+    """The sampling flags `generate` and `plan` share; unset, each takes the model's default (`job_sampling`)."""
+    s.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=None, metavar="N",
+                   help="new tokens per prompt at most (vLLM's default: 16)")
+    s.add_argument("--temperature", type=float, default=None, help="0: greedy (vLLM's default: 1.0)")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus: the most likely tokens of this mass")
+    s.add_argument("--top-k", type=int, default=None, help="the k most likely tokens; 0 or -1: off")
+    s.add_argument("--repetition-penalty", type=float, default=None, help="CTRL's, on prompt and output tokens")
+
+
+def job_sampling(args: argparse.Namespace) -> tuple[dict[str, object], str]:
+    """The job's sampling fields of MODEL_SAMPLING: each flag given, else the model's generation_config.json, else
+    SamplingParams' own (vLLM's) defaults (sampling.py `model_defaults`); and the line that states them."""
+    from .sampling import SamplingParams, model_defaults
+
+    defaults, source = model_defaults(args.target)
+    defaults = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in defaults.items()}
+    given = {field: getattr(args, dest) for dest, field in MODEL_SAMPLING.items() if getattr(args, dest) is not None}
+    fields = defaults | given
+    p = SamplingParams(**fields)
+    flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+    how = "greedy" if p.greedy else f"temperature {p.temperature:g}, top-p {p.top_p:g}, top-k {p.top_k or 'off'}"
+    whence = f"{flags} given; the rest from {source}" if flags else f"from {source}"
+    return fields, (f"sampling: {how}, repetition penalty {p.repetition_penalty:g}, at most {p.max_new_tokens} new "
+                    f"tokens per prompt ({whence})")
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete prompts from a file (or HumanEval) into JSONL",
                        allow_abbrev=False, formatter_class=_HelpFormatter)
@@ -73,16 +107,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="prompt + output tokens per row the KV caches are sized for (default: the job's longest "
                         "prompt + --max-tokens, as `specoffload plan` sizes them)")
 
-    s = p.add_argument_group("sampling (an OpenAI batch row's own fields override these)")
-    s.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=128, metavar="N",
-                   help="new tokens per prompt at most")
+    s = p.add_argument_group(SAMPLING_GROUP)
+    _add_model_sampling_flags(s)
     s.add_argument("--min-tokens", type=int, default=0, metavar="N", help="EOS and stop ids masked until N tokens")
-    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus: the most likely tokens of this mass")
-    s.add_argument("--top-k", type=int, default=0, help="the k most likely tokens; 0 or -1: off")
     s.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, per generated token seen")
     s.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, per generated occurrence")
-    s.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's, on prompt and output tokens")
     s.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="a stop string (repeat the flag for several); the text is cut before it")
     s.add_argument("--seed", type=int, default=None, help="the job's random stream (default: a random one)")
@@ -183,11 +212,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     j = p.add_argument_group("job")
     j.add_argument("--prompts", type=Path, default=None,
                    help="the job's prompts: workload shape, and a short warm-up that measures the acceptance rate")
-    j.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, default=128, metavar="N")
     j.add_argument("--alpha", type=float, default=None, help="acceptance rate to assume (default: measure / 0.7)")
-    j.add_argument("--temperature", type=float, default=0.0, help="the job's sampling (the warm-up drafts with it)")
-    j.add_argument("--top-p", type=float, default=1.0)
-    j.add_argument("--top-k", type=int, default=0)
+    _add_model_sampling_flags(p.add_argument_group(SAMPLING_GROUP.split(";")[0] + "; the warm-up drafts with it)"))
     _add_drafter_options(p)
     d = p.add_argument_group("output")
     d.add_argument("--top", type=int, default=8, help="alternatives to print")
@@ -271,7 +297,10 @@ def _plan(args: argparse.Namespace) -> int:
                         host_memory=args.host_memory, weights_tier=args.weights_tier, max_seq_len=args.max_seq_len,
                         num_draft_tokens=args.num_draft_tokens, max_batch_size=args.batch_size,
                         drafter_options=drafter_options(args))
-    max_seq_len = job_max_seq_len(base, prompts, args.max_new_tokens)
+    sampling, note = job_sampling(args)
+    print(note, file=sys.stderr)
+    max_new = int(sampling["max_new_tokens"])  # type: ignore[call-overload]
+    max_seq_len = job_max_seq_len(base, prompts, max_new)
     config = replace(base, max_seq_len=max_seq_len)  # what `specoffload generate` sizes the KV caches to
     profile = load_or_measure(config, quick=args.quick_profile, log=lambda m: print(m, file=sys.stderr),
                               open_engine=Engine)
@@ -280,8 +309,7 @@ def _plan(args: argparse.Namespace) -> int:
     encoded = [tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in prompts]
     target = Transformer(args.target, dtype=base.torch_dtype)  # shapes only: no weights are loaded
     models = ModelPair.for_config(config, target, shares_kv=True)  # as the local backend's engine counts it
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, ignore_eos=True)
+    params = SamplingParams(**sampling, ignore_eos=True)
     if auto:
         return _print_choice(args, choose_drafter(config, target, encoded, params, max_seq_len, profile,
                                                   quick=args.quick_profile), max_seq_len)
@@ -295,8 +323,8 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         alpha = args.alpha if args.alpha is not None else base.acceptance_prior
         alpha_source = "--alpha" if args.alpha is not None else "prior (no prompts to measure it on)"
-        workload = (Workload.of_prompts([len(p) for p in encoded], args.max_new_tokens) if encoded else
-                    Workload(num_prompts=256, prompt_len=max_seq_len / 2, new_tokens=args.max_new_tokens))
+        workload = (Workload.of_prompts([len(p) for p in encoded], max_new) if encoded else
+                    Workload(num_prompts=256, prompt_len=max_seq_len / 2, new_tokens=max_new))
         plan = make_plan(config, models, max_seq_len, workload=workload, alpha=alpha, profile=profile)
         alpha_source = f"{alpha:.3f} ({alpha_source})"
     print(f"workload: {workload.num_prompts} prompts x {workload.prompt_len:.0f} tokens, "
@@ -352,18 +380,15 @@ def _generate(args: argparse.Namespace) -> int:
         source = InputSource.dataset(args.dataset)
     else:
         source = InputSource.humaneval(args.humaneval)
+    sampling, note = job_sampling(args)
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
+        **sampling,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens,
         stop=tuple(args.stop or ()),
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
     )
     config = EngineConfig(
         target=args.target,
@@ -393,7 +418,7 @@ def _generate(args: argparse.Namespace) -> int:
     spec = JobSpec(source=source, output=args.output, input_format=args.input_format, resume=args.resume,
                    overwrite=args.overwrite, chunk_size=args.chunk_size, params=params, progress=not args.no_progress,
                    progress_interval=args.progress_interval, summary=args.summary,
-                   choose_drafter=args.drafter == "auto", plan_here=args.backend == "local")
+                   choose_drafter=args.drafter == "auto", plan_here=args.backend == "local", sampling_note=note)
     options = BackendOptions(progress=not args.no_progress, show_placement=args.show_placement, trace=args.trace,
                              ray_address=args.ray_address, replicas=args.replicas)
     backend = load_backend(args.backend)  # an unknown name fails before any file is touched

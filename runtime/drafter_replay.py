@@ -47,7 +47,8 @@ def replay_rounds(drafter: object, rows: Sequence[tuple[Sequence[int], Sequence[
             held = drafter.lengths(0)[0]
             new = context[held:]
             start = time.perf_counter()
-            drafter.propose(0, torch.tensor([new], dtype=torch.long), torch.tensor([len(new)]), SamplingParams())
+            drafter.propose(0, torch.tensor([new], dtype=torch.long), torch.tensor([len(new)]),
+                            SamplingParams(temperature=0.0))
             seconds.append(time.perf_counter() - start)
             proposal = drafter.rounds[0][0][: min(k, len(output) - i - 1)]
             accepted = 0

@@ -25,11 +25,10 @@ from typing import Any
 
 from .config import ConfigError, EngineConfig
 from .engine import Engine, PromptError
-from .json_bounds import JsonBounds, loads_bounded
 from .offload.drafters import option_owners
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import GenerationResult
-from .sampling import SamplingParams
+from .sampling import SamplingParams, model_defaults
 from .turns import Turn
 
 logger = logging.getLogger(__name__)
@@ -62,9 +61,6 @@ _VLLM_INSTEAD = {
     "swap_space": "host_memory bounds the host side (KV cache and the 'ram' weights tier)",
     "cpu_offload_gb": "device_memory is the budget; everything beyond it streams from host memory or disk",
 }
-#: generation_config.json keys a default SamplingParams takes (vLLM's `generation_config="auto"`) -> its fields
-_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 #: speculative_config's "method" -> our drafter (a "model" key alone means a draft model)
 _SPEC_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "model", "self": "self"}
 
@@ -124,22 +120,9 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling_params runs, as in vLLM: the target's generation_config.json (its
         temperature, top_p, top_k, repetition_penalty and max_new_tokens; `do_sample: false` is greedy, as in
-        transformers), over vLLM's SamplingParams defaults (temperature 1.0, 16 tokens)."""
-        fields: dict[str, Any] = {"temperature": 1.0, "max_tokens": 16}
-        try:
-            found = loads_bounded((Path(self.config.target) / "generation_config.json").read_bytes(),
-                                  JsonBounds(max_depth=4, max_digits=32))
-        except (OSError, ValueError):
-            found = {}
-        found = found if isinstance(found, dict) else {}
-        fields |= {ours: found[key] for key, ours in _GENERATION_KEYS.items() if found.get(key) is not None}
-        if found.get("do_sample") is False:
-            fields["temperature"] = 0.0
-        try:
-            return SamplingParams(**fields)
-        except ValueError as err:  # a value out of range in the model's file: vLLM's defaults, and say so
-            logger.warning("generation_config.json of %s: %s; using vLLM's defaults", self.config.target, err)
-            return SamplingParams(temperature=1.0, max_tokens=16)
+        transformers) over vLLM's SamplingParams defaults (temperature 1.0, 16 tokens): sampling.py
+        `model_defaults`."""
+        return SamplingParams(**model_defaults(self.config.target)[0])
 
     # ---- generation ---------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptInput | Sequence[PromptInput],

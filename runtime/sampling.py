@@ -8,19 +8,25 @@ goes through :func:`warp_logits` with one :class:`SamplingParams`.
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .json_bounds import JsonBounds, loads_bounded
 from .param_ranges import SAMPLING_EPS, check_sampling
+
+logger = logging.getLogger("specoffload.sampling")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings, with vLLM's names and meanings. ``temperature == 0`` means greedy decoding.
+    """Per-request decoding settings, with vLLM's names, meanings and defaults (temperature 1.0, 16 new tokens:
+    ``SamplingParams()`` samples, as vLLM's does). ``temperature == 0`` means greedy decoding.
 
     Every field is checked against its range when the value is made (runtime/param_ranges.py).
     max_new_tokens (also accepted as vLLM's ``max_tokens``; `max_tokens` reads it back): new tokens at most.
@@ -37,8 +43,8 @@ class SamplingParams:
     seed: the request's own random stream (runtime/rng.py).
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0
+    max_new_tokens: int = 16
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1, vLLM's spelling) disables top-k
     seed: int | None = None
@@ -178,3 +184,35 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator] | None) -
         raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
     rows = [torch.multinomial(probs[b].cpu(), 1, generator=g) for b, g in enumerate(generators)]
     return torch.cat(rows).to(probs.device)
+
+
+#: generation_config.json keys a model's default SamplingParams takes (vLLM's `generation_config="auto"`) -> fields
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def model_defaults(model: str | Path) -> tuple[dict[str, Any], str]:
+    """The sampling fields a request without its own takes, as in vLLM, and where they come from: the model's
+    generation_config.json (temperature, top_p, top_k, repetition_penalty, max_new_tokens; `do_sample: false` is
+    greedy, as in transformers) over SamplingParams' own defaults (vLLM's). A value out of range in the file: the
+    class's defaults, and a warning saying so."""
+    path = Path(model) / "generation_config.json"
+    try:
+        found = loads_bounded(path.read_bytes(), JsonBounds(max_depth=4, max_digits=32))
+    except (OSError, ValueError):
+        return {}, "vLLM's defaults (the model has no readable generation_config.json)"
+    found = found if isinstance(found, dict) else {}
+    fields = {ours: found[key] for key, ours in GENERATION_KEYS.items() if found.get(key) is not None}
+    said = dict(fields)
+    if found.get("do_sample") is False:
+        fields["temperature"] = 0.0
+        said.pop("temperature", None)
+        said["do_sample"] = "false: greedy"
+    try:
+        SamplingParams(**fields)
+    except ValueError as err:  # a value out of range in the model's file
+        logger.warning("%s: %s; using vLLM's defaults", path, err)
+        return {}, f"vLLM's defaults ({path.name} has a value out of range)"
+    if not fields:
+        return {}, f"vLLM's defaults ({path.name} sets none of {', '.join(GENERATION_KEYS)})"
+    return fields, f"{path.name} ({', '.join(f'{k} {v}' for k, v in said.items())}) over vLLM's defaults"

@@ -106,7 +106,7 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(source)
     prompts = [tok.encode(p) for p in humaneval_prompts(args.prompts)]
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     batch = args.batch if args.batch == "auto" else int(args.batch)
     seq = max(len(p) for p in prompts) + args.new_tokens
     results: dict[str, dict] = {}

@@ -196,7 +196,7 @@ def main() -> int:
              "model": dict(draft=model_dir("draft")), "self": dict(drafter="self")}
     tok = AutoTokenizer.from_pretrained(target)
     budget = parse_bytes(args.budget)
-    params = SamplingParams(max_new_tokens=args.new_tokens)  # greedy, EOS honoured
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)  # greedy, EOS honoured
     rows: list[dict] = []
     picks: list[dict] = []
     for workload in args.workloads.split(","):

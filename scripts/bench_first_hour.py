@@ -32,7 +32,8 @@ RATE = re.compile(r"progress: .* ([0-9.]+) tok/s")
 def run(prompts: Path, cache: Path, out: Path, args: argparse.Namespace) -> dict:
     cmd = [str(BIN / "specoffload"), "generate", "--model", str(MODELS / "qwen2.5-coder-1.5b-instruct"),
            "--prompts", str(prompts), "-o", str(out), "--overwrite", "--device-memory", args.device_memory,
-           "--max-tokens", str(args.max_tokens), "--dtype", "bfloat16", "--progress-interval", "1"]
+           "--max-tokens", str(args.max_tokens),
+           "--temperature", "0", "--dtype", "bfloat16", "--progress-interval", "1"]
     start = time.monotonic()
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env={**__import__("os").environ, "SPECOFFLOAD_CACHE": str(cache)})

@@ -100,7 +100,7 @@ class OursRunner:
     def run(self, prompts: list[str], batch: int, new_tokens: int, assisted: bool) -> tuple[list[list[int]], float]:
         engine = self.engine
         engine.draft = self.draft if assisted else None
-        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
         outs: list[list[int]] = []
         drafted = accepted = 0
         for i in range(0, len(prompts), batch):

@@ -31,7 +31,8 @@ BASELINE = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "10
 
 def run(model: Path, corpus: Path, out: Path, env: dict[str, str]) -> dict:
     cmd = ["/usr/bin/time", "-f", "peak_kb %M", str(BIN / "specoffload"), "generate", "--model", str(model),
-           "--prompts", str(corpus), "-o", str(out), "--overwrite", "--max-tokens", "1", "--batch-size", "256",
+           "--prompts", str(corpus), "-o", str(out), "--overwrite", "--max-tokens", "1",
+           "--temperature", "0", "--batch-size", "256",
            "--threads", "1", "--no-progress"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | env, timeout=1800)
     rate = RATE.findall(done.stderr)

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts += dataset_prompts(f"aclsum:0:{args.prompts}")
     except Exception as exc:  # noqa: BLE001 - the corpus is optional: say so and go on with code only
         print(f"aclsum unavailable ({exc}); HumanEval only", file=sys.stderr)
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     rows, summary = [], {}
     for dtype in args.dtypes.split(","):
         base = dict(target=target, dtype=dtype, max_batch_size=len(prompts), max_seq_len=2048)

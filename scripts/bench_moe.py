@@ -163,7 +163,8 @@ def run_hf(target: Path, budget: int, prompts: list[list[int]], new_tokens: int,
 def dense_reference(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Greedy tokens of the dense 1.5B target, every weight resident (float32): what the upcycled model equals."""
     engine = Engine(EngineConfig(model_dir("target"), max_batch_size=16))
-    out = [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))]
+    out = [r.token_ids for r in engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=new_tokens,
+                                                                        ignore_eos=True))]
     del engine
     gc.collect()
     return out
@@ -248,7 +249,7 @@ def main() -> int:
     needed = 2 * max(int(b) for b in args.batches_draft.split(","))
     needed = max(needed, max(int(b) for b in args.batches_nodraft.split(",")))
     prompts = [tok.encode(p)[: args.prompt_tokens] for p in humaneval_prompts()][:needed]
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     started = time.time()
     print(f"target {target.name}, {len(prompts)} prompts x {args.prompt_tokens} tokens, {args.new_tokens} new, KV "
           f"sized for {args.max_seq_len} tokens per row, k={args.k}, dtype {args.dtype}", flush=True)

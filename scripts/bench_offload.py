@@ -185,7 +185,7 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(target)
     prompts = [tok.encode(p)[: args.prompt_tokens] for p in humaneval_prompts(args.prompts)]
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     print(f"budget {format_bytes(budget)}, {len(prompts)} prompts x {args.prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens, k={args.k}, {args.reps} reps", flush=True)
     roof = roofline(target)

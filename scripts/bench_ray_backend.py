@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> dict:
     target, draft = model_dir("target"), model_dir("draft")
     tok = AutoTokenizer.from_pretrained(target)
     prompts = [tok.encode(p)[: args.prompt_tokens] for p in humaneval_prompts(args.prompts)]
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     config = EngineConfig(target, draft=draft, device_memory=args.budget, max_batch_size=args.batch,
                           num_draft_tokens=args.k, max_seq_len=args.prompt_tokens + args.new_tokens)
     t0 = time.perf_counter()

@@ -225,7 +225,7 @@ def main() -> int:
     prompts = [p for p in encoded if len(p) <= args.max_prompt_tokens][: args.prompts]
     if args.prompt_tokens:
         prompts = [p[: args.prompt_tokens] for p in prompts]
-    params = SamplingParams(max_new_tokens=args.new_tokens)  # EOS honoured
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)  # EOS honoured
     budget = parse_bytes(args.budget)
     print(f"{args.target}, {args.dtype}, budget {format_bytes(budget)}, {len(prompts)} {args.corpus} prompts (mean "
           f"{statistics.fmean(map(len, prompts)):.0f} tokens), up to {args.new_tokens} new, batch {args.batch}, "

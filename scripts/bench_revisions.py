@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     system = SYSTEMS[args.system]
     config = EngineConfig(target, draft=draft if system["draft"] else None, device_memory="4.5GiB",
                           max_seq_len=40, max_batch_size=system["max_batch_size"], num_draft_tokens=3)
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     if args.backend == "ray":
         from specoffload.actors import connect
 

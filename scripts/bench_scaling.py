@@ -170,7 +170,8 @@ def main() -> None:
     cli = ["generate", "--backend", "ray", "--target", str(model_dir("target")), "--draft", str(model_dir("draft")),
            "--prompts", str(corpus), "--dtype", "bfloat16", "--device-memory", args.device_memory, "--max-seq-len",
            str(max_seq_len), "--batch-size", str(args.batch_size), "-k", str(args.k), "--threads", "1",
-           "--max-new-tokens", str(args.new_tokens), "--ignore-eos", "--chunk-size", str(args.chunk_size),
+           "--max-new-tokens", str(args.new_tokens),
+           "--temperature", "0", "--ignore-eos", "--chunk-size", str(args.chunk_size),
            "--progress-interval", "30"]
     tokens_per_chunk = args.chunk_size * args.new_tokens
     results: dict = {}

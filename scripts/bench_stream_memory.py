@@ -60,7 +60,8 @@ NO_KERNEL_CACHE = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1", "LRU_CACHE_CAPACITY":
 def run(model: Path, corpus: Path, rows: int, work: Path, env: dict[str, str] | None = None) -> dict:
     out = work / f"out-{rows}.jsonl"
     cmd = [str(BIN / "specoffload"), "generate", "--target", str(model), "--prompts", str(corpus), "-o", str(out),
-           "--overwrite", "--max-new-tokens", "1", "--batch-size", "256", "--chunk-size", "4096", "--threads", "1",
+           "--overwrite", "--max-new-tokens", "1",
+           "--temperature", "0", "--batch-size", "256", "--chunk-size", "4096", "--threads", "1",
            "--progress-interval", "1"]
     start = time.monotonic()
     err = work / f"err-{rows}.txt"

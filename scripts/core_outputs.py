@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> dict:
     dirs = {"dense": model_dir("target"), "moefied": model_dir("target").parent / "qwen2.5-coder-1.5b-moefied",
             "draft": model_dir("draft")}
     prompts = humaneval_prompts(args.prompts)
-    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens, ignore_eos=True)
     outputs: dict[str, list[list[int]]] = {}
     seconds: dict[str, float] = {}
     for name, model, draft, memory in _cases(args.budget):

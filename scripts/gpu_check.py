@@ -123,7 +123,7 @@ def correctness(where: Path, device: str) -> dict:
 
     models = make_tiny_models(where, ["llama", "mixtral", "qwen2_draft"])
     prompts = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     cases = []
     for target in ("llama", "mixtral"):
         for draft in (None, "qwen2_draft"):
@@ -188,7 +188,7 @@ def realistic(work: Path, args: argparse.Namespace, start: float) -> dict:
         draft_cases = [(int(b), int(k)) for b, k in (c.split(":") for c in args.draft_cases.split(","))]
     n_prompts = max(max(batches), 2 * max(b for b, _ in draft_cases))
     prompts = [[rng.randrange(3, shape["vocab"]) for _ in range(args.prompt_len)] for _ in range(n_prompts)]
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     common = dict(target=target_dir, dtype="bfloat16" if cuda else "float32", device=args.device,
                   weights_tier="ram", max_seq_len=args.prompt_len + args.new_tokens + 8, trace=True,
                   replan_interval=0, host_memory=_host_budget())

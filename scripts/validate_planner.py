@@ -156,7 +156,7 @@ def repredict(path: Path) -> int:
 def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     name = f"{corpus}@{budget}"
     prompts = job_prompts(corpus, tok, args.prompts, args.max_prompt_tokens)
-    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=not args.eos)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=not args.eos)
     max_seq_len = max(map(len, prompts)) + args.new_tokens
     base, models = job_config(budget, max_seq_len, args.dtype)
     profile = load_or_measure(base, log=lambda m: print(f"[{name}] {m}", flush=True), open_engine=Engine)

@@ -38,7 +38,7 @@ def resident_greedy(tiny_models):  # noqa: ANN001, ANN201
     def get(name: str) -> list[list[int]]:
         if name not in cache:
             engine = Engine(EngineConfig(tiny_models[name], max_batch_size=3))
-            params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
             cache[name] = [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)]
         return cache[name]
 

@@ -394,7 +394,7 @@ def test_online_replanning_turns_speculation_off_and_merges_the_batches(tiny_mod
     monkeypatch.setattr(batches_module.Batches, "_new_wave", lambda self, b: (waves.append(len(b.rows)),
                                                                            real_wave(self, b))[1])
     prompts = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(12)]
-    greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     target = tiny_models["llama"]
     ref = Engine(EngineConfig(target, max_batch_size=4)).generate(prompts, greedy)
     waves.clear()  # (the resident reference runs the same pipeline: its one wave of 4)

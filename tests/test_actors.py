@@ -33,8 +33,9 @@ from specoffload.runtime.offload.workers import WeightPlan
 from specoffload.runtime.sampling import SamplingParams
 
 PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
-GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
-LONG = SamplingParams(max_new_tokens=16, ignore_eos=True)  # long enough to kill an actor mid-generation
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_new_tokens=16,
+                      ignore_eos=True)  # long enough to kill an actor mid-generation
 SEEN_PIDS: set[int] = set()  # every process of the shared Ray engine, killed ones included
 
 

@@ -55,7 +55,7 @@ def test_rows_parse_n_and_logprobs() -> None:
 
 def test_chunk_jobs_are_one_per_sample_with_distinct_reproducible_keys() -> None:
     two = RowJob(RowRequest(4, 5), (1, 2), SamplingParams(n=2, temperature=1.0))
-    one = RowJob(RowRequest(5, 6), (3,), SamplingParams())
+    one = RowJob(RowRequest(5, 6), (3,), SamplingParams(temperature=0.0))
     chunk = Chunk(2, (two, RowError(6, 7, "empty_prompt", "x"), one))
     jobs = chunk.jobs
     assert [(j.index, j.sample, j.key) for j in jobs] == [(4, 0, 4), (4, 1, "4:1"), (5, 0, 5)]
@@ -77,7 +77,7 @@ def _sample(tokens: list[int]) -> RowResult:
 def test_completion_and_chat_logprobs_shapes() -> None:
     fmt = OpenAIBatchFormat()
     req = RowRequest(0, 1, "completions", prompt=(5,), custom_id="a")
-    job = RowJob(req, (5,), SamplingParams(n=2, logprobs=2))
+    job = RowJob(req, (5,), SamplingParams(temperature=0.0, n=2, logprobs=2))
     row = fmt.result_row(job, [_sample([10, 11]), _sample([12, 13])], "m", tokenizer=_Tok())
     body = row["response"]["body"]
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["usage"]["completion_tokens"] == 4
@@ -87,7 +87,7 @@ def test_completion_and_chat_logprobs_shapes() -> None:
     assert lp["text_offset"] == [0, 4]
 
     chat = RowJob(RowRequest(1, 2, "chat", messages=({"role": "user", "content": "x"},), custom_id="c"), (5,),
-                  SamplingParams(logprobs=2))
+                  SamplingParams(temperature=0.0, logprobs=2))
     body = fmt.result_row(chat, _sample([10, 11]), "m", tokenizer=_Tok())["response"]["body"]
     (choice,) = body["choices"]
     assert body["object"] == "chat.completion" and choice["index"] == 0
@@ -97,13 +97,14 @@ def test_completion_and_chat_logprobs_shapes() -> None:
     assert content[1]["top_logprobs"] == [{"token": "<99>", "logprob": -0.1, "bytes": list(b"<99>")},
                                           {"token": "<7>", "logprob": -2.0, "bytes": list(b"<7>")}]
     neg_inf = RowResult((3,), None, "length", logprobs=(((3, -math.inf, 9),),))
-    lp = fmt.result_row(RowJob(req, (5,), SamplingParams(logprobs=0)), neg_inf, "m")["response"]["body"]
+    lp = fmt.result_row(RowJob(req, (5,), SamplingParams(temperature=0.0, logprobs=0)), neg_inf,
+                        "m")["response"]["body"]
     assert lp["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0]  # JSON has no infinity
     assert lp["choices"][0]["logprobs"]["tokens"] == ["token_id:3"] and lp["choices"][0]["token_ids"] == [3]
 
 
 def test_simple_rows_are_unchanged() -> None:
-    job = RowJob(RowRequest(2, 3, prompt="p"), (1,), SamplingParams())
+    job = RowJob(RowRequest(2, 3, prompt="p"), (1,), SamplingParams(temperature=0.0))
     row = SimpleFormat().result_row(job, RowResult((4, 5), "ab", "length", 2, 1), "m")
     assert row == {"index": 2, "prompt": "p", "text": "ab", "token_ids": [4, 5], "finish_reason": "length",
                    "num_drafted": 2, "num_accepted": 1}
@@ -144,7 +145,7 @@ def test_n_samples_round_trip_reproducible_and_resumed(tiny_models, tmp_path, ca
     assert got[0][0]["logprobs"] is None
 
     engine = Engine(EngineConfig(tiny_models["llama"]))
-    (ref,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3))
+    (ref,) = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3))
     lp = got[5][0]["logprobs"]
     assert got[5][0]["token_ids"] == ref.token_ids
     # the target's log-probabilities (fp32; batched verify beside other rows: to 1e-4)

@@ -26,7 +26,7 @@ from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
 
 NAME = "model.layers.1.mlp.down_proj.weight"
-GREEDY = SamplingParams(max_new_tokens=4, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

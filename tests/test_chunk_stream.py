@@ -19,7 +19,7 @@ pytest.importorskip("ray")
 from specoffload.actors.coordinator import ChunkStream  # noqa: E402 (needs ray)
 
 PROMPTS = OFFLOAD_PROMPTS
-PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 12, 3, 12, 2, 12, 3)]
+PARAMS = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (2, 12, 3, 12, 2, 12, 3)]
 HOT = SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
 
 

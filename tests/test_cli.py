@@ -50,7 +50,7 @@ def test_generate_offloaded_with_trace_and_placement(tiny_models, tmp_path, caps
     prompts.write_text(json.dumps({"token_ids": [5, 6, 7]}) + "\n" + json.dumps({"token_ids": [9, 4]}) + "\n")
     out, trace = tmp_path / "out.jsonl", tmp_path / "trace.json"
     common = ["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts), "--max-new-tokens", "5",
-              "--ignore-eos", "--no-progress"]
+              "--ignore-eos", "--no-progress", "--temperature", "0"]
     assert main([*common, "-o", str(tmp_path / "ref.jsonl")]) == 0
     rc = main([*common, "-o", str(out), "--draft", str(tiny_models["draft"]), "--device-memory", "1000KiB",
                "--max-seq-len", "32", "--batch-size", "2", "-k", "2", "--show-placement", "--trace", str(trace)])
@@ -182,7 +182,8 @@ def test_openai_batch_with_bad_rows_honours_each_rows_parameters(tiny_models, tm
     batch, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
     batch.write_text("\n".join(lines) + "\n")
     cli = ["generate", "--target", str(tiny_models["llama"]), "--prompts", str(batch), "-o", str(out),
-           "--max-new-tokens", "3", "--ignore-eos", "--max-seq-len", "32", "--chunk-size", "3", "--no-progress"]
+           "--max-new-tokens", "3", "--ignore-eos", "--max-seq-len", "32", "--chunk-size", "3", "--no-progress",
+           "--temperature", "0"]  # (a row without its own temperature takes the command line's)
     rc = main(cli)
     err = capsys.readouterr().err
     assert rc == 0  # finished, with failed rows (as `vllm run-batch`: they are in the output)
@@ -194,10 +195,12 @@ def test_openai_batch_with_bad_rows_honours_each_rows_parameters(tiny_models, tm
                       "long": "prompt_too_long", "chat": "invalid_parameter"}
     ok = {r["custom_id"]: r["response"]["body"]["choices"][0]["token_ids"] for r in rows if r["error"] is None}
     engine = Engine(EngineConfig(tiny_models["llama"], max_seq_len=32))
-    ref = engine.generate([[5, 6, 7], [9, 4], [3, 8]], [SamplingParams(max_new_tokens=4, ignore_eos=True),
+    ref = engine.generate([[5, 6, 7], [9, 4], [3, 8]], [SamplingParams(temperature=0.0, max_new_tokens=4,
+                                                                       ignore_eos=True),
                                                        SamplingParams(max_new_tokens=6, temperature=1.0, seed=3,
                                                                       ignore_eos=True),
-                                                       SamplingParams(max_new_tokens=3, ignore_eos=True)],
+                                                       SamplingParams(temperature=0.0, max_new_tokens=3,
+                                                                      ignore_eos=True)],
                           keys=[0, 2, 7])  # the rows' indices in the file: their random streams' keys
     assert ok == {"greedy": ref[0].token_ids, "hot": ref[1].token_ids, "default": ref[2].token_ids}
     assert [len(ids) for ids in ok.values()] == [4, 6, 3]  # each row's own max_tokens, else --max-new-tokens
@@ -270,10 +273,11 @@ def test_vllm_flag_names_version_and_help(tiny_models, tmp_path, capsys):
     old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
     assert main(["generate", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["qwen2_draft"]),
                  "--prompts", str(prompts), "-o", str(old), "--max-new-tokens", "5", "--max-seq-len", "32",
-                 "-k", "2", "--dtype", "float32", "--no-progress"]) == 0
+                 "-k", "2", "--dtype", "float32", "--no-progress", "--temperature", "0"]) == 0
     assert main(["generate", "--model", str(tiny_models["llama"]), "--speculative-model",
                  str(tiny_models["qwen2_draft"]), "--prompts", str(prompts), "-o", str(new), "--max-tokens", "5",
-                 "--max-model-len", "32", "--num-speculative-tokens", "2", "--dtype", "auto", "--no-progress"]) == 0
+                 "--max-model-len", "32", "--num-speculative-tokens", "2", "--dtype", "auto", "--no-progress",
+                 "--temperature", "0"]) == 0
     assert [json.loads(x)["token_ids"] for x in old.read_text().splitlines()] == \
         [json.loads(x)["token_ids"] for x in new.read_text().splitlines()]
     capsys.readouterr()
@@ -286,8 +290,9 @@ def test_vllm_flag_names_version_and_help(tiny_models, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    for shown in ("--model DIR, --target DIR", "--max-tokens N, --max-new-tokens N", "(default: 128)",
-                  "--dtype {auto,float32,bfloat16,float16}", "(default: auto)", "temperature", "(default: 0.0)"):
+    for shown in ("--model DIR, --target DIR", "--max-tokens N, --max-new-tokens N", "(vLLM's default: 16)",
+                  "--dtype {auto,float32,bfloat16,float16}", "(default: auto)", "temperature", "(vLLM's default: 1.0)",
+                  "unset: the model's generation_config.json, else vLLM's defaults"):
         assert shown in help_text, shown
     for group in ("model:", "sampling", "job:", "memory and offload", "Ray:", "diagnostics:"):
         assert group in help_text, group
@@ -306,7 +311,7 @@ def test_openai_batch_round_trip_schema(tiny_models, tmp_path, capsys):
     batch, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
     batch.write_text("\n".join(lines) + "\n")
     cli = ["generate", "--model", str(tiny_models["llama"]), "--prompts", str(batch), "-o", str(out),
-           "--ignore-eos", "--no-progress"]
+           "--ignore-eos", "--no-progress", "--temperature", "0"]
     assert main(cli) == 0
     assert "2 of 4 rows failed" in capsys.readouterr().err
     first = _rows(out)
@@ -331,7 +336,8 @@ def test_openai_batch_round_trip_schema(tiny_models, tmp_path, capsys):
     from specoffload.runtime import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(tiny_models["llama"]))
-    ref = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True, presence_penalty=0.5,
+    ref = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                      presence_penalty=0.5,
                                                       repetition_penalty=1.3, min_tokens=2))
     assert first[0]["response"]["body"]["choices"][0]["token_ids"] == ref[0].token_ids
 
@@ -409,3 +415,40 @@ def test_a_misspelt_flag_names_the_closest_one(tiny_models, tmp_path, capsys):
     assert exit_.value.code == 2
     assert "unrecognized arguments: --num-speculative-token 2 (did you mean --num-speculative-tokens?)" in \
         capsys.readouterr().err
+
+
+def test_unset_sampling_flags_take_the_models_defaults_and_say_so(tiny_models, tmp_path, capsys):
+    """As vLLM: an unset sampling flag takes the model's generation_config.json, else SamplingParams' own (vLLM's)
+    defaults, temperature 1.0 and 16 tokens; the job states them on one line; a flag given wins."""
+    import shutil
+
+    from specoffload.runtime.sampling import SamplingParams
+
+    assert (SamplingParams().temperature, SamplingParams().max_tokens) == (1.0, 16)  # vLLM's
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"], model)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": [5 + i, 6, 7]}) + "\n" for i in range(3)))
+    out = tmp_path / "o.jsonl"
+    cli = ["generate", "--model", str(model), "--prompts", str(prompts), "-o", str(out), "--overwrite",
+           "--ignore-eos", "--progress-interval", "0"]
+    assert main(cli) == 0
+    err = capsys.readouterr().err
+    assert "sampling: temperature 1, top-p 1, top-k off, repetition penalty 1, at most 16 new tokens per prompt " \
+           "(from vLLM's defaults" in err
+    sampled = _rows(out)
+    assert all(len(r["token_ids"]) == 16 for r in sampled)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(config | {"do_sample": False, "max_new_tokens": 7,
+                                                                       "repetition_penalty": 1.1}))
+    assert main(cli) == 0
+    err = capsys.readouterr().err
+    assert "sampling: greedy, repetition penalty 1.1, at most 7 new tokens per prompt (from generation_config.json " \
+           "(repetition_penalty 1.1, max_tokens 7, do_sample false: greedy) over vLLM's defaults)" in err
+    greedy = _rows(out)
+    assert main([*cli, "--max-tokens", "5", "--repetition-penalty", "1.1", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "at most 5 new tokens per prompt (--max-new-tokens, --temperature, --repetition-penalty given; the rest " \
+           "from generation_config.json" in err
+    assert [r["token_ids"] for r in _rows(out)] == [r["token_ids"][:5] for r in greedy]  # greedy: a prefix
+    assert all(len(r["token_ids"]) == 7 for r in greedy)

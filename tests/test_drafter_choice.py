@@ -36,7 +36,7 @@ _rng = random.Random(0)
 #: eight prompts of random tokens below 200 ending at 200 + 36 i: each output counts up from there, through tokens no
 #: prompt and no other row's output holds
 RANDOM = [[_rng.randrange(3, 200) for _ in range(40)] + [200 + 36 * i] for i in range(8)]
-PARAMS = SamplingParams(max_new_tokens=32, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_plan_drafter_auto_prints_the_comparison(counting, tiny_models, tmp_path
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in REPETITIVE[:4]))
     rc = main(["plan", "--target", str(counting), "--drafter", "auto", "--device-memory", "700KiB", "--prompts",
-               str(prompts), "--max-new-tokens", "16", "--quick-profile"])
+               str(prompts), "--max-new-tokens", "16", "--quick-profile", "--temperature", "0"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "| drafter | k | batch | measured acceptance / match rate |" in out
@@ -160,7 +160,8 @@ def test_generate_drafter_auto_runs_the_chosen_drafter_losslessly(counting, tmp_
     prompts.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in REPETITIVE[:4]))
     out = tmp_path / "out.jsonl"
     rc = main(["generate", "--target", str(counting), "--drafter", "auto", "--device-memory", "700KiB", "--prompts",
-               str(prompts), "--max-new-tokens", "12", "--ignore-eos", "--no-progress", "-o", str(out)])
+               str(prompts), "--max-new-tokens", "12", "--ignore-eos", "--no-progress", "-o", str(out),
+               "--temperature", "0"])
     err = capsys.readouterr().err
     assert rc == 0 and "--drafter auto: " in err and "| drafter | k | batch |" in err
     rows = [json.loads(line) for line in out.read_text().splitlines()]

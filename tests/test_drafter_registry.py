@@ -32,7 +32,7 @@ from specoffload.runtime.planning import ModelPair
 from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 
-GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
 FIXED_TOKEN = 3
 
 

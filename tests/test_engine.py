@@ -41,7 +41,7 @@ def references(tiny_models):
 def test_plain_decoding_matches_transformers(tiny_models, references, family):
     # max_batch_size 2 < 5 prompts: finished rows are refilled from the queue (continuous batching).
     engine = Engine(EngineConfig(target=tiny_models[family], max_batch_size=2))
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
     assert [r.token_ids for r in results] == references[family]
     assert [r.index for r in results] == list(range(len(PROMPTS)))
     assert all(r.num_drafted == 0 for r in results)
@@ -52,7 +52,7 @@ def test_plain_decoding_matches_transformers(tiny_models, references, family):
 def test_unrelated_draft_is_lossless(tiny_models, references, family, k):
     engine = Engine(EngineConfig(target=tiny_models[family], draft=tiny_models["draft"], num_draft_tokens=k,
                                  max_batch_size=3))
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
     assert [r.token_ids for r in results] == references[family]
     assert sum(r.num_drafted for r in results) > 0
 
@@ -61,7 +61,7 @@ def test_unrelated_draft_is_lossless(tiny_models, references, family, k):
 def test_target_as_its_own_draft_accepts_everything(tiny_models, references, k):
     path = tiny_models["mixtral"]
     engine = Engine(EngineConfig(target=path, draft=path, num_draft_tokens=k, max_batch_size=4))
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
     assert [r.token_ids for r in results] == references["mixtral"]
     drafted = sum(r.num_drafted for r in results)
     accepted = sum(r.num_accepted for r in results)
@@ -76,11 +76,12 @@ def test_stop_ids_and_eos(tiny_models, references):
     ref = references["llama"][0]
     stop = ref[4]
     engine = Engine(EngineConfig(target=tiny_models["llama"], draft=tiny_models["draft"], num_draft_tokens=3))
-    (res,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=NEW_TOKENS, stop_token_ids=(stop,)))
+    (res,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS,
+                                                          stop_token_ids=(stop,)))
     cut = ref.index(stop) + 1
     assert res.token_ids == ref[:cut]
     assert res.finish_reason == "stop"
-    (res,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=3))
+    (res,) = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=3))
     assert res.token_ids == ref[:3] and res.finish_reason == "length"
 
 
@@ -105,7 +106,7 @@ def test_bfloat16_is_lossless_and_close_to_float32(tiny_models):
     TOL = 2% of that position's logit range."""
     from specoffload.runtime.models.model import Transformer
 
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     target = tiny_models["mixtral"]
     plain = Engine(EngineConfig(target=target, dtype="bfloat16")).generate(PROMPTS, params)
     spec = Engine(EngineConfig(target=target, draft=tiny_models["draft"], dtype="bfloat16",

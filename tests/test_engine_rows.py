@@ -8,7 +8,7 @@ import pytest
 from specoffload.runtime import Engine, EngineConfig, SamplingParams
 
 PROMPTS = [[5, 6, 7], [9, 4], [3, 8, 11, 2], [7], [12, 13]]
-GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 HOT = SamplingParams(max_new_tokens=5, temperature=1.0, seed=11, ignore_eos=True)
 
 
@@ -16,8 +16,8 @@ HOT = SamplingParams(max_new_tokens=5, temperature=1.0, seed=11, ignore_eos=True
 def test_per_row_params_equal_running_each_group_alone(tiny_models, single_thread, offloaded):
     extra = dict(device_memory="1000KiB", max_seq_len=32, max_batch_size=2) if offloaded else {}
     engine = Engine(EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], num_draft_tokens=2, **extra))
-    short = SamplingParams(max_new_tokens=2, ignore_eos=True)  # greedy too: same group as GREEDY
-    stop = SamplingParams(max_new_tokens=6, stop_token_ids=(999,))  # greedy, stops on EOS
+    short = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)  # greedy too: same group as GREEDY
+    stop = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=(999,))  # greedy, stops on EOS
     per_row = [GREEDY, HOT, short, HOT, stop]
     mixed = engine.generate(PROMPTS, per_row)
     assert engine.last_stats.num_prompts == 5 and engine.last_stats.generated_tokens == 6 + 5 + 2 + 5 + len(
@@ -51,7 +51,7 @@ def test_a_stream_prices_the_prefill_share_at_the_running_mean_prompt(tiny_model
     from specoffload.runtime.sampling import SamplingParams
 
     engine = Engine(EngineConfig(tiny_models["llama"], device_memory="1GiB", max_batch_size=2, max_seq_len=32))
-    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
     rows = [([1, 5, 6, 7], params, 0), ([1, 9], params, 1)]
     assert engine.replanner.prompt_len is None
     list(engine.stream(iter(rows)))

@@ -19,7 +19,7 @@ from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 
 PROMPTS = OFFLOAD_PROMPTS
-UNEVEN = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 12, 3, 12, 2, 12, 3)]
+UNEVEN = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (2, 12, 3, 12, 2, 12, 3)]
 HOT = SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
 
 

@@ -461,7 +461,7 @@ def test_offloaded_engine_on_paged_kv_matches_the_resident_engine(tiny_models, r
         return original(batch, layer, slot, hidden, token_mask)
 
     attention.attention = spy
-    out = engine.generate(OFFLOAD_PROMPTS, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    out = engine.generate(OFFLOAD_PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
     assert [r.token_ids for r in out] == resident_greedy(target)
     assert seen and set(seen) == {PagedKVCache}
     assert attention.free_blocks() == attention.pool.num_blocks and not attention.caches
@@ -494,7 +494,7 @@ def test_cli_kv_block_size(tiny_models, tmp_path, capsys) -> None:
         out = tmp_path / f"out{size}.jsonl"
         rc = main(["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts), "--max-new-tokens",
                    "5", "--ignore-eos", "--no-progress", "--device-memory", "1000KiB", "--max-seq-len", "32",
-                   "--batch-size", "2", "--kv-block-size", size, "-o", str(out)])
+                   "--batch-size", "2", "--kv-block-size", size, "-o", str(out), "--temperature", "0"])
         assert rc == 0, capsys.readouterr().err
         outputs.append([json.loads(line)["token_ids"] for line in out.read_text().splitlines()])
     assert outputs[0] == outputs[1] and all(len(t) == 5 for t in outputs[0])

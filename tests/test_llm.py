@@ -24,7 +24,7 @@ def chat_models(tiny_models, tmp_path_factory):
 
 
 def test_generate_is_vllm_shaped_and_equals_the_engine(chat_models, single_thread) -> None:
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(model=chat_models["llama"], draft=chat_models["qwen2_draft"], num_speculative_tokens=2,
              max_num_seqs=2) as llm:
         outs = llm.generate(["def add(a, b):", {"prompt_token_ids": [1, 5, 9]}, "x"], params)
@@ -70,15 +70,16 @@ def test_stop_strings(chat_models, single_thread, draft) -> None:
     """A stop string ends the run at the token that completes it; the text is cut before it (kept with
     include_stop_str_in_output); stop_reason names it. With the target drafting for itself the result is the
     same as without a draft."""
-    base = SamplingParams(max_tokens=24, ignore_eos=True)
+    base = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm = LLM(model=chat_models["llama"], draft=chat_models[draft] if draft else None, num_speculative_tokens=3)
     free = llm.generate("hello", base)[0].outputs[0]
     stop = free.text[6:8]  # spans two tokens (one character each)
     cut = free.text.find(stop)
-    out = llm.generate("hello", SamplingParams(max_tokens=24, ignore_eos=True, stop=stop))[0].outputs[0]
+    out = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                               stop=stop))[0].outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == (free.text[:cut], "stop", stop)
     assert out.token_ids == free.token_ids[: cut + len(stop)]
-    kept = llm.generate("hello", SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop, "\u0000"],
+    kept = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop, "\u0000"],
                                                 include_stop_str_in_output=True))[0].outputs[0]
     assert kept.text == free.text[: cut + len(stop)]
     llm.shutdown()
@@ -92,7 +93,7 @@ def test_a_job_row_is_cut_at_its_stop_string_by_the_engine(chat_models, single_t
     from specoffload.runtime.cli import main
 
     llm = LLM(model=chat_models["llama"])
-    free = llm.generate("hello", SamplingParams(max_tokens=24, ignore_eos=True))[0].outputs[0]
+    free = llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0]
     llm.shutdown()
     stop = free.text[6:8]
     cut = free.text.find(stop)
@@ -100,7 +101,7 @@ def test_a_job_row_is_cut_at_its_stop_string_by_the_engine(chat_models, single_t
     prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
     out = tmp_path / "o.jsonl"
     assert main(["generate", "--model", str(chat_models["llama"]), "--prompts", str(prompts), "-o", str(out),
-                 "--max-tokens", "24", "--ignore-eos", "--stop", stop, "--no-progress"]) == 0
+                 "--max-tokens", "24", "--ignore-eos", "--stop", stop, "--no-progress", "--temperature", "0"]) == 0
     row = json.loads(out.read_text())
     assert (row["text"], row["finish_reason"]) == (free.text[:cut], "stop")
     assert row["token_ids"] == free.token_ids[: cut + len(stop)]
@@ -109,10 +110,10 @@ def test_a_job_row_is_cut_at_its_stop_string_by_the_engine(chat_models, single_t
 def test_chat_and_prompt_errors(chat_models, single_thread) -> None:
     llm = LLM(model=chat_models["llama"])
     convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    one = llm.chat(convo, SamplingParams(max_tokens=4))
+    one = llm.chat(convo, SamplingParams(temperature=0.0, max_tokens=4))
     assert one[0].prompt == "<|system|>Be brief.\n<|user|>hi\n<|assistant|>"
     assert one[0].prompt_token_ids == llm.get_tokenizer().encode(one[0].prompt, add_special_tokens=False)
-    two = llm.chat([convo, convo[1:]], SamplingParams(max_tokens=4))
+    two = llm.chat([convo, convo[1:]], SamplingParams(temperature=0.0, max_tokens=4))
     assert len(two) == 2 and two[0].outputs[0].token_ids == one[0].outputs[0].token_ids
     with pytest.raises(PromptError, match="use LLM.chat"):
         llm.generate([convo])
@@ -144,7 +145,7 @@ def test_vllm_engine_spellings(chat_models, single_thread) -> None:
     single-device settings pass, those that would change something are refused in one line with what to use; a
     misspelt keyword names the closest one."""
     target, draft = chat_models["llama"], chat_models["qwen2_draft"]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     via_config = LLM(target, speculative_config={"model": str(draft), "num_speculative_tokens": 3},
                      tensor_parallel_size=1, enforce_eager=True, trust_remote_code=False)
     assert via_config.config.drafter_name == "model" and via_config.config.num_draft_tokens == 3

@@ -123,9 +123,9 @@ def test_a_round_hands_out_each_rows_proposal_then_no_token():
     drafter.reset(0, 2, 64)
     assert drafter.lengths(0) == [0, 0]
     ids = torch.tensor([[4, 5, 6, 4, 5], [7, 8, 9, 0, 0]])  # row 1: three tokens, no repeat
-    first, probs = drafter.propose(0, ids, torch.tensor([5, 3]), SamplingParams())
+    first, probs = drafter.propose(0, ids, torch.tensor([5, 3]), SamplingParams(temperature=0.0))
     assert probs is None and first.tolist() == [6, NO_TOKEN]
-    second, _ = drafter.propose(0, first[:, None], torch.ones(2, dtype=torch.long), SamplingParams())
+    second, _ = drafter.propose(0, first[:, None], torch.ones(2, dtype=torch.long), SamplingParams(temperature=0.0))
     assert second.tolist() == [4, NO_TOKEN]  # [6, 4, 5]: what followed [4, 5]
     drafter.truncate(0, [5, 3])  # the target rejected everything: back to the committed tokens
     assert drafter.lengths(0) == [5, 3] and drafter.rows[0][0].tokens == [4, 5, 6, 4, 5]
@@ -138,14 +138,16 @@ def test_suffix_drafter_learns_from_finished_rows():
     drafter = SuffixDrafter(max_tokens=4, max_depth=8, min_prob=0.1, spec_factor=4.0)
     drafter.reset(0, 1, 64)
     drafter.lengths(0)
-    drafter.propose(0, torch.tensor([[10, 11, 12]]), torch.tensor([3]), SamplingParams())  # prompt + 1st token
+    drafter.propose(0, torch.tensor([[10, 11, 12]]), torch.tensor([3]),
+                    SamplingParams(temperature=0.0))  # prompt + 1st token
     drafter.truncate(0, [3])
     drafter.lengths(0)
-    drafter.propose(0, torch.tensor([[13, 14, 15, 16]]), torch.tensor([4]), SamplingParams())  # its output
+    drafter.propose(0, torch.tensor([[13, 14, 15, 16]]), torch.tensor([4]),
+                    SamplingParams(temperature=0.0))  # its output
     drafter.reset_rows(0, [0], 64)  # it finished: [12, 13, 14, 15, 16] is an output now
     assert drafter.outputs == [[12, 13, 14, 15, 16]]
     drafter.lengths(0)
-    token, _ = drafter.propose(0, torch.tensor([[1, 13, 14]]), torch.tensor([3]), SamplingParams())
+    token, _ = drafter.propose(0, torch.tensor([[1, 13, 14]]), torch.tensor([3]), SamplingParams(temperature=0.0))
     assert token.tolist() == [15] and drafter.last.tokens == (15, 16) and drafter.last.score > 0
 
 
@@ -197,7 +199,7 @@ def test_bad_settings_are_one_config_error(tiny_models, kwargs, match):
 
 #: prompts that repeat themselves, so that prompt lookup and suffix matching find matches from the first round
 REPEATING = [([1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] * 3)[: 4 + i] for i in range(7)]
-GREEDY = SamplingParams(max_new_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

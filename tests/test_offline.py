@@ -113,7 +113,7 @@ def test_format_detection(tmp_path: Path) -> None:
 
 
 def test_result_rows_of_both_formats() -> None:
-    job = RowJob(RowRequest(3, 4, "completions", prompt=(1, 2), custom_id="x"), (1, 2), SamplingParams())
+    job = RowJob(RowRequest(3, 4, "completions", prompt=(1, 2), custom_id="x"), (1, 2), SamplingParams(temperature=0.0))
     result = RowResult((7, 8, 9), None, "length", 4, 3)
     line = OpenAIBatchFormat().result_row(job, result, "tiny")
     body = line["response"]["body"]
@@ -122,11 +122,12 @@ def test_result_rows_of_both_formats() -> None:
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
     assert body["model"] == "tiny" and body["object"] == "text_completion"
     chat = RowJob(RowRequest(0, 1, "chat", messages=({"role": "user", "content": "q"},), custom_id="y"), (1,),
-                  SamplingParams())
+                  SamplingParams(temperature=0.0))
     chat_body = OpenAIBatchFormat().result_row(chat, RowResult((5,), "hi", "stop"), "m")["response"]["body"]
     assert chat_body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert "token_ids" not in chat_body["choices"][0]
-    simple = SimpleFormat().result_row(RowJob(RowRequest(2, 3, prompt="p"), (1,), SamplingParams()), result, "m")
+    simple = SimpleFormat().result_row(RowJob(RowRequest(2, 3, prompt="p"), (1,), SamplingParams(temperature=0.0)),
+                                       result, "m")
     assert simple == {"index": 2, "prompt": "p", "text": None, "token_ids": [7, 8, 9], "finish_reason": "length",
                       "num_drafted": 4, "num_accepted": 3}
 
@@ -304,7 +305,7 @@ def test_dump_row_escapes_unicode_line_breaks() -> None:
 
 
 def _jobs(n: int) -> list:
-    return [RowJob(RowRequest(i, i + 1, prompt=(i,)), (i,), SamplingParams()) if i % 3 else
+    return [RowJob(RowRequest(i, i + 1, prompt=(i,)), (i,), SamplingParams(temperature=0.0)) if i % 3 else
             RowError(i, i + 1, "invalid_json", "bad") for i in range(n)]
 
 
@@ -315,7 +316,7 @@ def test_chunks_keep_error_rows_in_place_and_release_in_order() -> None:
     assert [len(c.jobs) for c in chunks] == [2, 2, 0]
     assert errors_only(chunks[2]) is not None and errors_only(chunks[0]) is None
     prompts, params, keys = chunks[0].payload()
-    assert prompts == [[1], [2]] and params[0]["max_new_tokens"] == 128
+    assert prompts == [[1], [2]] and params[0]["max_new_tokens"] == 16  # (SamplingParams' default: vLLM's)
     assert keys == [r.index for r in chunks[0].jobs]  # each row's own random-stream key
     order = InOrder(first=0)
     done = [ChunkDone(c, ()) for c in chunks]

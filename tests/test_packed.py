@@ -128,7 +128,7 @@ def _assert_same(a, b) -> int:
 
 @pytest.mark.parametrize("target", ["qwen2_moe", "llama"])
 def test_speculation_on_a_packed_target_is_lossless(tiny_models, int8, target, single_thread):
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     base = EngineConfig(target=int8(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
                         packed_weights="on", num_draft_tokens=0)
     lo = Engine(base).minimum_device_memory()

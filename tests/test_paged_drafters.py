@@ -33,7 +33,7 @@ def test_block_kv_equals_contiguous_kv_for_every_drafter(tiny_models, drafter, b
     extra = {"draft": tiny_models["qwen2_draft"]} if drafter == "model" else {}
     config = EngineConfig(tiny_models["qwen2_moe"], drafter=drafter, max_batch_size=batch, num_draft_tokens=k,
                           device_memory="1GiB", kv_block_size=block, **extra)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     if tight:
         roomy = Engine(config)
         config = replace(config, device_memory=roomy.minimum_device_memory())

@@ -14,7 +14,7 @@ from specoffload.runtime.offload import profiler
 from specoffload.runtime.sampling import SamplingParams
 
 PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(6)]
-GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(autouse=True)
@@ -104,9 +104,9 @@ def test_a_job_that_finds_the_profile_off_marks_it_stale(tiny_models, profile_di
     assert engine.replanner.profile is not None
     prompts = [[3 + i, 9, 27, 40 + i] for i in range(2)]
     with caplog.at_level("WARNING", logger="specoffload.offload"):
-        out = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
-    ref = Engine(EngineConfig(tiny_models["llama"], max_batch_size=2)).generate(prompts, SamplingParams(
-        max_new_tokens=40, ignore_eos=True))
+        out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    ref = Engine(EngineConfig(tiny_models["llama"], max_batch_size=2)).generate(prompts, greedy)
     assert [r.token_ids for r in out] == [r.token_ids for r in ref]
     assert engine.replanner.profile_off is not None and engine.replanner.profile_off > 1.25
     assert len([r for r in caplog.records if "hardware profile predicts" in r.getMessage()]) == 1

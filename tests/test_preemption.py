@@ -39,7 +39,7 @@ def test_preempted_rows_finish_with_the_resident_engines_greedy_tokens(tiny_mode
     policy, attention = engine.placement.policy, engine.workers.attention
     # the pool is the floor, one full row (24 + k + 1 positions) per batch, not the rows' real use
     assert attention.pool.num_blocks == policy.kv_blocks == policy.num_batches * -(-engine.plan.kv_capacity // 4)
-    out = engine.generate(OFFLOAD_PROMPTS, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    out = engine.generate(OFFLOAD_PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
     assert [r.token_ids for r in out] == resident_greedy(TARGET)
     assert engine.pipeline.batches.preempted > 0 and engine.last_stats.preempted == engine.pipeline.batches.preempted
     assert attention.free_blocks() == attention.pool.num_blocks
@@ -98,7 +98,7 @@ def test_a_batch_that_lost_rows_regrows(tiny_models, resident_greedy, draft) -> 
     prompts = OFFLOAD_PROMPTS * 3  # 21 requests: many wait while the first ones run
     try:
         Batches.preempt = spy
-        out = engine.generate(prompts, SamplingParams(max_new_tokens=10, ignore_eos=True))
+        out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
     finally:
         Batches.preempt = original
     assert [r.token_ids for r in out] == resident_greedy(TARGET) * 3
@@ -121,7 +121,7 @@ def test_preemption_over_the_wire_matches_the_local_backend(tiny_models, residen
     roles = RoleWorkers(InProcessGroup(config, ["prefetch", "attention", "verifier", "draft"]))
     engine = Engine(config, plan=plan, workers=roles, recovery=roles)
     try:
-        out = engine.generate(OFFLOAD_PROMPTS * 2, SamplingParams(max_new_tokens=10, ignore_eos=True))
+        out = engine.generate(OFFLOAD_PROMPTS * 2, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
         assert [r.token_ids for r in out] == resident_greedy(TARGET) * 2
         assert engine.pipeline.batches.preempted > 0
         assert roles.proxies["attention"].free_blocks() == engine.placement.policy.kv_blocks

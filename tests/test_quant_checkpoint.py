@@ -25,7 +25,7 @@ from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 
-GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 # group 32: the tiny models' FFN widths are 96, 128, 32 and 48 (the last pads its second group)
 SPECS = {"int8": weight_format("int8"), "int4": weight_format("int4", 32)}
 

@@ -20,7 +20,7 @@ def test_map_batches_gives_the_cli_jobs_outputs(tiny_models, tmp_path) -> None:
     path.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
     out = tmp_path / "o.jsonl"
     assert main(["generate", "--model", str(tiny_models["llama"]), "--prompts", str(path), "-o", str(out),
-                 "--max-tokens", "6", "--ignore-eos", "--batch-size", "8"]) == 0
+                 "--max-tokens", "6", "--ignore-eos", "--batch-size", "8", "--temperature", "0"]) == 0
     cli = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
 
     rows = [{"prompt": p, "id": i} for i, p in enumerate(prompts)] + [{"prompt": [1, 100000], "id": 64}]
@@ -31,7 +31,7 @@ def test_map_batches_gives_the_cli_jobs_outputs(tiny_models, tmp_path) -> None:
         ds = ray.data.from_items(rows).map_batches(
             LLMProcessor, concurrency=2, batch_size=16,
             fn_constructor_kwargs={"model": str(tiny_models["llama"]), "max_num_seqs": 8, "dtype": "float32",
-                                   "sampling_params": {"max_tokens": 6, "ignore_eos": True}})
+                                   "sampling_params": {"max_tokens": 6, "ignore_eos": True, "temperature": 0.0}})
         got = sorted(ds.take_all(), key=lambda r: r["id"])
     finally:
         if started:

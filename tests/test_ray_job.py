@@ -97,7 +97,8 @@ def test_job_submit_runs_the_cli_on_the_ray_backend(ray_head, tiny_models, tmp_p
         budget = Engine(EngineConfig(**config)).minimum_device_memory()
         config["device_memory"] = budget
         local = Engine(EngineConfig(**config))
-        expected = [r.token_ids for r in local.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS,
+        expected = [r.token_ids for r in local.generate(PROMPTS, SamplingParams(temperature=0.0,
+                                                                                max_new_tokens=NEW_TOKENS,
                                                                                    ignore_eos=True))]
     finally:
         torch.set_num_threads(old)
@@ -106,7 +107,7 @@ def test_job_submit_runs_the_cli_on_the_ray_backend(ray_head, tiny_models, tmp_p
     cli = ["generate", "--backend", "ray", "--target", config["target"], "--draft", config["draft"],
            "--prompts", str(prompts), "-o", str(out), "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
            "--batch-size", "3", "--max-seq-len", "48", "-k", "3", "--threads", "1", "--device-memory", str(budget),
-           "--chunk-size", "2", "--no-progress"]
+           "--chunk-size", "2", "--no-progress", "--temperature", "0"]
     job = _submit(env, address, *cli)
     assert job["status"] == "SUCCEEDED", job
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -185,7 +186,8 @@ def test_two_replicas_on_two_nodes_resume_and_survive_a_lost_node(ray_cluster, t
     batch.write_text("\n".join(lines) + "\n")
     cli = ["generate", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["qwen2_draft"]),
            "--prompts", str(batch), "--max-new-tokens", "10", "--ignore-eos", "--batch-size", "3", "--max-seq-len",
-           "48", "-k", "3", "--threads", "1", "--device-memory", "1GiB", "--chunk-size", "2", "--no-progress"]
+           "48", "-k", "3", "--threads", "1", "--device-memory", "1GiB", "--chunk-size", "2", "--no-progress",
+           "--temperature", "0"]
     old = torch.get_num_threads()
     try:
         assert main([*cli, "-o", str(ref)]) == 0  # the local backend: the reference rows (and three failed)

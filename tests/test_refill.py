@@ -12,9 +12,9 @@ from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 
 PROMPTS = OFFLOAD_PROMPTS
-GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
 #: rows of very different lengths: a wave waits for its longest, refill does not
-UNEVEN = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 12, 3, 12, 2, 12, 3)]
+UNEVEN = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (2, 12, 3, 12, 2, 12, 3)]
 HOT = SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
 
 
@@ -63,7 +63,7 @@ def test_chunked_prefill_spreads_a_long_prompt_over_passes(tiny_models, single_t
     """One 30-token prompt beside short ones, 4 prompt tokens a pass: the long row joins over 8 passes while the
     others decode; tokens equal the unchunked run's."""
     prompts = [[1, 7, 9], [1, *range(20, 49)], [1, 4]]
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     out = {}
     for chunk in (None, 4):
         engine = _offloaded(tiny_models, draft=None, prefill_chunk=chunk, max_batch_size=3)

@@ -112,8 +112,9 @@ def test_extreme_rows_run_side_by_side(tiny_models, single_thread, offloaded) ->
     engine = Engine(EngineConfig(tiny_models["llama"], draft=tiny_models["llama"], num_draft_tokens=3, **extra))
     prompts = [[1, 5 + i, 9, 33] for i in range(len(EXTREMES))]
     results = engine.generate(prompts, EXTREMES)
-    greedy = engine.generate(prompts[:2], [SamplingParams(max_tokens=6, ignore_eos=True),
-                                           SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=0.01)])
+    greedy = engine.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                          repetition_penalty=0.01)])
     assert [r.token_ids for r in results[:2]] == [r.token_ids for r in greedy]
     for r, p in zip(results, EXTREMES):
         assert len(r.token_ids) == 6 and all(0 <= t < 512 for t in r.token_ids)
@@ -121,5 +122,5 @@ def test_extreme_rows_run_side_by_side(tiny_models, single_thread, offloaded) ->
             values = [lp for entry in r.logprobs for _t, lp, _rank in entry]
             assert len(r.logprobs) == 6 and all(math.isfinite(v) for v in values), values
     with pytest.raises(PromptError, match="request 0: logprobs = 21 is more than max_logprobs = 20"):
-        engine.generate([[1, 5]], SamplingParams(max_tokens=2, logprobs=21))
+        engine.generate([[1, 5]], SamplingParams(temperature=0.0, max_tokens=2, logprobs=21))
     engine.close()

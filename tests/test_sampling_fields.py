@@ -19,16 +19,17 @@ from specoffload.runtime.sampling import sample
 from specoffload.runtime.verify import verify_sampling
 
 PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
-PENALISED = SamplingParams(max_tokens=24, ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.2,
+PENALISED = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.2,
                            repetition_penalty=1.2)
 
 
 def test_vllm_names_and_validation() -> None:
-    p = SamplingParams(max_tokens=7, stop="\n\n", top_k=-1, n=2, logprobs=3)
+    p = SamplingParams(temperature=0.0, max_tokens=7, stop="\n\n", top_k=-1, n=2, logprobs=3)
     assert p.max_new_tokens == p.max_tokens == 7 and p.stop == ("\n\n",) and p.top_k == 0
-    assert SamplingParams(7).max_tokens == 7 and SamplingParams(max_new_tokens=7, max_tokens=7).max_tokens == 7
+    assert SamplingParams(7).max_tokens == 7 and SamplingParams(temperature=0.0, max_new_tokens=7,
+                                                                max_tokens=7).max_tokens == 7
     with pytest.raises(ValueError, match="give one of them"):
-        SamplingParams(max_new_tokens=5, max_tokens=7)
+        SamplingParams(temperature=0.0, max_new_tokens=5, max_tokens=7)
     for bad in (dict(min_tokens=9, max_tokens=8), dict(n=0), dict(logprobs=-1), dict(presence_penalty=3.0),
                 dict(frequency_penalty=float("nan")), dict(repetition_penalty=0.0), dict(stop=[""])):
         with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
@@ -43,7 +44,8 @@ def test_penalties_greedy_identical_under_speculation(tiny_models, single_thread
     extra = dict(device_memory="2MiB", max_seq_len=40, max_batch_size=2) if offloaded else dict(max_batch_size=4)
     plain = Engine(EngineConfig(tiny_models["llama"], **extra))
     reference = [r.token_ids for r in plain.generate(PROMPTS, PENALISED)]
-    unpenalised = [r.token_ids for r in plain.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))]
+    unpenalised = [r.token_ids for r in plain.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24,
+                                                                               ignore_eos=True))]
     assert reference != unpenalised  # the penalties matter on these prompts
     spec = Engine(EngineConfig(tiny_models["llama"], draft=tiny_models["llama"], num_draft_tokens=4, **extra))
     results = spec.generate(PROMPTS, PENALISED)
@@ -60,9 +62,10 @@ def test_min_tokens_and_logprobs_lossless(tiny_models, single_thread) -> None:
     """min_tokens masks the stop ids until that many tokens are out; logprobs are the target's, with or without a
     draft; both leave greedy speculation identical to plain decoding."""
     plain = Engine(EngineConfig(tiny_models["llama"], max_batch_size=4))
-    free = plain.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    free = plain.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     stop_id = free[0].token_ids[2]  # row 0 would stop at its third token
-    params = SamplingParams(max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True, min_tokens=6, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True, min_tokens=6,
+                            logprobs=2)
     spec = Engine(EngineConfig(tiny_models["llama"], draft=tiny_models["llama"], num_draft_tokens=3,
                                max_batch_size=4))
     ours, theirs = plain.generate(PROMPTS, params), spec.generate(PROMPTS, params)

@@ -20,7 +20,7 @@ from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 
 PROMPTS = OFFLOAD_PROMPTS
-GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
 
 
 @pytest.fixture

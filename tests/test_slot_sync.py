@@ -125,7 +125,7 @@ def test_the_pipeline_keeps_the_slot_protocol(tiny_models, minimum, single_threa
     engine = Engine(_config(tiny_models, target, draft, batch, k, budget),
                     workers=functools.partial(local_workers, sync=sync))
     assert engine.placement.streamed_layers  # (short of every weight resident, layers stream)
-    engine.generate(OFFLOAD_PROMPTS[:5], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    engine.generate(OFFLOAD_PROMPTS[:5], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
     engine.close()
     assert check_protocol(sync.log) == []
     calls = {e.call for e in sync.log}
@@ -143,6 +143,6 @@ def test_a_unit_whose_parts_all_load_later_still_claims_its_slot(tiny_models, si
     lo = Engine(config).minimum_device_memory()
     engine = Engine(_config(tiny_models, "mixtral", None, 1, 1, lo), workers=functools.partial(local_workers,
                                                                                                sync=sync))
-    engine.generate(OFFLOAD_PROMPTS[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.generate(OFFLOAD_PROMPTS[:2], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
     engine.close()
     assert check_protocol(sync.log) == []

@@ -11,7 +11,7 @@ import pytest
 
 from specoffload.runtime import LLM, Engine, EngineBusyError, SamplingParams
 
-PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[[1, 5 + t, 9 + i, 33][: 2 + (t + i) % 3] for i in range(5)] for t in range(4)]  # one list per thread
 
 

@@ -285,7 +285,7 @@ def test_sampling_params_validation(field: str, value: float) -> None:
 
 
 def test_sampling_params_defaults_and_normalisation() -> None:
-    params = SamplingParams(stop_token_ids=[2, 7])  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0.0, stop_token_ids=[2, 7])  # type: ignore[arg-type]
     assert params.stop_token_ids == (2, 7) and hash(params)
     assert params.greedy and not SamplingParams(temperature=0.7).greedy
     with pytest.raises(AttributeError):

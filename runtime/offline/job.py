@@ -70,6 +70,7 @@ class JobSpec:
     # a planned config is planned for the job here (`_job_plan`) and the backend runs that plan; False: the backend
     # plans itself (remote replicas measure and plan on their own nodes, not on the driver)
     plan_here: bool = True
+    sampling_note: str | None = None  # the line that states the job's sampling and where its defaults came from
 
 
 def run_job(spec: JobSpec, config: EngineConfig,
@@ -86,6 +87,8 @@ def run_job(spec: JobSpec, config: EngineConfig,
     out = OutputFile(spec.output, resume=spec.resume, overwrite=spec.overwrite) if spec.output else StdoutOutput()
     with closing(out):
         config, preparer, sha, total = _scan(spec, config, fmt)
+        if spec.progress and spec.sampling_note:  # (the input checked: a bad row's error stays the one line)
+            print(spec.sampling_note, file=sys.stderr, flush=True)
         if spec.choose_drafter:
             config = _auto_drafter(spec, config, fmt, preparer)
         loading = time.monotonic()  # (planning is part of loading the job)

@@ -9,6 +9,7 @@ tokens left if every row ran to `max_tokens` at the tokens-per-second so far (an
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -78,7 +79,8 @@ class Progress:
             self._print(f"progress: {line}")
 
     def _print(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
+        with contextlib.suppress(ValueError, OSError):  # a stream closed under the timer thread: nothing to say
+            print(text, file=self.stream, flush=True)
 
     def update(self, rows: int, failed: int, tokens: int, drafted: int, accepted: int) -> None:
         with self._lock:

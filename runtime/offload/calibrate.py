@@ -108,7 +108,8 @@ def _run(config: EngineConfig, open_engine: EngineFactory, row_counts: tuple[int
         for count in sorted({min(rows, r) for r in row_counts}, reverse=True):
             prompts = [[(97 + 31 * i + 7 * t) % (vocab - 3) + 3 for t in range(PROMPT_TOKENS)]
                        for i in range(count * batches)]
-            engine.generate(prompts, SamplingParams(max_new_tokens=4 if quick else NEW_TOKENS, ignore_eos=True))
+            engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4 if quick else NEW_TOKENS,
+                                                    ignore_eos=True))
             ends = [end for end, *_ in engine.pipeline.verify_log]
             skip = 2 * batches  # the prefill passes, and the first decode pass of each batch
             periods = [b - a for a, b in zip(ends[skip:], ends[skip + 1:])]

@@ -62,7 +62,7 @@ from .workers import WeightPlan, Workers
 IDLE_WAIT_S = 0.05
 VERIFY_LOG_PASSES = 1 << 16  # verify passes `verify_log` keeps (the last ones)
 #: the params the workers get beside per-row warps (a batch of greedy rows passes no warps and verifies greedily)
-GREEDY = SamplingParams()
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class Recovery(Protocol):
