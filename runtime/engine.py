@@ -116,7 +116,8 @@ class Engine:
         else:  # nothing streams: the same pipeline, every part resident where compute runs
             self.weight_plan = WeightPlan.all_resident(self.models.target, config.num_buffers)
         self.replanner = Replanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
-                                   self.placement, config.expert_loading, refill=config.refill)
+                                   self.placement, config.expert_loading, refill=config.refill,
+                                   full_feed=not drafter.model_free)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner, self.tracer,
                                  recovery, config.num_threads,

@@ -264,7 +264,7 @@ def test_a_profile_off_by_more_than_the_margin_is_corrected_and_said(caplog) -> 
     `profile_off` set; passes within the margin change nothing."""
     from specoffload.planner import estimate_step
     from specoffload.planner.plan import fixed_plan
-    from specoffload.runtime.offload.replan import CHECK_PASSES, PROFILE_MARGIN, Replanner
+    from specoffload.runtime.offload.replan import CHECK_PASSES, PASS_WINDOW, PROFILE_MARGIN, Replanner
 
     policy = PlacementPolicy(batch_size=2, num_batches=2, kv_capacity=48, weights_tier="disk", unified_memory=False)
     placement = place(TARGET, DRAFT, policy, 4200, GiB)
@@ -294,6 +294,15 @@ def test_a_profile_off_by_more_than_the_margin_is_corrected_and_said(caplog) -> 
         for _ in range(CHECK_PASSES):  # checked once per run: no second line
             replanner.observe_pass(factor * model.t_step, 2, 2, model.t_io)
         assert len([r for r in caplog.records if "hardware profile predicts" in r.getMessage()]) == 1
+    # a model-free drafter's drafted passes feed fewer tokens than modelled: only its no-draft passes are judged
+    ragged = Replanner(plan, interval=1, profile=compute_bound, costs=costs, placement=placement, full_feed=False)
+    for _ in range(CHECK_PASSES):
+        ragged.observe_pass(2.0 * model.t_step, 2, 2, model.t_io)
+    assert not ragged.checked and ragged.profile_off is None
+    plain = estimate_step(compute_bound, costs, placement, 2, 0, 0.0, 24, interleave=plan.interleave)
+    for _ in range(PASS_WINDOW // 2):
+        ragged.observe_pass(2.0 * plain.t_step, 0, 2, plain.t_io)
+    assert ragged.checked and ragged.profile_off == pytest.approx(2.0, rel=1e-6)
 
 
 def test_online_stream_rate_from_the_jobs_own_passes() -> None:

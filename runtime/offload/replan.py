@@ -26,8 +26,9 @@ an unbounded stream rate), the pass waited on the io and the rate is its streame
 `stream_rate` holds the rate used last (None until observed). Measurements: docs/perf/README.md, "Measurements
 behind the acceptance model and the stream rate".
 
-The profile itself is checked once per run (`check_profile`), after CHECK_PASSES decode passes: their median period
-(the most common k and rows) against the step the profile, at the job's own stream rate, predicts for them. Off
+The profile itself is checked once per engine (`check_profile`), after CHECK_PASSES decode passes: their median
+period (the most common k and rows; with a model-free drafter, whose rows feed fewer than k + 1 tokens, the no-draft
+passes only) against the step the profile, at the job's own stream rate, predicts for them. Off
 by more than PROFILE_MARGIN either way (the profile was measured on a busy machine, or the machine is busy now),
 one line says so, and the run goes on with the profile's compute costs scaled by the factor that makes the
 prediction match (`HardwareProfile.scaled_compute`, found by bisection: the step is non-decreasing in it);
@@ -68,9 +69,11 @@ class Replanner:
 
     def __init__(self, plan: Plan, interval: int, profile: HardwareProfile | None = None,
                  costs: ModelCosts | None = None, placement: Placement | None = None,
-                 expert_loading: str = "auto", refill: bool | None = None) -> None:
+                 expert_loading: str = "auto", refill: bool | None = None, full_feed: bool = True) -> None:
         """refill: the pipeline refills finished rows at once (default: the plan's), so candidates are priced in
-        the steady state (planner/cost.py `steady_pass`), not by the slowest row of a wave."""
+        the steady state (planner/cost.py `steady_pass`), not by the slowest row of a wave. full_feed: a drafted
+        pass feeds rows x (k + 1) tokens (a drafter with a model); False (a model-free drafter, whose rows propose
+        fewer): `check_profile` judges the no-draft passes only."""
         self.plan, self.interval, self.expert_loading = plan, interval, expert_loading
         self.refill = plan.refill if refill is None else refill
         self.profile, self.costs, self.placement = profile, costs, placement
@@ -85,6 +88,7 @@ class Replanner:
         self.tokens_per_row: int | None = None  # the run's max_new_tokens: the slowest row of a wave is priced
         self.prompt_len: float | None = None  # the run's mean prompt tokens (the engine's): the prefill share
         self.stream_rate: float | None = None
+        self.full_feed = full_feed
         self.compute_scale = 1.0  # the profile's compute costs times this (`check_profile`)
         self.profile_off: float | None = None  # measured / predicted pass period, when off by > PROFILE_MARGIN
         self.checked = False
@@ -115,11 +119,15 @@ class Replanner:
         self.checked = True
         if self.profile is None or self.costs is None or self.placement is None:
             return None
-        passes = list(self.pass_log)[-CHECK_PASSES:]
+        passes = [p for p in list(self.pass_log)[-CHECK_PASSES:] if self.full_feed or p[1] == 0]
+        if not passes:
+            self.checked = False  # (no no-draft pass yet: checked once there are enough)
+            return None
         shapes = [(k, rows) for _, k, rows, _ in passes]
         k, rows = max(set(shapes), key=shapes.count)
         periods = [s for s, kk, r, _ in passes if (kk, r) == (k, rows)]
         if len(periods) < PASS_WINDOW // 2:
+            self.checked = len(self.pass_log) >= PASS_LOG  # (too few of one shape yet: again at the next pass)
             return None
         profile = self.calibrated_profile()
         assert profile is not None
