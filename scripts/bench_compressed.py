@@ -154,7 +154,7 @@ def main() -> int:
               f"{res['tok_s_max']:.2f}) | {format_bytes(int(res['bytes_per_pass']))} | {res['load_s_per_pass']:.2f} | "
               f"{res['decompress_s_per_pass']:.2f} | {res['compute_s_per_pass']:.2f} |")
     print(summary)
-    path = write_json(PERF / f"{args.out}{'_quick' if args.quick else ''}.json", {
+    path = write_json(PERF / (f"scratch/{args.out}_quick.json" if args.quick else f"{args.out}.json"), {
         "summary": summary, "date": utc_now(), "args": vars(args) | {"variants_dir": str(args.variants_dir)},
         "budget_bytes": parse_bytes(args.budget), "results": results, "accuracy": accuracy})
     print(f"wrote {path}", file=sys.stderr)

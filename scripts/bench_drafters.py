@@ -184,7 +184,7 @@ def main() -> int:
     if args.quick:
         args.target, args.workloads, args.prompts, args.new_tokens = "small", "summarization,code", 4, 24
         args.batches, args.reps, args.systems, args.budget = "4", 1, "none,ngram,suffix", "800MiB"
-        args.out = "drafters_quick"
+        args.out = "scratch/drafters_quick"  # a smoke run never takes a headline name
     target = model_dir(TARGETS[args.target]) if args.target in TARGETS else args.target
     from transformers import AutoTokenizer
 
