@@ -11,8 +11,9 @@ WARMUP_PROMPTS of the job's prompts at k = MAX_AUTO_K): its per-position accepta
 model-free drafters need no model call: the target's warm-up outputs (the first model warm-up's, which are the
 target's own, speculation being lossless; else a short no-draft generation of the same prompts) are replayed
 through their matching code (runtime/drafter_replay.py): match rate, per-position acceptance, ragged feed and
-proposal microseconds (planner/acceptance.py `RaggedAcceptance`). The warm-up's mean output length and its
-loader's stream rate price every candidate alike.
+proposal microseconds (planner/acceptance.py `RaggedAcceptance`). The warm-up's mean output length, its loader's
+stream rate and what its passes say of the profile's compute costs (offload/replan.py `check_profile`) price every
+candidate alike.
 
 Planning. Every candidate is searched over the same batches and k (k = 0 included: a drafter that does not pay is
 planned as no draft) with its own placement (a draft model's weights and KV take memory, a model-free drafter's
@@ -152,9 +153,10 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
     workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
     first = next(iter(warmups.values()), None)
     if first is not None:
-        rows, mean_new, rate = first.outputs, first.mean_new_tokens, first.stream_rate
+        rows, mean_new, rate, scale = first.outputs, first.mean_new_tokens, first.stream_rate, first.compute_scale
     else:
-        (rows, mean_new), rate = warmup_outputs(config, prompts, params), None
+        outputs, rate = warmup_outputs(config, prompts, params, profile), None
+        rows, mean_new, scale = outputs.rows, outputs.mean_new_tokens, outputs.compute_scale
     if mean_new is not None:
         workload = replace(workload, mean_new_tokens=min(workload.new_tokens, mean_new))
     k_replay = max(MAX_AUTO_K, config.num_draft_tokens if isinstance(config.num_draft_tokens, int) else 0)
@@ -163,7 +165,8 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
         cls = cfg.drafter_class
         if cls.proposes and not cls.model_free and name not in warmups:
             continue
-        prof = replace(profiles[name], stream_bytes_per_s=rate) if rate else profiles[name]
+        prof = profiles[name] if scale == 1.0 else profiles[name].scaled_compute(scale)  # (the warm-up's check)
+        prof = replace(prof, stream_bytes_per_s=rate) if rate else prof
         acceptance: Acceptance | None = None
         alpha_range = None
         if cls.model_free:

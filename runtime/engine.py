@@ -64,12 +64,15 @@ class Engine:
 
     workers: how an offloaded engine builds its workers (default: in this process); recovery: what it does
     when one is lost mid-generation (default: nothing, the error propagates). Both are for backends (actors/).
-    plan: a ready plan (e.g. from `specoffload plan`); default: made from the config.
+    plan: a ready plan (e.g. from `specoffload plan`); default: made from the config. profile: the hardware profile
+    (offload/profiler.py), to plan with and to check the passes against (offload/replan.py `check_profile`), also
+    under a fixed plan; default: the cached one when the config is planned, else none.
     One call runs at a time (runtime/turns.py): `generate` and `stream` from other threads wait their turn.
     """
 
     def __init__(self, config: EngineConfig, *, workers: WorkerFactory | None = None,
-                 recovery: Recovery | None = None, plan: Plan | None = None) -> None:
+                 recovery: Recovery | None = None, plan: Plan | None = None,
+                 profile: HardwareProfile | None = None) -> None:
         self.config = config
         bound_kernel_caches()  # a long job's ragged batches would fill oneDNN's kernel caches (models/linear.py)
         if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
@@ -99,7 +102,8 @@ class Engine:
         resident_context = None if config.offloaded else cfg.max_position_embeddings  # the resident KV grows
         max_seq_len = resolve_max_seq_len(config.max_seq_len or resident_context, cfg.max_position_embeddings)
         # the planner's profile: for the plan, and for re-planning online a plan the planner made (also one given)
-        self.profile: HardwareProfile | None = load_or_measure(config, open_engine=Engine) if config.planned else None
+        self.profile = profile if profile is not None else (
+            load_or_measure(config, open_engine=Engine) if config.planned else None)
         if plan is None:
             plan = make_plan(config, self.models, max_seq_len, profile=self.profile)
         self.plan = plan

@@ -22,6 +22,10 @@ generated, the rows cut at the warm-up's cap counting as censored), so under the
 
 when the warm-up ran the job's whole length (M <= WARMUP_TOKENS) the observed mean itself.
 
+The warm-up's engine checks the hardware profile against its own passes (offload/replan.py `check_profile`): when
+they are off by more than its margin, the job is planned with the profile's compute costs scaled to match
+(`corrected`), and the cached profile is measured again before the next job.
+
 The warm-up streams the job's weights under the job's budget, so its loader also says what the disk delivers now:
 streamed bytes / its seconds in load ops (runtime/offload/replan.py `observed_stream_rate`), not the periods of
 its passes, which also hold the draft steps' compute. The plan is searched at that rate when there is one, else at
@@ -69,6 +73,7 @@ class Warmup:
     stream_rate: float | None = None  # what its loader delivered (replan.py `observed_stream_rate`)
     mean_new_tokens: float | None = None  # tokens a job's row generates on average (module docstring)
     outputs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()  # (prompt, output) of each warm-up row
+    compute_scale: float = 1.0  # the profile's compute costs x this, as its passes measured (`checked_scale`)
 
     @property
     def alpha_range(self) -> tuple[float, float]:
@@ -103,7 +108,7 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
     seq = max(len(p) for p in chosen) + new_tokens
     rows = max(1, math.ceil(len(chosen) / 2))
     start = time.perf_counter()
-    warm = Engine(replace(config, max_batch_size=rows, num_draft_tokens=MAX_AUTO_K, max_seq_len=seq))
+    warm = Engine(replace(config, max_batch_size=rows, num_draft_tokens=MAX_AUTO_K, max_seq_len=seq), profile=profile)
     try:
         results = warm.generate([list(p) for p in chosen], replace(params, max_new_tokens=new_tokens))
     finally:
@@ -118,7 +123,13 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
     lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
     return Warmup(estimate, curve, len(chosen), new_tokens, MAX_AUTO_K, time.perf_counter() - start, rate,
                   mean_output_len(lengths, params.max_new_tokens, new_tokens),
-                  tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results)))
+                  tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results)), checked_scale(warm))
+
+
+def checked_scale(engine: Engine) -> float:
+    """The factor a warm-up engine's passes found the profile's compute costs off by (offload/replan.py
+    `check_profile`: 1.0 within its margin, or when nothing was checked)."""
+    return engine.replanner.compute_scale if engine.replanner.profile_off is not None else 1.0
 
 
 def mean_output_len(lengths: Sequence[tuple[int, bool]], max_new_tokens: int, cap: int) -> float:
@@ -135,23 +146,42 @@ def mean_output_len(lengths: Sequence[tuple[int, bool]], max_new_tokens: int, ca
     return max(1.0, (1.0 - (1.0 - hazard) ** max_new_tokens) / hazard)
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """What a no-draft warm-up measured (`warmup_outputs`)."""
+
+    rows: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (prompt, output) of each warm-up row
+    mean_new_tokens: float  # `mean_output_len`
+    compute_scale: float = 1.0  # as `Warmup.compute_scale`
+
+
 def warmup_outputs(config: EngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                   ) -> tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], float]:
+                   profile: HardwareProfile | None = None) -> Outputs:
     """A no-draft warm-up: (prompt, output) of WARMUP_PROMPTS of the job's prompts (spread over it), at most
-    WARMUP_TOKENS tokens each, and the mean output length it implies (warmup.py `mean_output_len`)."""
+    WARMUP_TOKENS tokens each, the mean output length it implies (warmup.py `mean_output_len`), and with a profile
+    what its passes say of the profile's compute costs (`checked_scale`)."""
     chosen = spread(list(prompts), WARMUP_PROMPTS)
     new_tokens = max(2, min(WARMUP_TOKENS, params.max_new_tokens))
     rows = max(1, math.ceil(len(chosen) / 2))  # as measure_acceptance: two batches of half the prompts
     plain = replace(config, drafter="none", draft=None, max_batch_size=rows, num_draft_tokens=0,
                     max_seq_len=max(len(p) for p in chosen) + new_tokens, interleave=None)
-    engine = Engine(plain)
+    engine = Engine(plain, profile=profile)
     try:
         results = engine.generate([list(p) for p in chosen], replace(params, max_new_tokens=new_tokens))
     finally:
         engine.close()
     lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
     pairs = tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results))
-    return pairs, mean_output_len(lengths, params.max_new_tokens, new_tokens)
+    return Outputs(pairs, mean_output_len(lengths, params.max_new_tokens, new_tokens), checked_scale(engine))
+
+
+def corrected(profile: HardwareProfile | None, scale: float, say: Callable[[str], None]) -> HardwareProfile | None:
+    """The profile the job is planned on: its compute costs x `scale` when the warm-up's passes found it off
+    (offload/replan.py `check_profile`, which said so in one line), else as it is."""
+    if profile is None or scale == 1.0:
+        return profile
+    say(f"plan: searched with the profile's compute costs x {scale:.2f}, as the warm-up's passes measured")
+    return profile.scaled_compute(scale)
 
 
 @dataclass(frozen=True)
@@ -178,24 +208,27 @@ def plan_job(config: EngineConfig, models: ModelPair, prompts: Sequence[Sequence
     if config.planned and config.drafter_class.model_free and config.num_draft_tokens != 0:
         say(f"warm-up: no-draft outputs of {min(len(prompts), WARMUP_PROMPTS)} prompts, to replay "
             f"{config.drafter_name!r} on")
-        rows, mean_new = warmup_outputs(config, prompts, params)
-        workload = replace(workload, mean_new_tokens=min(workload.new_tokens, mean_new))
+        outputs = warmup_outputs(config, prompts, params, profile)
+        profile = corrected(profile, outputs.compute_scale, say)
+        workload = replace(workload, mean_new_tokens=min(workload.new_tokens, outputs.mean_new_tokens))
         k = max(MAX_AUTO_K, config.num_draft_tokens if isinstance(config.num_draft_tokens, int) else 0)
-        ragged = replay_acceptance(config, config.drafter_name, rows, k)
+        ragged = replay_acceptance(config, config.drafter_name, outputs.rows, k)
         plan = make_plan(config, models, max_seq_len, workload=workload, alpha=ragged, profile=profile)
         return JobPlan(plan, workload, None, ragged)
     if config.planned and models.draft is not None and config.num_draft_tokens != 0:
         profile = profile or load_or_measure(config, open_engine=Engine)
         say(f"warm-up: the draft's acceptance on {min(len(prompts), WARMUP_PROMPTS)} prompts")
         warmup = measure_acceptance(config, prompts, params, profile=profile)
+        profile = corrected(profile, warmup.compute_scale, say)
         if warmup.stream_rate is not None:  # the disk's rate now (it drifts: runtime/offload/replan.py)
             profile = profile.scaled_io(warmup.stream_rate / profile.stream_bytes_per_s)
         if warmup.mean_new_tokens is not None:  # rows stopping at EOS: the steady state's row length
             workload = replace(workload, mean_new_tokens=min(workload.new_tokens, warmup.mean_new_tokens))
     elif config.planned and config.offloaded and config.kv_block_size:  # a paged KV is placed by expected use
         say(f"warm-up: output lengths of {min(len(prompts), WARMUP_PROMPTS)} prompts (the paged KV's size)")
-        _, mean_new = warmup_outputs(config, prompts, params)
-        workload = replace(workload, mean_new_tokens=min(workload.new_tokens, mean_new))
+        outputs = warmup_outputs(config, prompts, params, profile)
+        profile = corrected(profile, outputs.compute_scale, say)
+        workload = replace(workload, mean_new_tokens=min(workload.new_tokens, outputs.mean_new_tokens))
     plan = make_plan(config, models, max_seq_len, workload=workload, profile=profile,
                      alpha=warmup.curve if warmup else None,
                      alpha_range=warmup.alpha_range if warmup else None)

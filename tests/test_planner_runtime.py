@@ -114,6 +114,26 @@ def test_a_job_that_finds_the_profile_off_marks_it_stale(tiny_models, profile_di
     assert cached is None and "marked stale" in why
 
 
+def test_the_warm_up_corrects_an_off_profile_before_the_job_is_planned(tiny_models, profile_dir, single_thread):
+    """The warm-up's passes check the profile (here ten times too fast): one line says the job is planned with its
+    compute costs scaled back, and the cached profile is stale (measured again by the next job)."""
+    from specoffload.runtime.models.model import Transformer
+    from specoffload.runtime.planning import ModelPair
+    from specoffload.runtime.warmup import plan_job
+
+    config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory="1GiB",
+                          max_seq_len=48)
+    profile = profiler.load_or_measure(config, quick=True, open_engine=Engine)
+    fast = profile.scaled_compute(0.1)
+    models = ModelPair.for_config(config, Transformer(config.target), shares_kv=True)
+    prompts = [[3 + i, 9, 27, 40 + i] for i in range(8)]
+    lines: list[str] = []
+    job = plan_job(config, models, prompts, GREEDY, 48, profile=fast, log=lines.append)
+    assert job.warmup is not None and job.warmup.compute_scale > 1.25
+    assert any(line.startswith("plan: searched with the profile's compute costs x") for line in lines)
+    assert profiler.cached(config)[0] is None  # the warm-up's engine marked it stale
+
+
 def test_auto_policy_is_used_and_lossless(tiny_models, single_thread):
     ref = Engine(EngineConfig(tiny_models["llama"], max_batch_size=4)).generate(PROMPTS, GREEDY)
     config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory=1_400_000,
