@@ -87,10 +87,10 @@ class EngineConfig:
         every expert of a layer ahead of use, "auto" picks by the expected number of distinct experts.
     expert_group: MoE only: experts per ring slot of a streamed MoE layer (None: a whole layer per slot); the
         ffn then runs one group after another, so the ring holds a group, not a layer (smaller by up to E / g).
-    packed_weights: a compressed int8 target's streamed weights: "auto" keeps them packed in the ring slots where
-        the layers multiply by them faster than they can be dequantized (bfloat16 compute on a CPU with native
-        bfloat16 GEMMs, runtime/models/packed.py), "on" keeps them packed on any CPU, "off" always dequantizes
-        them into the slots.
+    packed_weights: a compressed (int8 or int4) target's streamed weights: "auto" keeps them packed in the ring
+        slots where the layers multiply by them faster than they can be dequantized (bfloat16 compute on a CPU with
+        native bfloat16 GEMMs, runtime/models/packed.py), "on" keeps them packed on any CPU, "off" always
+        dequantizes them into the slots.
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
     kv_block_size: offloaded: the target's KV caches hold blocks of this many positions from one pool of the
         attention worker, sized by the placement (runtime/kv_blocks.py): a row holds the blocks its tokens use, not
@@ -230,7 +230,7 @@ class EngineConfig:
 
     @property
     def packed_slots(self) -> bool:
-        """Streamed int8 weights stay packed in the ring slots (`packed_weights`, runtime/models/packed.py)."""
+        """Streamed int8 / int4 weights stay packed in the ring slots (`packed_weights`, runtime/models/packed.py)."""
         from .models.linear import packed_kernel
 
         if self.packed_weights == "auto":

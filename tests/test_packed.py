@@ -17,10 +17,19 @@ from specoffload.planner.shapes import PartKey
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.errors import ConfigError
-from specoffload.runtime.formats import weight_format
+from specoffload.runtime.formats import dequantize, weight_format
 from specoffload.runtime.models.linear import linear, native_16bit, packed_kernel
 from specoffload.runtime.models.model import Transformer
-from specoffload.runtime.models.packed import PACKED_MAX_ROWS, PackedInt8, packable
+from specoffload.runtime.models.packed import (
+    INT4_BLOCK,
+    INT4_MAX_ROWS,
+    PACKED_MAX_ROWS,
+    PackedInt4,
+    PackedInt8,
+    kernel_layout,
+    packable,
+    stored_layout,
+)
 from specoffload.runtime.offload.streamer import WeightStreamer
 from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
@@ -163,3 +172,120 @@ def test_packed_weights_setting_is_checked():
     bf16 = EngineConfig(target="x", dtype="bfloat16")
     assert bf16.packed_slots == (native_16bit(torch.bfloat16) and hasattr(torch, "_weight_int8pack_mm"))
     assert not packed_kernel(torch.bfloat16, "cuda") and not replace(bf16, packed_weights="off").packed_slots
+
+
+# --- int4 ---------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(blocks=st.integers(1, 3), groups=st.integers(1, 4), group=st.sampled_from([32, 64, 128]),
+       seed=st.integers(0, 2**31 - 1))
+def test_int4_kernel_layout_is_atens_and_inverts(blocks, groups, group, seed):
+    """The byte permutation the loader applies is aten's own converter's output, and `stored_layout` undoes it."""
+    n, k = INT4_BLOCK * blocks, group * groups
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)  # [N, K]
+    stored = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # [N, K / 2]: as runtime/formats/int4.py
+    packed = kernel_layout(stored)
+    assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
+    assert torch.equal(stored_layout(packed), stored)
+
+
+def _int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> tuple[PackedInt4, torch.Tensor]:
+    """A packed int4 weight filled by the format from a random float weight, and the format's own dequantization."""
+    fmt = weight_format("int4", group)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    parts = fmt.quantize_rows(w)
+    region = torch.empty(fmt.packed_nbytes((n, k), dtype, 64), dtype=torch.uint8)
+    view = fmt.packed_view(region, (n, k), dtype, 64)
+    fmt.fill_packed(view, parts)
+    return view, dequantize(parts, fmt, (n, k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, INT4_MAX_ROWS, INT4_MAX_ROWS + 3])
+def test_packed_int4_linear_is_the_product_with_its_weight(dtype, rows):
+    """Both regimes (the kernel up to INT4_MAX_ROWS rows, dequantize + GEMM above) multiply by the same weight,
+    (q - 8) * scale + zero, which is the format's q * scale + min up to the compute dtype's rounding of the scales."""
+    w, stored = _int4(128, 192, 64, dtype, seed=rows)
+    assert isinstance(w, PackedInt4) and w.shape == (128, 192) and w.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(w.dequantize().float(), stored, atol=tol * stored.abs().max())
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = linear(x[None], w)[0]  # [rows, 128]
+    assert got.shape == (rows, 128) and got.dtype == dtype
+    want = x.float() @ w.dequantize().float().T
+    assert torch.allclose(got.float(), want, atol=(1e-4 if dtype == torch.float32 else 2e-2) * want.abs().max())
+    gate, up = w.chunk(2)
+    assert torch.equal(torch.cat([gate.dequantize(), up.dequantize()]), w.dequantize())
+
+
+def test_int4_weights_the_kernel_cannot_take_are_not_packed():
+    fmt = weight_format("int4", 64)
+    assert fmt.stays_packed((128, 192)) and fmt.stays_packed((64, 64))
+    assert not fmt.stays_packed((96, 192))  # not whole blocks of 64 outputs
+    assert not fmt.stays_packed((128, 100))  # not whole groups (the codes are padded)
+    assert not fmt.stays_packed((4, 128, 64))  # a fused expert tensor
+    assert not weight_format("int4", 16).stays_packed((128, 64))  # the kernel takes groups of 32 .. 256
+
+
+@pytest.fixture(scope="module")
+def int4(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed4")
+
+    def get(name: str):
+        out = root / name
+        if not out.exists():
+            quantize_checkpoint(tiny_models[name], out, weight_format("int4", 32))
+        return out
+
+    return get
+
+
+@pytest.mark.parametrize("source", ["disk", "ram"])
+def test_streamer_keeps_int4_weights_packed_in_the_slot(int4, source, single_thread):
+    """The tiny Llama's MLP weights ([128, 64], [64, 128]) stay packed: codes permuted into the kernel's layout, the
+    scales beside them; the layers' weight is the loader's dequantized one (float32: to rounding)."""
+    target = Transformer(int4("llama"))
+    keys = [k for k in target.loader.parts() if k.kind == "dense_mlp"][:3]
+    plain = WeightStreamer(target.loader, 1, 1, "disk", "cpu")
+    packed_probe = WeightStreamer(target.loader, 1, 1, "disk", "cpu", packed=True)
+    slot_bytes = packed_probe.nbytes(keys)
+    assert slot_bytes < plain.nbytes(keys) / 4  # half a byte a weight instead of four
+    with WeightStreamer(target.loader, slot_bytes, 2, source, "cpu", parts=keys, staging_bytes=8192,
+                        packed=True) as s:
+        for _ in range(2):  # slots and scratch reused
+            got = s.load(0, keys)
+            for key in keys:
+                mlp, ref = got[key].mlp, target.loader.load(key).mlp
+                for name in ("gate", "up", "down"):
+                    w = getattr(mlp, name)
+                    assert isinstance(w, PackedInt4), name
+                    r = getattr(ref, name)
+                    assert torch.allclose(w.dequantize(), r, atol=1e-6 * r.abs().max()), name
+
+
+@pytest.mark.parametrize("target", ["llama", "mixtral"])
+def test_speculation_on_a_packed_int4_target_is_lossless(tiny_models, int4, target, single_thread):
+    """An int4 target whose streamed weights stay packed where the kernel takes them (the Mixtral's experts: w2
+    [64, 96] packed, w1 / w3 [96, 64] not): a smaller ring, the draft changes no token, and in float32 the packed
+    target's tokens are the dequantized target's."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    base = EngineConfig(target=int4(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
+                        packed_weights="on", num_draft_tokens=0)
+    lo = Engine(base).minimum_device_memory()
+    lo_off = Engine(replace(base, packed_weights="off")).minimum_device_memory()
+    assert lo < lo_off
+    engine = Engine(replace(base, device_memory=lo))
+    alone = [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)]
+    streamer = engine.pipeline.workers.prefetch.streamer
+    first = PartKey("expert", 0, 0) if target == "mixtral" else PartKey("dense_mlp", 0)
+    assert any(f.packed for f in streamer.layout(first).fields)
+    engine.close()
+    config = replace(base, draft=tiny_models["qwen2_draft"], num_draft_tokens=3)
+    engine = Engine(replace(config, device_memory=Engine(config).minimum_device_memory()))
+    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == alone
+    engine.close()
+    engine = Engine(replace(base, device_memory=lo_off, packed_weights="off"))
+    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == alone
+    engine.close()

@@ -4,6 +4,7 @@
                    shape is stored as (`components`, `nbytes`), `quantize` (a float weight -> its components),
                    `dequantize_rows` (components -> float32 weight, in place), and `stays_packed` (a streamed weight
                    kept as its codes in a ring slot, the layer multiplying by a kernel: runtime/models/packed.py)
+                   with the slot bytes, the view and the fill of such a weight
     int8.py        "int8": symmetric per output channel
     int4.py        "int4": asymmetric per group of inputs
 
@@ -84,8 +85,25 @@ class WeightFormat:
 
     def stays_packed(self, shape: tuple[int, ...]) -> bool:
         """A streamed weight of `shape` is kept as its codes in its ring slot (packed slots on) and multiplied by a
-        kernel (runtime/models/packed.py); default: never."""
+        kernel (runtime/models/packed.py); default: never. The four methods below are for such weights."""
         return False
+
+    #: the disk read may put a packed weight's stored codes straight into their place in the slot (int8); False:
+    #: `fill_packed` writes them from the components (int4: permuted into the kernel's layout)
+    codes_in_slot: ClassVar[bool] = False
+
+    def packed_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
+        """Slot bytes of a packed weight of `shape` with `dtype` scales, its sections aligned to `align`."""
+        raise NotImplementedError(f"{self.name} keeps no weight packed")
+
+    def packed_view(self, region: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> object:
+        """The packed weight (runtime/models/packed.py) over a slot's `region` (uint8, `packed_nbytes` bytes)."""
+        raise NotImplementedError(f"{self.name} keeps no weight packed")
+
+    def fill_packed(self, view: object, parts: dict[str, torch.Tensor], codes_there: bool = False) -> None:
+        """Write a packed weight into its slot `view` from its stored components (`codes_there`: the disk read
+        already put the codes in place)."""
+        raise NotImplementedError(f"{self.name} keeps no weight packed")
 
     def padded_width(self, inputs: int) -> int:
         """The row width the stored codes cover (inputs padded to whole groups)."""

@@ -9,11 +9,12 @@ in its slot (runtime/models/packed.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from ..models.packed import packable
+from ..models.packed import PackedInt8, packable
 from . import WeightFormat, register_format, round_up
 
 INT8_MAX = 127
@@ -57,3 +58,22 @@ class Int8(WeightFormat):
 
     def stays_packed(self, shape: tuple[int, ...]) -> bool:
         return packable(shape)
+
+    codes_in_slot = True
+
+    def packed_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
+        """The codes [out, in] (1 byte each), padded to `align`, then one `dtype` scale per output channel."""
+        return -(-math.prod(shape) // align) * align + shape[0] * dtype.itemsize
+
+    def packed_view(self, region: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                    align: int = 1) -> PackedInt8:
+        numel = math.prod(shape)
+        at = -(-numel // align) * align
+        return PackedInt8(region[:numel].view(torch.int8).view(shape), region[at : at + shape[0] * dtype.itemsize]
+                          .view(dtype))
+
+    def fill_packed(self, view: object, parts: dict[str, torch.Tensor], codes_there: bool = False) -> None:
+        assert isinstance(view, PackedInt8)
+        if not codes_there:
+            view.qweight.copy_(parts["qweight"])
+        view.scale.copy_(parts["scale"].view(-1))  # [out] float32 -> the compute dtype

@@ -6,8 +6,8 @@
     AVX512-FP16); elsewhere F.linear below `UPCAST_MIN_ROWS` rows, from there W and x upcast to float32 (exact) and
     one float32 GEMM (the summation order changes, not the precision class: oneDNN accumulates 16-bit GEMMs in
     float32 too).
-  - an int8 weight kept packed in its ring slot (`PackedInt8`, where `packed_kernel` holds): torch's weight-only
-    int8 kernel at decode row counts (runtime/models/packed.py).
+  - an int8 or int4 weight kept packed in its ring slot (`PackedInt8`, `PackedInt4`, where `packed_kernel` holds):
+    torch's weight-only int8 / int4 kernel at decode row counts (runtime/models/packed.py).
 On CUDA F.linear is used as is. The measurements behind each rule: docs/perf/README.md, "kernel choices".
 
 oneDNN compiles a kernel per GEMM shape and keeps it in two caches (its own and ideep's, 1024 entries each by
@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from .packed import PackedInt8, packed_linear
+from .packed import PackedInt4, PackedInt8, PackedWeight, packed_linear
 
 W = TypeVar("W")
 
@@ -49,8 +49,9 @@ def native_16bit(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def packed_kernel(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether streamed int8 weights stay packed in their slots: bfloat16 compute on a CPU whose oneDNN has native
-    bfloat16 GEMMs (the kernel's fast path), and a torch that has the kernel."""
+    """Whether streamed int8 / int4 weights stay packed in their slots by default: bfloat16 compute on a CPU whose
+    oneDNN has native bfloat16 GEMMs (the kernels' fast path), and a torch that has the int8 kernel (int4 weights
+    also need the int4 kernel, runtime/models/packed.py `int4_kernel_ok`)."""
     return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and native_16bit(torch.bfloat16)
             and hasattr(torch, "_weight_int8pack_mm"))
 
@@ -65,10 +66,10 @@ def bound_kernel_caches() -> None:
         os.environ.setdefault(name, str(KERNEL_CACHE))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ w[out, in]^T + bias[out] -> [..., out] in x's dtype (w: a tensor, or an int8 weight kept
+def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ w[out, in]^T + bias[out] -> [..., out] in x's dtype (w: a tensor, or an int8 / int4 weight kept
     packed in its slot, runtime/models/packed.py)."""
-    if isinstance(w, PackedInt8):
+    if isinstance(w, (PackedInt8, PackedInt4)):
         rows = x.numel() // x.shape[-1]
         out = packed_linear(x.reshape(rows, x.shape[-1]), w).to(x.dtype)  # [N, out]
         return (out if bias is None else out + bias).reshape(*x.shape[:-1], w.shape[0])

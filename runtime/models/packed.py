@@ -1,9 +1,22 @@
-"""`PackedInt8`: a streamed int8 weight kept compressed in its ring slot, the layer multiplying by it directly.
+"""Packed weights: a streamed compressed weight kept as its codes in its ring slot, the layer multiplying by it with
+one of torch's weight-only kernels. Which weights a format keeps packed, how many slot bytes they take and how the
+loader fills them is the format's (runtime/formats/: `stays_packed`, `packed_nbytes`, `packed_view`, `fill_packed`).
 
-A slot that keeps the codes (1 byte a weight instead of 2) needs no dequantization on the loader's thread, and
-torch's weight-only int8 kernel reads them as they are:
+`PackedInt8`: int8 codes (1 byte a weight instead of 2): no dequantization on the loader's thread, and torch's
+weight-only int8 kernel reads the codes as they are:
 
   `torch._weight_int8pack_mm(x, q, s)` = (x @ q^T) * s, x [N, in] bfloat16, q [out, in] int8, s [out] bfloat16.
+
+`PackedInt4`: int4 codes (half a byte a weight) in the layout torch's CPU int4 kernel reads (`kernel_layout`: a
+byte permutation of the stored codes, 1.8-2.4 ms for a [8960, 1536] weight against 16.5 ms to dequantize it,
+docs/perf int4_kernel), and per group of inputs a scale and a zero point in the compute dtype:
+
+  `torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, group, scales_zeros)` = x @ W'^T,
+  W'[n, i] = (q[n, i] - 8) * scale[i / group, n] + zero[i / group, n],
+
+so the stored int4 (W' = q * scale + min, runtime/formats/int4.py) gives zero = min + 8 * scale. The kernel runs a
+row at 0.16 ms for [8960, 1536] against 16.5 ms to dequantize plus 0.06 ms a row of bf16 GEMM, so up to
+INT4_MAX_ROWS rows it multiplies and above (a prefill) the weight is dequantized on the spot.
 
 The kernel is a row loop, so above `PACKED_MAX_ROWS` rows (prefill) the weight is dequantized on the spot and
 F.linear used. Only weights whose input width is a multiple of `PACKED_ALIGN` are packed (the kernel's limit).
@@ -18,7 +31,7 @@ default: docs/perf/README.md, "kernel choices".
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +46,11 @@ PACKED_MAX_ROWS = 16
 #: the kernel's input width must be a multiple of this: torch 2.13's bfloat16 kernel returns garbage for 8 or 24
 #: inputs and crashes for 17 (measured); such weights are never packed (`packable`)
 PACKED_ALIGN = 16
+#: rows up to which the int4 kernel beats dequantize + GEMM (module docstring: equal near 200 rows)
+INT4_MAX_ROWS = 128
+#: output channels per block of the int4 kernel's layout, and the groups it takes
+INT4_BLOCK = 64
+INT4_GROUPS = (32, 64, 128, 256)
 
 
 def packable(shape: tuple[int, ...]) -> bool:
@@ -44,12 +62,6 @@ def stays_packed(quant: QuantRef | None, shape: tuple[int, ...]) -> bool:
     """A streamed weight (`quant`: its compression, None if stored uncompressed) is kept packed in its slot when
     packed slots are on: where its format says so (runtime/formats/: an int8 matrix the kernel takes)."""
     return quant is not None and quant.spec.stays_packed(shape)
-
-
-def slot_nbytes(shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
-    """Bytes a packed [out, in] weight takes in a slot: its codes, padded to `align`, then one `dtype` scale per
-    output channel (the streamer's layout, `align` its tensor alignment)."""
-    return -(-math.prod(shape) // align) * align + shape[0] * dtype.itemsize
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,8 +103,113 @@ class PackedInt8:
         return (self.qweight.float() * self.scale.float()[:, None]).to(self.dtype)
 
 
-def packed_linear(x: torch.Tensor, w: PackedInt8) -> torch.Tensor:
+def kernel_layout(qweight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored int4 codes (uint8 [N, K / 2], input 2i in the low nibble and 2i + 1 in the high one:
+    runtime/formats/int4.py) in the layout the CPU int4 kernel reads (torch 2.13, probed with single codes; checked
+    against aten's converter by `int4_kernel_ok`): per block of INT4_BLOCK output channels, for each pair of inputs
+    (2i, 2i + 1), 64 bytes: byte p * 32 + j holds input 2i + p of channel j in its low nibble and of channel 32 + j
+    in its high one. N a multiple of INT4_BLOCK; written into `out` (uint8 [N, K / 2]) when given."""
+    n, half = qweight.shape
+    a = qweight.view(n // INT4_BLOCK, 2, INT4_BLOCK // 2, half)  # [blocks, channel half h, j, input pair i]
+    even = (a[:, 0] & 0xF) | (a[:, 1] << 4)  # [blocks, j, i]: input 2i of channels j (low nibble), 32 + j (high)
+    odd = (a[:, 0] >> 4) | (a[:, 1] & 0xF0)  # [blocks, j, i]: input 2i + 1
+    dest = torch.empty_like(qweight) if out is None else out
+    d = dest.view(n // INT4_BLOCK, half, 2, INT4_BLOCK // 2)  # [blocks, i, p, j]
+    d[:, :, 0].copy_(even.transpose(1, 2))
+    d[:, :, 1].copy_(odd.transpose(1, 2))
+    return dest
+
+
+def stored_layout(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of `kernel_layout`: the kernel's codes [N, K / 2] back in the stored nibble order."""
+    n, half = codes.shape
+    d = codes.view(n // INT4_BLOCK, half, 2, INT4_BLOCK // 2).transpose(1, 3)  # [blocks, j, p, i]
+    even, odd = d[:, :, 0], d[:, :, 1]  # [blocks, j, i]
+    low = (even & 0xF) | (odd << 4)  # channels j: inputs 2i (low), 2i + 1 (high)
+    high = (even >> 4) | (odd & 0xF0)  # channels 32 + j
+    return torch.stack((low, high), dim=1).reshape(n, half)  # [blocks, h, j, i]
+
+
+@functools.cache
+def int4_kernel_ok() -> bool:
+    """This torch has the CPU int4 kernel and reads `kernel_layout`'s bytes: aten's own converter agrees on a probe."""
+    convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    if convert is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return False
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (2 * INT4_BLOCK, 64), generator=g, dtype=torch.int32)  # [N, K]
+    stored = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # [N, K / 2]
+    try:
+        return bool(torch.equal(convert(codes, 2), kernel_layout(stored)))
+    except RuntimeError:
+        return False
+
+
+def int4_packable(shape: tuple[int, ...], group: int) -> bool:
+    """An int4 weight of this shape and group can stay packed: a matrix of whole kernel blocks and whole groups."""
+    return (len(shape) == 2 and shape[0] % INT4_BLOCK == 0 and shape[1] % group == 0 and group in INT4_GROUPS
+            and int4_kernel_ok())
+
+
+@dataclass(frozen=True, eq=False)
+class PackedInt4:
+    """An int4 weight W' = (q - 8) * scale + zero per group of inputs (module docstring), in place of a [out, in]
+    compute-dtype tensor."""
+
+    codes: torch.Tensor  # [out, in / 2] uint8, in the kernel's layout (`kernel_layout`)
+    scales_zeros: torch.Tensor  # [in / group, out, 2] compute dtype: (scale, zero)
+    group: int
+
+    def __post_init__(self) -> None:
+        out, half = self.codes.shape
+        if not (self.codes.dtype == torch.uint8 and self.scales_zeros.shape == (2 * half // self.group, out, 2)):
+            raise ValueError(f"a packed int4 weight is uint8 codes [out, in / 2] and scales_zeros [in / group, out, "
+                             f"2], got {self.codes.dtype} {list(self.codes.shape)} and "
+                             f"{list(self.scales_zeros.shape)}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.codes.shape[0], 2 * self.codes.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales_zeros.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def numel(self) -> int:
+        return 2 * self.codes.numel()
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[PackedInt4]:
+        """Split along the output channels (a fused gate_up weight) in whole kernel blocks."""
+        out = self.codes.shape[0]
+        if dim != 0 or out % (chunks * INT4_BLOCK):
+            raise ValueError(f"a packed int4 weight splits along its output channels in blocks of {INT4_BLOCK}")
+        return [PackedInt4(c, sz.contiguous(), self.group)
+                for c, sz in zip(self.codes.chunk(chunks), self.scales_zeros.chunk(chunks, dim=1))]
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in the compute dtype: (q - 8) * scale + zero in float32, rounded once."""
+        stored = stored_layout(self.codes)  # [out, in / 2]
+        out, half = stored.shape
+        q = torch.stack((stored & 0xF, stored >> 4), dim=-1).view(out, half * 2 // self.group, self.group)
+        scale = self.scales_zeros[..., 0].float().T[..., None]  # [out, groups, 1]
+        zero = self.scales_zeros[..., 1].float().T[..., None]
+        return ((q.float() - 8) * scale + zero).view(out, 2 * half).to(self.dtype)
+
+
+PackedWeight = PackedInt8 | PackedInt4
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [N, in] @ W'^T -> [N, out] in the compute dtype."""
+    if isinstance(w, PackedInt4):
+        if x.shape[0] <= INT4_MAX_ROWS:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(w.dtype).contiguous(), w.codes, w.group,
+                                                              w.scales_zeros)
+        return F.linear(x.to(w.dtype), w.dequantize())
     if x.shape[0] <= PACKED_MAX_ROWS and packable(tuple(w.shape)):
         return torch._weight_int8pack_mm(x.to(w.dtype).contiguous(), w.qweight, w.scale)
     return F.linear(x.to(w.dtype), w.dequantize())

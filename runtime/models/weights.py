@@ -22,7 +22,7 @@ from specoffload.planner.shapes import PART_KINDS, ModelShape, PartKey
 
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .packed import slot_nbytes, stays_packed
+from .packed import stays_packed
 
 Tensor = torch.Tensor
 
@@ -170,8 +170,8 @@ class WeightLoader:
 
     def shape(self, name: str, packed: bool = False) -> ModelShape:
         """The base layer's view of this model (parts and bytes in the loader's dtype). Reads tensor headers only.
-        packed: streamed int8 weights stay packed in the ring slots (runtime/models/packed.py), so a part with such
-        weights takes fewer bytes in a slot (`ModelShape.slotted`)."""
+        packed: streamed int8 / int4 weights stay packed in the ring slots (runtime/models/packed.py), so a part with
+        such weights takes fewer bytes in a slot (`ModelShape.slotted`)."""
         cfg = self.config
         kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         keys = self.parts()
@@ -183,14 +183,15 @@ class WeightLoader:
                           hidden_bytes_per_token=cfg.hidden_size * self.dtype.itemsize, slotted=slotted)
 
     def packed_nbytes(self, key: PartKey) -> int:
-        """Bytes the part takes in a ring slot with its int8 weights packed: codes plus one compute-dtype scale per
-        output channel for each packable int8 weight, the loader's dtype for the rest (no alignment padding: the
-        streamer's slot margin covers it)."""
+        """Bytes the part takes in a ring slot with its compressed weights packed (their format's `packed_nbytes`:
+        codes plus compute-dtype scales) where they stay packed, the loader's dtype for the rest (no alignment
+        padding: the streamer's slot margin covers it)."""
         ckpt, total = self.checkpoint, 0
         for ref in self.refs(key).values():
             quant, shape = ckpt.quantized(ref.name, ref.index), ckpt.shape_of(ref.name, ref.index)
             numel = ckpt.numel(ref.name, ref.index)
-            total += slot_nbytes(shape, self.dtype) if stays_packed(quant, shape) else numel * self.dtype.itemsize
+            total += (quant.spec.packed_nbytes(shape, self.dtype) if stays_packed(quant, shape)
+                      else numel * self.dtype.itemsize)
         return total
 
     def stored_nbytes(self, key: PartKey) -> int | None:

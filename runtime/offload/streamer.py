@@ -24,9 +24,11 @@ Compressed checkpoints (`specoffload quantize`, runtime/quant.py): a compressed 
 scales, zero points) are read from disk into a packed scratch buffer, or kept as such in the host tier, and
 `dequantize_into` writes the weight into its place in the slot in the compute dtype, on the loading thread (a
 "decompress" span; `decompress_seconds`). Only the streamed bytes shrink: a slot holds the same compute-dtype
-weights either way, except with `packed` (int8 weights whose width the kernel takes, runtime/models/packed.py):
-then the codes are read straight into the slot and stay there as int8, beside their scale in the compute dtype,
-and the layer multiplies by them (`PackedInt8`); the slot shrinks with the stream, and nothing is dequantized.
+weights either way, except with `packed` (weights a torch kernel multiplies as codes, runtime/models/packed.py:
+int8 ones whose width the kernel takes, int4 ones of whole kernel blocks): then the codes stay in the slot beside
+their scales in the compute dtype (int8: read straight into their place; int4: permuted there from the scratch,
+the format's `fill_packed`), and the layer multiplies by them (`PackedInt8`, `PackedInt4`); the slot shrinks with
+the stream, and nothing is dequantized.
 In the host tier a part is laid out by `FieldLayout.host_offset` (compute-dtype fields as in a slot, compressed
 ones as their components); a part without compressed fields is laid out exactly as in a slot.
 
@@ -37,7 +39,6 @@ slot being reloaded is no longer in use (on CUDA: calls `sync.after_use(slot)` a
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -50,7 +51,7 @@ from ..cast import copy_cast
 from ..formats import dequantize_into
 from ..models.checkpoint import QuantRef, TensorLocation
 from ..models.errors import CheckpointError
-from ..models.packed import PackedInt8, slot_nbytes, stays_packed
+from ..models.packed import PackedWeight, stays_packed
 from ..models.weights import PartKey, TensorRef, WeightLoader, Weights
 from .direct_io import ALIGN, AlignedBuffer, DirectReader, align_up
 from .slot_sync import SlotSync, slot_sync
@@ -73,7 +74,7 @@ class FieldLayout:
     quant: QuantRef | None = None  # a compressed weight: its components (location unused)
     host_offset: int = 0  # byte offset in the part's region of the host tier / packed scratch, TENSOR_ALIGN-aligned
     host_nbytes: int = 0  # bytes there: nbytes, or the compressed components' (each TENSOR_ALIGN-aligned)
-    packed: bool = False  # an int8 weight kept packed in the slot: its codes, then its scale in the compute dtype
+    packed: bool = False  # a weight kept packed in the slot: its codes, then its scales (its format's packed_view)
 
     def component_offsets(self) -> list[int]:
         """Byte offset of each compressed component relative to `host_offset`."""
@@ -183,8 +184,8 @@ class WeightStreamer:
         self.source = source
         self.device = torch.device(device)
         if packed and self.device.type != "cpu":
-            raise ValueError("packed int8 slots are for CPU compute (runtime/models/packed.py)")
-        #: int8 weights stay packed in the slots (`PackedInt8`), the layer multiplying by them directly
+            raise ValueError("packed slots are for CPU compute (runtime/models/packed.py)")
+        #: int8 / int4 weights stay packed in the slots (`PackedInt8`, `PackedInt4`), the layer multiplying by them
         self.packed = packed
         self.dtype = loader.dtype
         self.slot_bytes = slot_bytes
@@ -303,7 +304,8 @@ class WeightStreamer:
             numel = ckpt.numel(ref.name, ref.index)
             quant = ckpt.quantized(ref.name, ref.index)
             packed = self.packed and stays_packed(quant, shape)
-            nbytes = slot_nbytes(shape, self.dtype, TENSOR_ALIGN) if packed else numel * self.dtype.itemsize
+            nbytes = (quant.spec.packed_nbytes(shape, self.dtype, TENSOR_ALIGN) if packed
+                      else numel * self.dtype.itemsize)
             if quant is None:
                 location, host_nbytes = ckpt.file_of(ref.name, ref.index), nbytes
             else:  # the codes' range stands in for the location; the components are read one by one
@@ -328,14 +330,14 @@ class WeightStreamer:
         start = base + field.offset
         return buffer[start : start + field.nbytes].view(self.dtype)  # [numel]
 
-    def _packed_view(self, buffer: torch.Tensor, base: int, field: FieldLayout) -> PackedInt8:
-        """A packed field's codes [out, in] int8 and scale [out] (compute dtype) in the slot."""
-        start, numel = base + field.offset, math.prod(field.shape)
-        codes = buffer[start : start + numel].view(torch.int8).view(field.shape)
-        at = start + align_up(numel, TENSOR_ALIGN)
-        return PackedInt8(codes, buffer[at : at + field.shape[0] * self.dtype.itemsize].view(self.dtype))
+    def _packed_view(self, buffer: torch.Tensor, base: int, field: FieldLayout) -> PackedWeight:
+        """A packed field's weight over its region of the slot (its format's `packed_view`)."""
+        assert field.quant is not None
+        start = base + field.offset
+        return field.quant.spec.packed_view(buffer[start : start + field.nbytes], field.shape, self.dtype,
+                                            TENSOR_ALIGN)
 
-    def _views(self, buffer: torch.Tensor, key: PartKey, base: int) -> dict[str, torch.Tensor | PackedInt8]:
+    def _views(self, buffer: torch.Tensor, key: PartKey, base: int) -> dict[str, torch.Tensor | PackedWeight]:
         return {f.field: self._packed_view(buffer, base, f) if f.packed else self._flat(buffer, base, f).view(f.shape)
                 for f in self.layout(key).fields}
 
@@ -351,7 +353,8 @@ class WeightStreamer:
                     pieces += split_pieces(field, self._flat(buffer, base, field), self._max_piece)
                     continue
                 assert packed is not None
-                codes = self._packed_view(buffer, base, field).qweight.view(torch.uint8) if field.packed else None
+                in_slot = field.packed and field.quant.spec.codes_in_slot  # (int8: the codes read into the slot)
+                codes = self._packed_view(buffer, base, field).qweight.view(torch.uint8) if in_slot else None
                 pieces += self._component_pieces(field, packed, packed_at[key], codes)
         return pieces
 
@@ -422,11 +425,10 @@ class WeightStreamer:
                         continue
                     parts = self._components(packed, packed_at[key], field)
                     if field.packed:
-                        view = self._packed_view(slot, base, field)
-                        self._check_once(key, field, {**parts, "qweight": view.qweight} if codes_in_slot else parts)
-                        if not codes_in_slot:
-                            view.qweight.copy_(parts["qweight"])
-                        view.scale.copy_(parts["scale"].view(-1))  # [out] float32 -> compute dtype
+                        spec, view = field.quant.spec, self._packed_view(slot, base, field)
+                        there = codes_in_slot and spec.codes_in_slot  # the disk read put the codes in the slot
+                        self._check_once(key, field, {**parts, "qweight": view.qweight} if there else parts)
+                        spec.fill_packed(view, parts, codes_there=there)
                         continue
                     self._check_once(key, field, parts)
                     dequantize_into(self._flat(slot, base, field).view(field.shape), parts, field.quant.spec)
