@@ -4,18 +4,18 @@
                                        [--regime tight|moe|dense] [--packed-weights auto|on|off] [--quick]
 
 Each variant runs without a draft at its own batch (`--batch auto`: the planner's pick for that checkpoint under the
-budget; an integer: the same for all), HumanEval prompts, greedy, `--reps` repetitions (median and spread of
-decode tokens/s). The compressed variants are built with `specoffload quantize` beside the source (or in
-`--variants-dir`) unless they exist. Reported per variant: tokens/s, bytes read per target pass, and from the
-trace the loader's busy time (its decompression share) against the compute (attention + ffn + head) per pass.
-int8 weights stay packed in the slots where `EngineConfig.packed_weights` "auto" says (bfloat16 on a CPU with
-native bfloat16 GEMMs; `--packed-weights off` measures the dequantizing loader instead). The fp16 run's io /
-compute is the bound no format can beat (`io_over_compute_fp16`). The summary's ratios are named by `--regime` (the
-issue's `int8_over_fp16_tight` at the smallest budget where fp16 runs a batch of 8; `_moe` / `_dense` roomy;
-default: by target). `--dtype` is the compute dtype (bfloat16 where the CPU has native 16-bit GEMMs,
-runtime/models/linear.py). Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1
-agreement, mean KL, greedy 32 tokens; --quick: 4 windows, 4 prompts). JSON under docs/perf/ with a top-level
-"summary" holding the ratios the issue names.
+budget; an integer: the same for all), HumanEval prompts, greedy, `--reps` repetitions (median and spread of decode
+tokens/s). The compressed variants are built with `specoffload quantize` beside the source (or in `--variants-dir`)
+unless they exist. Reported per variant: tokens/s, bytes read per target pass, and from the trace the loader's busy
+time (its decompression share) against the compute (attention + ffn + head) per pass. int8 and int4 weights stay
+packed in the slots where `EngineConfig.packed_weights` "auto" says (bfloat16 on a CPU with native bfloat16 GEMMs;
+`--packed-weights off` measures the dequantizing loader instead); the variants "int4u" / "int8u" run the same
+checkpoints with packed slots off, in the same run (`int4_packed_over_dequantized`). The fp16 run's io / compute is
+the bound no format can beat (`io_over_compute_fp16`). The summary's ratios are named by `--regime` (the issue's
+`int8_over_fp16_tight` at the smallest budget where fp16 runs a batch of 8; `_moe` / `_dense` roomy; default: by
+target). `--dtype` is the compute dtype (bfloat16 where the CPU has native 16-bit GEMMs, runtime/models/linear.py).
+Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens;
+--quick: 4 windows, 4 prompts). JSON under docs/perf/ with a top-level "summary" holding the ratios the issue names.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from scripts.common import PERF, io_compute_seconds, median_spread, timed_generate, utc_now, write_json
+from scripts.common import PERF, io_compute_seconds, median_spread, run_meta, timed_generate, write_json
 from scripts.get_models import model_dir
 from scripts.quant_accuracy import compare, held_out
 from specoffload.planner.units import format_bytes, parse_bytes
@@ -38,7 +38,10 @@ from specoffload.runtime.sampling import SamplingParams
 
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 VARIANTS = {"fp16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
-            "int8a": weight_format("int8")}
+            "int8a": weight_format("int8"), "int4u": weight_format("int4", 64), "int8u": weight_format("int8")}
+#: variants run with their weights dequantized into the slots (packed_weights "off"): the loader path the packed
+#: kernels replace, on the same checkpoint as the variant without the "u"
+UNPACKED = {"int4u", "int8u"}
 #: variants that compress the attention projections too (`specoffload quantize --attention`)
 WITH_ATTENTION = {"int8a"}
 
@@ -99,6 +102,7 @@ def main() -> int:
     if args.quick:
         args.prompts, args.new_tokens, args.reps = 8, 16, 1
         args.batch = "4" if args.batch == "auto" else args.batch
+    meta = run_meta(args.dtype)  # machine, torch, dtype, commit, argv, date: at the start of the run
     source = model_dir(TARGETS[args.target]) if args.target in TARGETS else Path(args.target)
     names = args.variants.split(",")
     dirs = {n: variant_dir(source, n, VARIANTS[n], args.variants_dir) for n in names}
@@ -114,7 +118,8 @@ def main() -> int:
         for n in names:
             config = EngineConfig(target=dirs[n], device_memory=args.budget, weights_tier=args.weights_tier,
                                   max_batch_size=batch, num_draft_tokens=0, max_seq_len=seq, trace=True,
-                                  dtype=args.dtype, packed_weights=args.packed_weights)
+                                  dtype=args.dtype,
+                                  packed_weights="off" if n in UNPACKED else args.packed_weights)
             r = run(config, prompts, params)
             results.setdefault(n, {"runs": []})["runs"].append(r)
             print(f"rep {rep} {n}: {r['tok_s']:.2f} tok/s at batch {r['batch']}, "
@@ -128,7 +133,7 @@ def main() -> int:
     if not args.no_accuracy:
         rows, greedy_prompts = held_out(source, *((4, 128, 4) if args.quick else (12, 256, 32)))
         for n in names:
-            if VARIANTS[n] is not None:
+            if VARIANTS[n] is not None and n not in UNPACKED:
                 accuracy[n] = compare(source, dirs[n], rows, greedy_prompts, 32)
     fp16 = results.get("fp16")
     summary: dict[str, object] = {"target": source.name, "budget": args.budget, "dtype": args.dtype,
@@ -140,8 +145,14 @@ def main() -> int:
         for n in ("int8", "int4", "int8a"):
             if n in results:
                 summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
+        for n in UNPACKED & set(results):
+            summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
         if "int4" in results and fp16["bytes_per_pass"]:
             summary["bytes_per_pass_ratio_int4"] = round(results["int4"]["bytes_per_pass"] / fp16["bytes_per_pass"], 3)
+    for packed, unpacked in (("int4", "int4u"), ("int8", "int8u")):
+        if packed in results and unpacked in results:  # the packed kernels against the dequantizing loader
+            summary[f"{packed}_packed_over_dequantized_{regime}"] = round(
+                results[packed]["tok_s_median"] / results[unpacked]["tok_s_median"], 3)
     for n, a in accuracy.items():
         summary[f"{n}_top1_agreement"] = a["top1_agreement"]
         summary[f"{n}_mean_kl"] = round(a["mean_kl"], 5)
@@ -155,7 +166,7 @@ def main() -> int:
               f"{res['decompress_s_per_pass']:.2f} | {res['compute_s_per_pass']:.2f} |")
     print(summary)
     path = write_json(PERF / (f"scratch/{args.out}_quick.json" if args.quick else f"{args.out}.json"), {
-        "summary": summary, "date": utc_now(), "args": vars(args) | {"variants_dir": str(args.variants_dir)},
+        "summary": summary, **meta, "args": vars(args) | {"variants_dir": str(args.variants_dir)},
         "budget_bytes": parse_bytes(args.budget), "results": results, "accuracy": accuracy})
     print(f"wrote {path}", file=sys.stderr)
     return 0
