@@ -152,9 +152,9 @@ def drafter_steps(config: EngineConfig, quick: bool = False,
                   log: Callable[[str], None] | None = None) -> tuple[tuple[int, float], ...]:
     """`config`'s drafter's step versus rows (`HardwareProfile.draft_step_s`): cached beside the profile by
     `draft_key`, else measured on the model its class names (`step_model`) and cached; NOMINAL_DRAFT_STEP for a
-    drafter with no model to time."""
+    drafter with no model to time (none, or a model-free one)."""
     key = draft_key(config)
-    if not key:
+    if not key or config.drafter_class.model_free:
         return NOMINAL_DRAFT_STEP
     path = _drafts_path(config)
     steps: dict[str, Any] = {}
