@@ -72,9 +72,11 @@ def test_each_row_is_computed_on_its_own(dtype):
 
 def test_bias_leading_dims_and_the_widths_the_kernel_refuses():
     w = _weight(12, 32, torch.float32, 1)
-    x = torch.randn(2, 3, 32)  # [B, T, in]
-    bias = torch.randn(12)
-    assert torch.allclose(linear(x, w, bias), F.linear(x, w.dequantize(), bias), rtol=1e-5, atol=1e-6)
+    g = torch.Generator().manual_seed(0)  # (not the global stream: its state depends on the tests run before)
+    x = torch.randn(2, 3, 32, generator=g)  # [B, T, in]
+    bias = torch.randn(12, generator=g)
+    want = F.linear(x, w.dequantize(), bias)
+    assert torch.allclose(linear(x, w, bias), want, rtol=1e-5, atol=1e-6 * want.abs().max())
     assert not packable((12, 24)) and not packable((4, 12, 32)) and packable((12, 48))
     odd = _weight(12, 24, torch.bfloat16, 2)  # never packed by the streamer; computed through its dequantization
     x = torch.randn(3, 24).bfloat16()
@@ -196,7 +198,7 @@ def _int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> tuple[Pa
     fmt = weight_format("int4", group)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     parts = fmt.quantize_rows(w)
-    region = torch.empty(fmt.packed_nbytes((n, k), dtype, 64), dtype=torch.uint8)
+    region = torch.full((fmt.packed_nbytes((n, k), dtype, 64),), 0xAB, dtype=torch.uint8)  # (stale bytes)
     view = fmt.packed_view(region, (n, k), dtype, 64)
     fmt.fill_packed(view, parts)
     return view, dequantize(parts, fmt, (n, k))
@@ -204,27 +206,33 @@ def _int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> tuple[Pa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, INT4_MAX_ROWS, INT4_MAX_ROWS + 3])
-def test_packed_int4_linear_is_the_product_with_its_weight(dtype, rows):
+@pytest.mark.parametrize(("n", "k", "group"), [(128, 192, 64), (96, 100, 32), (80, 96, 64)])
+def test_packed_int4_linear_is_the_product_with_its_weight(dtype, rows, n, k, group):
     """Both regimes (the kernel up to INT4_MAX_ROWS rows, dequantize + GEMM above) multiply by the same weight,
-    (q - 8) * scale + zero, which is the format's q * scale + min up to the compute dtype's rounding of the scales."""
-    w, stored = _int4(128, 192, 64, dtype, seed=rows)
-    assert isinstance(w, PackedInt4) and w.shape == (128, 192) and w.dtype == dtype
+    (q - 8) * scale + zero, which is the format's q * scale + min up to the compute dtype's rounding of the scales;
+    outputs beyond whole kernel blocks and inputs beyond whole groups are padded in the slot and cut off again."""
+    w, stored = _int4(n, k, group, dtype, seed=rows)
+    assert isinstance(w, PackedInt4) and w.shape == (n, k) and w.dtype == dtype and w.numel() == n * k
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(w.dequantize().float(), stored, atol=tol * stored.abs().max())
-    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(1)).to(dtype)
-    got = linear(x[None], w)[0]  # [rows, 128]
-    assert got.shape == (rows, 128) and got.dtype == dtype
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = linear(x[None], w)[0]  # [rows, n]
+    assert got.shape == (rows, n) and got.dtype == dtype
     want = x.float() @ w.dequantize().float().T
     assert torch.allclose(got.float(), want, atol=(1e-4 if dtype == torch.float32 else 2e-2) * want.abs().max())
-    gate, up = w.chunk(2)
-    assert torch.equal(torch.cat([gate.dequantize(), up.dequantize()]), w.dequantize())
+    if n % 128 == 0:
+        gate, up = w.chunk(2)
+        assert torch.equal(torch.cat([gate.dequantize(), up.dequantize()]), w.dequantize())
+    else:
+        with pytest.raises(ValueError, match="blocks of 64"):
+            w.chunk(2)
 
 
 def test_int4_weights_the_kernel_cannot_take_are_not_packed():
     fmt = weight_format("int4", 64)
     assert fmt.stays_packed((128, 192)) and fmt.stays_packed((64, 64))
-    assert not fmt.stays_packed((96, 192))  # not whole blocks of 64 outputs
-    assert not fmt.stays_packed((128, 100))  # not whole groups (the codes are padded)
+    assert fmt.stays_packed((336, 1536)) and fmt.stays_packed((1536, 336))  # padded in the slot
+    assert fmt.packed_nbytes((336, 1536), torch.bfloat16) == 384 * 1536 // 2 + 2 * 384 * 24 * 2
     assert not fmt.stays_packed((4, 128, 64))  # a fused expert tensor
     assert not weight_format("int4", 16).stays_packed((128, 64))  # the kernel takes groups of 32 .. 256
 
@@ -267,8 +275,8 @@ def test_streamer_keeps_int4_weights_packed_in_the_slot(int4, source, single_thr
 
 @pytest.mark.parametrize("target", ["llama", "mixtral"])
 def test_speculation_on_a_packed_int4_target_is_lossless(tiny_models, int4, target, single_thread):
-    """An int4 target whose streamed weights stay packed where the kernel takes them (the Mixtral's experts: w2
-    [64, 96] packed, w1 / w3 [96, 64] not): a smaller ring, the draft changes no token, and in float32 the packed
+    """An int4 target whose streamed weights stay packed (the Mixtral's experts [96, 64] padded to a whole kernel
+    block of 128 outputs in the slot): a smaller ring, the draft changes no token, and in float32 the packed
     target's tokens are the dequantized target's."""
     params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     base = EngineConfig(target=int4(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",

@@ -5,10 +5,10 @@ in [0, 15], w' = q * scale + min. Two codes per byte (the even input in the low 
 weight (4.5 at group 64). A row whose length is not a multiple of the group is padded to one with its first element
 (inside the group's range, so min and max are unchanged; dropped on dequantization). The scale and min are rounded
 before the codes are computed, so |w - w'| <= scale / 2 for every element, as stored. Stored: W.qweight U8
-[..., groups * group / 2], W.scale F16 [..., groups], W.zero F16 [..., groups] (the group's min). A streamed matrix
-the CPU int4 kernel takes (whole blocks of 64 outputs, whole groups of 32 .. 256) stays packed in its slot: its codes
-permuted into the kernel's layout, its scale and zero (min + 8 * scale) in the compute dtype (runtime/models/packed.py
-`PackedInt4`).
+[..., groups * group / 2], W.scale F16 [..., groups], W.zero F16 [..., groups] (the group's min). A streamed matrix of
+a group the CPU int4 kernel takes (32 .. 256) stays packed in its slot: its codes permuted into the kernel's layout
+(outputs padded to whole blocks of 64), its scale and zero (min + 8 * scale) in the compute dtype
+(runtime/models/packed.py `PackedInt4`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.packed import PackedInt4, int4_packable, kernel_layout
+from ..models.packed import PackedInt4, int4_packable, int4_padded, kernel_layout
 from . import WeightFormat, register_format, round_down, round_up
 
 INT4_LEVELS = 15
@@ -72,26 +72,34 @@ class Int4(WeightFormat):
         return int4_packable(shape, self.group)
 
     def packed_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
-        """The codes [out, in / 2] in the kernel's layout, padded to `align`, then scales_zeros [in / group, out, 2]."""
-        out, inputs = shape
+        """The codes [out_p, in_p / 2] in the kernel's layout, padded to `align`, then scales_zeros [in_p / group,
+        out_p, 2] (out_p, in_p: `int4_padded`)."""
+        out, inputs = int4_padded(shape, self.group)
         return -(-out * inputs // 2 // align) * align + 2 * out * (inputs // self.group) * dtype.itemsize
 
     def packed_view(self, region: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
                     align: int = 1) -> PackedInt4:
-        out, inputs = shape
+        out, inputs = int4_padded(shape, self.group)
         at = -(-out * inputs // 2 // align) * align
         sz = region[at : at + 2 * out * (inputs // self.group) * dtype.itemsize].view(dtype)
         return PackedInt4(region[: out * inputs // 2].view(out, inputs // 2), sz.view(inputs // self.group, out, 2),
-                          self.group)
+                          self.group, shape[0], shape[1])
 
     def fill_packed(self, view: object, parts: dict[str, torch.Tensor], codes_there: bool = False) -> None:
-        """The stored codes permuted into the kernel's layout; per group (scale, min + 8 * scale) in the compute dtype
-        (the kernel's W' = (q - 8) * scale + zero)."""
+        """The stored codes permuted into the kernel's layout (padded outputs: code 0), per group (scale, min + 8 *
+        scale) in the compute dtype (the kernel's W' = (q - 8) * scale + zero; padded outputs: 0, 0)."""
         assert isinstance(view, PackedInt4) and not codes_there
-        kernel_layout(parts["qweight"], out=view.codes)
+        codes = parts["qweight"]  # [out, in_p / 2]
+        out_p = view.codes.shape[0]
+        if codes.shape[0] < out_p:
+            codes = torch.cat([codes, codes.new_zeros(out_p - codes.shape[0], codes.shape[1])])
+        kernel_layout(codes, out=view.codes)
         scale, low = parts["scale"].float(), parts["zero"].float()  # [out, groups]
-        view.scales_zeros[..., 0].copy_(scale.T)
-        view.scales_zeros[..., 1].copy_((low + 8 * scale).T)
+        n = scale.shape[0]
+        if n < out_p:
+            view.scales_zeros[:, n:].zero_()
+        view.scales_zeros[:, :n, 0].copy_(scale.T)
+        view.scales_zeros[:, :n, 1].copy_((low + 8 * scale).T)
 
     def dequantize_rows(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         q, scale = parts["qweight"], parts["scale"]

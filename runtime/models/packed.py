@@ -146,30 +146,41 @@ def int4_kernel_ok() -> bool:
 
 
 def int4_packable(shape: tuple[int, ...], group: int) -> bool:
-    """An int4 weight of this shape and group can stay packed: a matrix of whole kernel blocks and whole groups."""
-    return (len(shape) == 2 and shape[0] % INT4_BLOCK == 0 and shape[1] % group == 0 and group in INT4_GROUPS
-            and int4_kernel_ok())
+    """An int4 weight of this shape and group can stay packed: a matrix, a group the kernel takes, this torch's kernel
+    reading `kernel_layout` (any width: outputs are padded to whole kernel blocks, inputs to whole groups)."""
+    return len(shape) == 2 and group in INT4_GROUPS and int4_kernel_ok()
+
+
+def int4_padded(shape: tuple[int, ...], group: int) -> tuple[int, int]:
+    """(outputs, inputs) of an int4 weight in its slot: outputs to whole kernel blocks, inputs to whole groups."""
+    out, inputs = shape
+    return -(-out // INT4_BLOCK) * INT4_BLOCK, -(-inputs // group) * group
 
 
 @dataclass(frozen=True, eq=False)
 class PackedInt4:
     """An int4 weight W' = (q - 8) * scale + zero per group of inputs (module docstring), in place of a [out, in]
-    compute-dtype tensor."""
+    compute-dtype tensor. Its slot holds whole kernel blocks and whole groups (`int4_padded`): the padded outputs have
+    scale and zero 0 and are cut from the product, the padded inputs meet zeros in x."""
 
-    codes: torch.Tensor  # [out, in / 2] uint8, in the kernel's layout (`kernel_layout`)
-    scales_zeros: torch.Tensor  # [in / group, out, 2] compute dtype: (scale, zero)
+    codes: torch.Tensor  # [out_p, in_p / 2] uint8, in the kernel's layout (`kernel_layout`)
+    scales_zeros: torch.Tensor  # [in_p / group, out_p, 2] compute dtype: (scale, zero)
     group: int
+    out: int  # the weight's outputs (<= out_p)
+    inputs: int  # its inputs (<= in_p)
 
     def __post_init__(self) -> None:
-        out, half = self.codes.shape
-        if not (self.codes.dtype == torch.uint8 and self.scales_zeros.shape == (2 * half // self.group, out, 2)):
-            raise ValueError(f"a packed int4 weight is uint8 codes [out, in / 2] and scales_zeros [in / group, out, "
-                             f"2], got {self.codes.dtype} {list(self.codes.shape)} and "
-                             f"{list(self.scales_zeros.shape)}")
+        out_p, half = self.codes.shape
+        if not (self.codes.dtype == torch.uint8 and self.scales_zeros.shape == (2 * half // self.group, out_p, 2)
+                and out_p % INT4_BLOCK == 0 and 0 < self.out <= out_p and 0 < self.inputs <= 2 * half):
+            raise ValueError(f"a packed int4 weight is uint8 codes [out, in / 2] (out whole blocks of {INT4_BLOCK}) "
+                             f"and scales_zeros [in / group, out, 2], got {self.codes.dtype} "
+                             f"{list(self.codes.shape)} and {list(self.scales_zeros.shape)} for a [{self.out}, "
+                             f"{self.inputs}] weight")
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.codes.shape[0], 2 * self.codes.shape[1]))
+        return torch.Size((self.out, self.inputs))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -180,24 +191,33 @@ class PackedInt4:
         return self.codes.device
 
     def numel(self) -> int:
-        return 2 * self.codes.numel()
+        return self.out * self.inputs
 
     def chunk(self, chunks: int, dim: int = 0) -> list[PackedInt4]:
-        """Split along the output channels (a fused gate_up weight) in whole kernel blocks."""
-        out = self.codes.shape[0]
-        if dim != 0 or out % (chunks * INT4_BLOCK):
+        """Split along the output channels (a fused gate_up weight) in whole kernel blocks, unpadded."""
+        out_p = self.codes.shape[0]
+        if dim != 0 or out_p != self.out or out_p % (chunks * INT4_BLOCK):
             raise ValueError(f"a packed int4 weight splits along its output channels in blocks of {INT4_BLOCK}")
-        return [PackedInt4(c, sz.contiguous(), self.group)
+        return [PackedInt4(c, sz.contiguous(), self.group, self.out // chunks, self.inputs)
                 for c, sz in zip(self.codes.chunk(chunks), self.scales_zeros.chunk(chunks, dim=1))]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] @ W'^T -> [N, out] by the kernel (x padded with zeros to the slot's inputs)."""
+        pad = 2 * self.codes.shape[1] - self.inputs
+        x = x.to(self.dtype)
+        x = F.pad(x, (0, pad)) if pad else x.contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, self.group, self.scales_zeros)  # [N, out_p]
+        return y[:, : self.out] if self.out < y.shape[1] else y
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in the compute dtype: (q - 8) * scale + zero in float32, rounded once."""
-        stored = stored_layout(self.codes)  # [out, in / 2]
-        out, half = stored.shape
-        q = torch.stack((stored & 0xF, stored >> 4), dim=-1).view(out, half * 2 // self.group, self.group)
-        scale = self.scales_zeros[..., 0].float().T[..., None]  # [out, groups, 1]
+        stored = stored_layout(self.codes)  # [out_p, in_p / 2]
+        out_p, half = stored.shape
+        q = torch.stack((stored & 0xF, stored >> 4), dim=-1).view(out_p, half * 2 // self.group, self.group)
+        scale = self.scales_zeros[..., 0].float().T[..., None]  # [out_p, groups, 1]
         zero = self.scales_zeros[..., 1].float().T[..., None]
-        return ((q.float() - 8) * scale + zero).view(out, 2 * half).to(self.dtype)
+        w = ((q.float() - 8) * scale + zero).view(out_p, 2 * half)  # [out_p, in_p]
+        return w[: self.out, : self.inputs].to(self.dtype)
 
 
 PackedWeight = PackedInt8 | PackedInt4
@@ -206,10 +226,7 @@ PackedWeight = PackedInt8 | PackedInt4
 def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [N, in] @ W'^T -> [N, out] in the compute dtype."""
     if isinstance(w, PackedInt4):
-        if x.shape[0] <= INT4_MAX_ROWS:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(w.dtype).contiguous(), w.codes, w.group,
-                                                              w.scales_zeros)
-        return F.linear(x.to(w.dtype), w.dequantize())
+        return w.matmul(x) if x.shape[0] <= INT4_MAX_ROWS else F.linear(x.to(w.dtype), w.dequantize())
     if x.shape[0] <= PACKED_MAX_ROWS and packable(tuple(w.shape)):
         return torch._weight_int8pack_mm(x.to(w.dtype).contiguous(), w.qweight, w.scale)
     return F.linear(x.to(w.dtype), w.dequantize())
