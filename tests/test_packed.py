@@ -297,3 +297,22 @@ def test_speculation_on_a_packed_int4_target_is_lossless(tiny_models, int4, targ
     engine = Engine(replace(base, device_memory=lo_off, packed_weights="off"))
     assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == alone
     engine.close()
+
+
+def test_the_profiler_times_the_streamed_ffn_as_the_slots_hold_it(int4, single_thread):
+    """With packed slots the profiler's streamed FFN is the slot's (int4 codes for the kernel); without, none (the
+    loader's dequantized weights are what a slot holds)."""
+    from specoffload.runtime.models import layers
+    from specoffload.runtime.offload.profiler import _streamed_mlp
+
+    target = Transformer(int4("llama"))
+    mlp, streamer = _streamed_mlp(EngineConfig(target=int4("llama"), packed_weights="on"), target,
+                                  PartKey("dense_mlp", 0))
+    assert streamer is not None and all(isinstance(getattr(mlp, n), PackedInt4) for n in ("gate", "up", "down"))
+    x = torch.randn(3, 1, 64)
+    ref = target.loader.load(PartKey("dense_mlp", 0)).mlp
+    want = layers.gated_mlp(x, ref, target.config.hidden_act)
+    assert torch.allclose(layers.gated_mlp(x, mlp, target.config.hidden_act), want, atol=1e-4 * want.abs().max())
+    streamer.close()
+    assert _streamed_mlp(EngineConfig(target=int4("llama"), packed_weights="off"), target,
+                         PartKey("dense_mlp", 0)) == (None, None)

@@ -5,7 +5,8 @@ drafter's own cost, its draft step, is measured on top of it and cached beside i
 
 Every number is timed here, none is typed in (`measure`): weight streaming into ring slots (from disk with O_DIRECT,
 or from the host-RAM tier), split into the read rate and the decompression / conversion rate of compressed or
-converted weights; the device GEMM rate at the target's FFN shape versus rows, streamed and resident (packed);
+converted weights; the device GEMM rate at the target's FFN shape versus rows, streamed (as the slots hold it: int8 /
+int4 codes multiplied by their kernels with packed slots) and resident (oneDNN's packed layout);
 CPU attention time versus new tokens x attended length (least-squares fit of c0 + c1 n + c2 n ctx); the head's
 GEMM rate; beside a GPU, the host <-> device copy of hidden states versus rows. Then real no-draft passes on an
 engine the caller builds (`open_engine`: this module never imports the engine) calibrate the stream rate and the
@@ -319,18 +320,23 @@ def _isolated(config: EngineConfig, quick: bool, phase: Callable[[int], None]) -
         mlp = ffn_w if ffn_key.kind == "expert" else ffn_w.mlp
         params = mlp.gate.numel() + mlp.up.numel() + mlp.down.numel()
         packs = can_pack(dtype, device)
-        # Streamed weights are used as read (unpacked); resident ones are kept packed (models/linear.py).
+        # Streamed weights are used as the slot holds them (as read, or int8 / int4 codes for a kernel: packed
+        # slots); resident ones are kept in oneDNN's packed layout (models/linear.py).
+        streamed, slots = _streamed_mlp(config, target, ffn_key)
         packed = pack_weights(mlp) if packs else None
         ffn_rates, resident_rates = [], []
         for rows in FFN_ROWS[:3] if quick else FFN_ROWS:
             x = torch.randn(rows, 1, cfg.hidden_size, dtype=dtype, device=device)
-            seconds = timer(lambda x=x, mlp=mlp: layers.gated_mlp(x, mlp, cfg.hidden_act), f"FFN at {rows} rows")
+            seconds = timer(lambda x=x, mlp=streamed or mlp: layers.gated_mlp(x, mlp, cfg.hidden_act),
+                            f"FFN at {rows} rows")
             ffn_rates.append((rows, 2 * params * rows / seconds))
             if packed is not None:
                 seconds = timer(lambda x=x, mlp=packed: layers.gated_mlp(x, mlp, cfg.hidden_act),
                                 f"resident FFN at {rows} rows")
                 resident_rates.append((rows, 2 * params * rows / seconds))
-        del ffn_w, mlp, packed
+        if slots is not None:
+            slots.close()
+        del ffn_w, mlp, packed, streamed
         phase(2)
         # attention runs where the attention worker runs it: on the host beside a GPU (host_attention)
         host = Transformer(config.target, dtype=dtype, device="cpu") if config.host_attention else target
@@ -371,6 +377,23 @@ def _isolated(config: EngineConfig, quick: bool, phase: Callable[[int], None]) -
 _NOMINAL = HardwareProfile(provenance={}, device="cpu", shared_compute=True, weights_tier="disk",
                            stream_bytes_per_s=1.0, ffn_flops_per_s=((1, 1.0),), attention_fit=(0.0, 0.0, 0.0),
                            draft_step_s=NOMINAL_DRAFT_STEP)
+
+
+def _streamed_mlp(config: EngineConfig, target: Transformer, key: PartKey) -> tuple[Any, WeightStreamer | None]:
+    """The FFN part as a ring slot holds it when the slots keep some of its weights packed (int8 / int4 codes the
+    layers multiply by a kernel), with the streamer that holds it (close it after use); (None, None) otherwise:
+    the loader's compute-dtype weights are what the slot holds."""
+    if not config.packed_slots:
+        return None, None
+    streamer = WeightStreamer(target.loader, 1, 1, "disk", target.device, packed=True)
+    if not any(f.packed for f in streamer.layout(key).fields):
+        streamer.close()
+        return None, None
+    slot_bytes = streamer.nbytes([key])
+    streamer.close()
+    streamer = WeightStreamer(target.loader, slot_bytes, 1, "disk", target.device, parts=[key], packed=True)
+    part = streamer.load(0, [key])[key]
+    return (part if key.kind == "expert" else part.mlp), streamer
 
 
 #: rows of hidden states the host <-> device copy fit is timed at (a decode pass's and a prefill chunk's sizes)
