@@ -82,11 +82,11 @@ class HardwareProfile:
         if not isinstance(self.shared_compute, bool):
             raise ProfileError(f"shared_compute must be a bool, got {self.shared_compute!r}")
         _positive("stream_bytes_per_s", self.stream_bytes_per_s)
-        object.__setattr__(self, "ffn_flops_per_s", _points("ffn_flops_per_s", self.ffn_flops_per_s))
-        object.__setattr__(self, "draft_step_s", _points("draft_step_s", self.draft_step_s))
+        object.__setattr__(self, "ffn_flops_per_s", check_points("ffn_flops_per_s", self.ffn_flops_per_s))
+        object.__setattr__(self, "draft_step_s", check_points("draft_step_s", self.draft_step_s))
         if self.resident_ffn_flops_per_s is not None:
             object.__setattr__(self, "resident_ffn_flops_per_s",
-                               _points("resident_ffn_flops_per_s", self.resident_ffn_flops_per_s))
+                               check_points("resident_ffn_flops_per_s", self.resident_ffn_flops_per_s))
         fit = tuple(float(c) for c in self.attention_fit)
         if len(fit) != 3 or not all(math.isfinite(c) and c >= 0 for c in fit):
             raise ProfileError(f"attention_fit must be 3 finite coefficients >= 0 (c0, c1, c2), got {fit}")
@@ -286,7 +286,7 @@ def _interpolate(xs: list[float], ys: list[float], x: float, *, extrapolate: boo
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def _points(name: str, points: Any) -> tuple[tuple[int, float], ...]:
+def check_points(name: str, points: Any) -> tuple[tuple[int, float], ...]:
     """Validated (rows, value) points: rows integers >= 1 strictly increasing, values finite and > 0."""
     try:
         pts = tuple((r, float(v)) for r, v in points)

@@ -129,7 +129,7 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
 def checked_scale(engine: Engine) -> float:
     """The factor a warm-up engine's passes found the profile's compute costs off by (offload/replan.py
     `check_profile`: 1.0 within its margin, or when nothing was checked)."""
-    return engine.replanner.compute_scale if engine.replanner.profile_off is not None else 1.0
+    return engine.replanner.compute_scale
 
 
 def mean_output_len(lengths: Sequence[tuple[int, bool]], max_new_tokens: int, cap: int) -> float:

@@ -87,17 +87,22 @@ def test_bias_leading_dims_and_the_widths_the_kernel_refuses():
     assert gate.shape == (4, 32) and up.scale.shape == (4,)
 
 
-@pytest.fixture(scope="module")
-def int8(tiny_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("packed")
+def _quantized(tiny_models, tmp_path_factory, fmt):  # noqa: ANN001, ANN202
+    """name -> the tiny model quantized to `fmt`, made once per module."""
+    root = tmp_path_factory.mktemp(f"packed-{fmt.label}")
 
     def get(name: str):
         out = root / name
         if not out.exists():
-            quantize_checkpoint(tiny_models[name], out, weight_format("int8"))
+            quantize_checkpoint(tiny_models[name], out, fmt)
         return out
 
     return get
+
+
+@pytest.fixture(scope="module")
+def int8(tiny_models, tmp_path_factory):
+    return _quantized(tiny_models, tmp_path_factory, weight_format("int8"))
 
 
 @pytest.mark.parametrize("source", ["disk", "ram"])
@@ -239,15 +244,7 @@ def test_int4_weights_the_kernel_cannot_take_are_not_packed():
 
 @pytest.fixture(scope="module")
 def int4(tiny_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("packed4")
-
-    def get(name: str):
-        out = root / name
-        if not out.exists():
-            quantize_checkpoint(tiny_models[name], out, weight_format("int4", 32))
-        return out
-
-    return get
+    return _quantized(tiny_models, tmp_path_factory, weight_format("int4", 32))
 
 
 @pytest.mark.parametrize("source", ["disk", "ram"])

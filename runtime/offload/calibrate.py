@@ -145,10 +145,15 @@ def _overhead_needed(profile: HardwareProfile, point: dict[str, Any]) -> float:
     target = point["measured_s"]
     if step(0.0) >= target:
         return 0.0
-    lo, hi = 0.0, target
-    for _ in range(40):
+    return solve_nondecreasing(step, target, 0.0, target, 40)
+
+
+def solve_nondecreasing(f: Callable[[float], float], target: float, lo: float, hi: float, steps: int) -> float:
+    """The x in [lo, hi] where a non-decreasing f reaches `target`, by `steps` bisections (the midpoint of the last
+    bracket); also replan.py `check_profile`'s compute scale."""
+    for _ in range(steps):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if step(mid) < target else (lo, mid)
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
     return (lo + hi) / 2
 
 

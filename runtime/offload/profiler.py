@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from specoffload.planner.profile import HardwareProfile, ProfileError
+from specoffload.planner.profile import HardwareProfile, ProfileError, check_points
 from specoffload.planner.shapes import PartKey
 
 from ..config import EngineConfig
@@ -163,8 +163,8 @@ def drafter_steps(config: EngineConfig, quick: bool = False,
         loaded = json.loads(path.read_text())
         steps = loaded if isinstance(loaded, dict) else {}
     if key in steps:
-        with contextlib.suppress(ProfileError, TypeError, ValueError):
-            return replace(_NOMINAL, draft_step_s=steps[key]).draft_step_s  # (validated as a profile's points)
+        with contextlib.suppress(ProfileError):  # (a damaged entry is measured again)
+            return check_points("draft_step_s", steps[key])
     if log:
         log(f"profile: timing the draft step of {config.drafter_name!r}")
     with torch.inference_mode():
@@ -373,25 +373,21 @@ def _isolated(config: EngineConfig, quick: bool, phase: Callable[[int], None]) -
     )
 
 
-#: (validates cached draft steps as a profile's points)
-_NOMINAL = HardwareProfile(provenance={}, device="cpu", shared_compute=True, weights_tier="disk",
-                           stream_bytes_per_s=1.0, ffn_flops_per_s=((1, 1.0),), attention_fit=(0.0, 0.0, 0.0),
-                           draft_step_s=NOMINAL_DRAFT_STEP)
+def _slot_bytes(target: Transformer, groups: list[list[PartKey]], packed: bool) -> int:
+    """Bytes a ring slot needs for the largest group of parts (a probe streamer: it allocates no slot)."""
+    with WeightStreamer(target.loader, 1, 1, "disk", target.device, staging_bytes=4 * 4096, packed=packed) as probe:
+        return max(probe.nbytes(g) for g in groups)
 
 
 def _streamed_mlp(config: EngineConfig, target: Transformer, key: PartKey) -> tuple[Any, WeightStreamer | None]:
     """The FFN part as a ring slot holds it when the slots keep some of its weights packed (int8 / int4 codes the
-    layers multiply by a kernel), with the streamer that holds it (close it after use); (None, None) otherwise:
-    the loader's compute-dtype weights are what the slot holds."""
-    if not config.packed_slots:
+    layers multiply by a kernel: it takes fewer slot bytes, as `ModelShape.slotted` counts it), with the streamer
+    that holds it (close it after use); (None, None) otherwise: the loader's compute-dtype weights are what the slot
+    holds."""
+    if not config.packed_slots or target.loader.packed_nbytes(key) >= target.loader.nbytes(key):
         return None, None
-    streamer = WeightStreamer(target.loader, 1, 1, "disk", target.device, packed=True)
-    if not any(f.packed for f in streamer.layout(key).fields):
-        streamer.close()
-        return None, None
-    slot_bytes = streamer.nbytes([key])
-    streamer.close()
-    streamer = WeightStreamer(target.loader, slot_bytes, 1, "disk", target.device, parts=[key], packed=True)
+    streamer = WeightStreamer(target.loader, _slot_bytes(target, [[key]], True), 1, "disk", target.device,
+                              parts=[key], packed=True)
     part = streamer.load(0, [key])[key]
     return (part if key.kind == "expert" else part.mlp), streamer
 
@@ -432,9 +428,7 @@ def _stream_rate(config: EngineConfig, target: Transformer,
             groups.append([PartKey("dense_mlp", layer)])
     parts = [k for g in groups for k in g]
     packed = config.packed_slots
-    probe = WeightStreamer(target.loader, 1, 1, "disk", target.device, staging_bytes=4 * 4096, packed=packed)
-    slot_bytes = max(probe.nbytes(g) for g in groups)
-    probe.close()
+    slot_bytes = _slot_bytes(target, groups, packed)
     drop_page_cache()
     streamer = WeightStreamer(target.loader, slot_bytes, 2, config.weights_tier, target.device, parts=parts,
                               packed=packed)

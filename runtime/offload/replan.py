@@ -50,6 +50,8 @@ from specoffload.planner import AcceptanceTracker, HardwareProfile, ModelCosts, 
 from specoffload.planner.placement import Placement
 from specoffload.planner.plan import Plan
 
+from .calibrate import solve_nondecreasing
+
 logger = logging.getLogger("specoffload.offload")
 
 #: two-sided confidence of the alpha range the online decision must hold over
@@ -147,10 +149,8 @@ class Replanner:
             hi *= 2
         while step(lo) > measured and lo > 1 / 64:
             lo /= 2
-        for _ in range(30):  # bisection: the step is non-decreasing in the scale
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if step(mid) < measured else (lo, mid)
-        self.compute_scale, self.profile_off = (lo + hi) / 2, ratio
+        self.compute_scale = solve_nondecreasing(step, measured, lo, hi, 30)  # (the step grows with the scale)
+        self.profile_off = ratio
         logger.warning("the hardware profile predicts %.3g s per pass (%d rows, k %d) and this job's passes take "
                        "%.3g s (%.2fx, beyond the %.0f%% margin): this run goes on with its compute costs x %.2f; "
                        "the cached profile is measured again before the next job", predicted, rows, k, measured,
