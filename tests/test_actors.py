@@ -40,20 +40,22 @@ SEEN_PIDS: set[int] = set()  # every process of the shared Ray engine, killed on
 
 
 def _config(tiny_models, target: str, draft: str | None, budget: int | str = "1GiB") -> EngineConfig:
-    """draft: a tiny model's name, "self" (the target's resident experts) or None."""
-    return EngineConfig(tiny_models[target], draft=tiny_models.get(draft, draft), max_batch_size=3,
-                        max_seq_len=48, num_draft_tokens=3, device_memory=budget, num_threads=1)
+    """draft: a tiny model's name, "self" (the target's resident experts), "lowbit" (its low-bit copy) or None."""
+    own = {"drafter": draft} if draft == "lowbit" else {"draft": tiny_models.get(draft, draft)}
+    return EngineConfig(tiny_models[target], max_batch_size=3, max_seq_len=48, num_draft_tokens=3,
+                        device_memory=budget, num_threads=1, **own)
 
 
 def _min_budget(tiny_models, target: str, draft: str | None) -> int:
-    """The smallest budget for the backend's workers. A self-drafter in a role process keeps its own KV cache (it
-    cannot draft into the attention role's), so its minimum is that of a drafter with a cache."""
-    if draft == "self":
+    """The smallest budget for the backend's workers. A drafter built from the target (self, lowbit) in a role
+    process keeps its own parts and KV cache (it cannot draft into the attention role's), so its minimum is that of
+    a drafter with a cache."""
+    if draft in ("self", "lowbit"):
         from specoffload.runtime.models.model import Transformer
         from specoffload.runtime.planning import ModelPair, make_plan, plan_minimum_device_memory
 
         config = _config(tiny_models, target, draft)
-        models = ModelPair.of(Transformer(config.target), None, 1, shares_kv=False)
+        models = ModelPair.for_config(config, Transformer(config.target), shares_kv=False)
         return plan_minimum_device_memory(config, make_plan(config, models, 48), models)
     old = torch.get_num_threads()  # the engine sets the config's thread count process-wide
     try:
@@ -197,14 +199,15 @@ def in_process_engine(config: EngineConfig) -> tuple[Engine, RoleWorkers]:
 
 @pytest.mark.parametrize(
     ("target", "draft"),
-    [("llama", "qwen2_draft"), ("llama", None), ("qwen2_moe", "qwen2_draft"), ("mixtral", None), ("mixtral", "self")],
+    [("llama", "qwen2_draft"), ("llama", None), ("qwen2_moe", "qwen2_draft"), ("mixtral", None), ("mixtral", "self"),
+     ("qwen2_moe", "lowbit")],
 )
 def test_roles_over_sockets_and_arenas_match_the_local_backend(tiny_models, reference, single_thread, target, draft):
     engine, roles = in_process_engine(_config(tiny_models, target, draft, _min_budget(tiny_models, target, draft)))
     try:
         assert engine.placement.streamed_layers
-        # lossless: a self-drafting target (the reference runs it locally at another budget) equals no draft
-        expected = reference(target, None if draft == "self" else draft)
+        # lossless: a target drafting for itself (the reference runs it locally at another budget) equals no draft
+        expected = reference(target, None if draft in ("self", "lowbit") else draft)
         assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
         stats = engine.last_stats
         assert stats.bytes_read > 0 and stats.generated_tokens == len(PROMPTS) * GREEDY.max_new_tokens

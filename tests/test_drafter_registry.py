@@ -125,7 +125,7 @@ def test_an_unknown_drafter_is_one_config_error_listing_the_names(tiny_models):
         EngineConfig(tiny_models["llama"], drafter="medusa")
     message = str(info.value)
     assert "'medusa'" in message and "\n" not in message
-    assert "fixed-token, model, ngram, none, self, suffix" in message  # every registered name, sorted
+    assert "fixed-token, lowbit, model, ngram, none, self, suffix" in message  # every registered name, sorted
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

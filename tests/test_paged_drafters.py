@@ -1,8 +1,8 @@
 """Every drafter over block KV equals the contiguous-KV run (issue 39, case 2).
 
-A drafter that drafts into the target's paged cache (self) writes through a scratch view that grows as the target's
-cache does; one with its own cache (model) or none (ngram, suffix) never touches the pool. Greedy tokens with block
-KV equal the contiguous run's over drafters x block sizes x ragged prompt lengths x budgets.
+A drafter that drafts into the target's paged cache (self, lowbit) writes through a scratch view that grows as the
+target's cache does; one with its own cache (model) or none (ngram, suffix) never touches the pool. Greedy tokens
+with block KV equal the contiguous run's over drafters x block sizes x ragged prompt lengths x budgets.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from specoffload.runtime import Engine, EngineConfig, SamplingParams
 
 @pytest.mark.usefixtures("single_thread")
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(drafter=st.sampled_from(["self", "model", "ngram", "suffix", "none"]), block=st.sampled_from([1, 3, 4, 16]),
+@given(drafter=st.sampled_from(["self", "lowbit", "model", "ngram", "suffix", "none"]),
+       block=st.sampled_from([1, 3, 4, 16]),
        lengths=st.lists(st.integers(1, 44), min_size=1, max_size=10), tight=st.booleans(),
        k=st.integers(1, 4), batch=st.integers(1, 4), seed=st.integers(0, 2**16))
 @example(drafter="self", block=4, lengths=[43, 2, 30, 17, 5, 44, 9, 21, 3, 38], tight=False, k=3, batch=4, seed=0)

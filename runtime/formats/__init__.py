@@ -105,6 +105,13 @@ class WeightFormat:
         already put the codes in place)."""
         raise NotImplementedError(f"{self.name} keeps no weight packed")
 
+    def packed_copy(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> object:
+        """A packed weight of its own (not in a ring slot: a resident low-bit copy) from its stored components, on
+        the CPU (`stays_packed` holds for `shape`)."""
+        view = self.packed_view(torch.empty(self.packed_nbytes(shape, dtype), dtype=torch.uint8), shape, dtype)
+        self.fill_packed(view, parts)
+        return view
+
     def padded_width(self, inputs: int) -> int:
         """The row width the stored codes cover (inputs padded to whole groups)."""
         return self.groups(inputs) * self.group if self.group else inputs

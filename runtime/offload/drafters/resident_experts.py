@@ -11,14 +11,12 @@ import torch
 from specoffload.planner.shapes import PartKey, self_draft_shape
 
 from ...errors import ConfigError
-from ...kv_cache import CacheCapacityError, KVCache
+from ...kv_cache import KVCache
 from ...models.config import ModelConfig
 from ...models.model import Transformer
-from ...sampling import SamplingParams
-from ..batch_kv import BatchKV
 from ..wire import wire
 from . import DrafterTraits, DraftFootprint, TargetShare, option, register_drafter
-from .model import draft_next
+from .shared_kv import SharedKV
 
 if TYPE_CHECKING:
     from ...config import EngineConfig
@@ -46,7 +44,7 @@ class ResidentExpertOptions:
             raise ConfigError(f"migrate_interval must be an integer >= 0, got {m!r}")
 
 
-class ResidentExpertDrafter(BatchKV, DrafterTraits):
+class ResidentExpertDrafter(SharedKV, DrafterTraits):
     """The MoE target drafts for itself: its embedding, attention, routers (and shared expert), head, and only
     `n` resident routed experts per layer, chosen by hotness (self-assisted speculative decoding, SpecMoE).
 
@@ -57,14 +55,9 @@ class ResidentExpertDrafter(BatchKV, DrafterTraits):
 
     Sharing (`share`, the local backend: the target's workers in this process): it uses the target's resident
     embedding, attention, routers and head (the same tensors; placement counts only its experts) and drafts into
-    the target's own KV cache, so its committed context is the target's exact keys and values and it costs no
-    second cache. At each round's start (`lengths`) it takes a scratch view of the batch's target cache (same storage,
-    own lengths): its drafted positions are written past the committed ones, where the target's verify pass of
-    that batch writes its own keys and values next (the schedule never runs both on one batch at once; the cache
-    capacity has room for k + 1 positions). The coordinator's cache calls (reset, drop, truncate, select_rows)
-    are then the target's business: here they only drop the view. Without `share` (a drafter role in its own
-    process) it loads its own copies of those parts and keeps its own cache per batch, which placement then
-    counts (planner/shapes.py `self_draft_shape`).
+    the target's own KV cache (shared_kv.py `SharedKV`). Without `share` (a drafter role in its own process) it loads
+    its own copies of those parts and keeps its own cache per batch, which placement then counts (planner/shapes.py
+    `self_draft_shape`).
 
     Resident set: experts 0..n-1 per layer until the first `adapt`; then, from the target's routing counts
     (decayed by `decay` per call), a layer's set moves to its n hottest experts when that raises the layer's hit
@@ -116,68 +109,6 @@ class ResidentExpertDrafter(BatchKV, DrafterTraits):
         self.allowed = {j: self._mask(experts) for j, experts in self.resident.items()}
         self.heat = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.float64)  # [L, E]
         self.caches: dict[int, KVCache] = {}
-
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
-        return self.model.new_cache(rows, capacity)
-
-    @wire
-    def reset_rows(self, batch: int, rows: Sequence[int], capacity: int) -> None:
-        """New requests in these rows: empty them in its own cache; drafting into the target's, nothing to do (the
-        target's attention worker resets them)."""
-        if self.target_kv is None:
-            super().reset_rows(batch, rows, capacity)
-        else:
-            self.caches.pop(batch, None)
-
-    @wire
-    def add_rows(self, batch: int, n: int, capacity: int) -> None:
-        if self.target_kv is None:
-            super().add_rows(batch, n, capacity)
-        else:  # the target's attention worker adds them to its cache
-            self.caches.pop(batch, None)
-
-    @wire
-    def truncate(self, batch: int, lengths: Sequence[int]) -> None:
-        if self.target_kv is None:
-            super().truncate(batch, lengths)
-        else:  # the target's cache is the attention worker's to truncate: only the view goes
-            self.caches.pop(batch, None)
-
-    @wire
-    def select_rows(self, batch: int, keep: Sequence[int]) -> None:
-        if self.target_kv is None:
-            super().select_rows(batch, keep)
-        else:
-            self.caches.pop(batch, None)
-
-    @wire
-    def reset(self, batch: int, rows: int, capacity: int) -> None:
-        """A new wave of batch `batch`: an empty cache of its own, or (drafting into the target's) nothing yet."""
-        if self.target_kv is None:
-            self.caches[batch] = self.new_cache(rows, capacity)
-        else:
-            self.caches.pop(batch, None)
-
-    @wire
-    def lengths(self, batch: int) -> list[int]:
-        """Committed tokens per row its cache holds; drafting into the target's cache, a fresh scratch view of it
-        (called at the start of every draft round)."""
-        if self.target_kv is not None:
-            self.caches[batch] = self.target_kv[batch].scratch_view()
-        return self.caches[batch].lengths.tolist()
-
-    @wire
-    def propose(self, batch: int, ids: Tensor, num_new: Tensor, params: SamplingParams,
-                seeds: Sequence[int] | None = None,
-                warps: Sequence[Sequence[float]] | None = None) -> tuple[Tensor, Tensor | None]:
-        """Feed ids [rows, T] and draw the next token per row, routing among the resident experts only. Drafting
-        into the target's KV where it cannot hold the draft positions (a paged pool with no free block, or a
-        cache at its fixed capacity; nothing is written then) proposes nothing (tokens -1: the round ends, its rows
-        verify what they have; runtime/speculative.py `cut_drafts`)."""
-        try:
-            return draft_next(self.model, self.caches[batch], ids, num_new, params, seeds, self.allowed, warps)
-        except CacheCapacityError:  # (OutOfBlocksError included)
-            return torch.full((ids.shape[0],), -1, dtype=torch.long), None
 
     @wire
     def adapt(self, routing_counts: list[list[int]]) -> list[int]:

@@ -1,0 +1,200 @@
+"""The "lowbit" drafter: the target drafts for itself with a resident low-bit copy of the FFN parts it streams
+(SubSpec, Wang et al. 2025, arXiv 2509.18344: a quantized substitute of the offloaded layers, the resident parts and
+the KV cache shared).
+
+What it holds. The target's architecture with
+  - the FFN parts (dense MLPs and routed experts, every expert: the draft routes as the target does) as an int4
+    (group `lowbit_group`) or int8 copy made at load time from the checkpoint, multiplied by torch's weight-only
+    kernels (runtime/models/packed.py `PackedInt4`, `PackedInt8`); a compressed checkpoint already stored in that
+    format gives its components as they are (no second rounding). An FFN part the target keeps resident is used as
+    the target holds it (exact, no copy);
+  - every other part (attention, routers with any shared expert, head, embedding) shared with the target in its
+    process (`TargetShare`): placement pins them resident; in a process of its own (a backend's draft role) it
+    loads them at the compute dtype.
+KV: in the target's process it drafts into the target's KV cache (shared_kv.py `SharedKV`: drafted positions lie
+past the committed ones and the verify pass overwrites them before any read), else a cache of its own.
+
+Footprint (`lowbit_footprint`): every FFN part at its copy's bytes (an upper bound: the copies of FFN parts the
+target keeps resident are never made), plus, in a process of its own, every other part and a KV cache. Verification
+by the full target keeps the output lossless whatever the copy proposes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specoffload.planner.shapes import ModelShape, PartKey
+
+from ...errors import ConfigError
+from ...formats import WeightFormat, dequantize, quantize, weight_format
+from ...kv_cache import KVCache
+from ...models.model import Transformer
+from ...models.weights import WeightLoader, Weights
+from ..wire import wire
+from . import DrafterTraits, DraftFootprint, TargetShare, option, register_drafter
+from .shared_kv import SharedKV
+
+if TYPE_CHECKING:
+    from ...config import EngineConfig
+    from ..workers import WeightPlan
+
+Tensor = torch.Tensor
+
+#: the part kinds the drafter holds as low-bit copies; it shares the rest with the target
+COPIED = ("dense_mlp", "expert")
+#: the pinned parts a sharing drafter drafts with (the target's own, resident whenever it drafts)
+SHARED = ("attention", "router", "head")
+#: the matrix fields of an FFN part (a fused expert's gate_up is copied as its gate and up halves)
+MATRICES = ("gate", "up", "down", "gate_up")
+LOWBIT_FORMATS = ("int4", "int8")
+
+
+@dataclass(frozen=True)
+class LowbitOptions:
+    """The "lowbit" drafter's settings."""
+
+    lowbit_format: str = option("int4", "format of the drafter's resident copy of the target's FFN parts: int4 "
+                                        "(groups of --lowbit-group inputs) or int8 (per channel)")
+    lowbit_group: int = option(64, "inputs per scale of an int4 copy: 32, 64, 128 or 256 (the int4 kernel's)")
+
+    def __post_init__(self) -> None:
+        if self.lowbit_format not in LOWBIT_FORMATS:
+            raise ConfigError(f"lowbit_format must be one of {LOWBIT_FORMATS}, got {self.lowbit_format!r}")
+        if self.lowbit_group not in (32, 64, 128, 256):
+            raise ConfigError(f"lowbit_group must be 32, 64, 128 or 256, got {self.lowbit_group!r}")
+
+    @property
+    def format(self) -> WeightFormat:
+        return weight_format(self.lowbit_format, self.lowbit_group if self.lowbit_format == "int4" else None)
+
+
+class LowbitDrafter(SharedKV, DrafterTraits):
+    """The target with low-bit copies of its FFN parts (module docstring)."""
+
+    shares_target = True
+    options = LowbitOptions
+
+    @classmethod
+    def footprint(cls, config: EngineConfig, target: Transformer, shares_kv: bool) -> DraftFootprint:
+        return lowbit_footprint(target, cls.settings(config).format, shares_kv)
+
+    @classmethod
+    def profile_key(cls, config: EngineConfig) -> str:
+        return f"{config.drafter_name}:{cls.settings(config).format.label}"
+
+    @classmethod
+    def step_model(cls, config: EngineConfig) -> tuple[Transformer, dict[int, Tensor] | None] | None:
+        return cls(config).model, None
+
+    def __init__(self, config: EngineConfig, weights: WeightPlan | None = None, slots: Sequence[Tensor] | None = None,
+                 *, share: TargetShare | None = None) -> None:
+        self.target_kv = share.kv if share is not None else None
+        self.format = self.settings(config).format
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
+        parts = self.model.loader.parts()
+        copied = [key for key in parts if key.kind in COPIED]
+        kept = [key for key in parts if key.kind not in COPIED]
+        if share is not None:  # the target's own tensors, not copies; the embedding is the attention worker's
+            self.model.embedder = share.embed
+            missing = [key for key in kept if key.kind != "embedding" and key not in share.parts]
+            if missing:
+                raise RuntimeError(f"the target streams {missing[:3]}...: a sharing drafter needs them resident")
+            self.model.resident.update({key: share.parts[key] for key in parts if key in share.parts})
+            copied = [key for key in copied if key not in share.parts]
+        else:
+            self.model.preload(kept)
+        for key in copied:
+            self.model.resident[key] = lowbit_part(self.model.loader, key, self.format)
+        #: FFN parts held as low-bit copies, and their bytes
+        self.copies = len(copied)
+        self.copy_bytes = sum(lowbit_nbytes(self.model.loader, key, self.format) for key in copied)
+        self.model.fetch = self._missing
+        self.allowed = None
+        self.caches: dict[int, KVCache] = {}
+
+    @wire
+    def adapt(self, routing_counts: list[list[int]]) -> list[int]:
+        """It keeps a copy of every expert: nothing to re-choose."""
+        return [0, 0, 0, 0]
+
+    def _missing(self, keys: list[PartKey]) -> dict:
+        raise RuntimeError(f"the low-bit drafter was asked for parts it does not hold: {keys[:3]}")
+
+
+def copies_packed(fmt: WeightFormat, shape: tuple[int, ...], device: torch.device) -> bool:
+    """A copy of a matrix of `shape` is held packed (its codes, multiplied by the format's kernel): on the CPU where
+    the kernel takes the shape; elsewhere it is held dequantized in the compute dtype (the same values, no saving)."""
+    return device.type == "cpu" and fmt.stays_packed(shape)
+
+
+def lowbit_part(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> Weights:
+    """FFN part `key` with its matrices as `fmt` copies (`copies_packed`), its norm as stored: from the checkpoint's
+    components where it stores the matrix in `fmt`, else quantized from the stored weight."""
+    ckpt, dtype, device = loader.checkpoint, loader.dtype, loader.device
+    fields: dict[str, object] = {}
+    for name, ref in loader.refs(key).items():
+        if name not in MATRICES:
+            fields[name] = ckpt.get(ref.name, dtype, device, ref.index)
+            continue
+        stored = ckpt.quantized(ref.name, ref.index)
+        if stored is not None and stored.spec == fmt:
+            components = {c.suffix: ckpt.get(f"{ref.name}.{c.suffix}", None, "cpu", ref.index)
+                          for c in stored.components}
+        else:
+            components = quantize(ckpt.get(ref.name, torch.float32, "cpu", ref.index), fmt)
+        shape = ckpt.shape_of(ref.name, ref.index)
+        if name == "gate_up":  # [2 * intermediate, hidden]: rows are output channels, so each component halves
+            halves = [{s: c.chunk(2, dim=0)[i].contiguous() for s, c in components.items()} for i in range(2)]
+            half = (shape[0] // 2, shape[1])
+            fields["gate"], fields["up"] = (_copy(fmt, h, half, dtype, device) for h in halves)
+        else:
+            fields[name] = _copy(fmt, components, shape, dtype, device)
+    return loader.assemble(key, fields)  # type: ignore[arg-type]
+
+
+def _copy(fmt: WeightFormat, components: dict[str, Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+          device: torch.device) -> object:
+    if copies_packed(fmt, shape, device):
+        return fmt.packed_copy(components, shape, dtype)
+    return dequantize(components, fmt, shape, dtype, device)
+
+
+def lowbit_nbytes(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> int:
+    """Bytes of FFN part `key`'s copy: its matrices as `copies_packed` holds them, its norm in the compute dtype."""
+    ckpt, dtype, total = loader.checkpoint, loader.dtype, 0
+    for name, ref in loader.refs(key).items():
+        shape = ckpt.shape_of(ref.name, ref.index)
+        if name == "gate_up":
+            total += 2 * _matrix_nbytes(fmt, (shape[0] // 2, shape[1]), dtype, loader.device)
+        elif name in MATRICES:
+            total += _matrix_nbytes(fmt, shape, dtype, loader.device)
+        else:
+            total += math.prod(shape) * dtype.itemsize
+    return total
+
+
+def _matrix_nbytes(fmt: WeightFormat, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
+    if copies_packed(fmt, shape, device):
+        return fmt.packed_nbytes(shape, dtype)
+    return math.prod(shape) * dtype.itemsize
+
+
+def lowbit_footprint(target: Transformer, fmt: WeightFormat, shares_kv: bool) -> DraftFootprint:
+    """The low-bit drafter's parts and KV cache as placement counts them (module docstring): shares_kv (in the
+    target's process): the FFN copies only, the shared parts pinned; else every part and a KV cache of its own."""
+    shape = target.loader.shape("target")
+    parts = tuple((key, lowbit_nbytes(target.loader, key, fmt) if key.kind in COPIED else n)
+                  for key, n in shape.parts if key.kind in COPIED or not shares_kv)
+    cfg = target.config
+    draft = ModelShape(f"lowbit-{fmt.label}", parts, shape.num_layers, 0 if shares_kv else shape.kv_bytes_per_token,
+                       hidden_bytes_per_token=shape.hidden_bytes_per_token)
+    pins = frozenset(key for key, _ in shape.parts if key.kind in SHARED) if shares_kv else frozenset()
+    return DraftFootprint(draft, top_k=cfg.num_experts_per_tok if cfg.num_experts else 0, pins=pins)
+
+
+register_drafter("lowbit", LowbitDrafter)

@@ -1,0 +1,177 @@
+"""The low-bit drafter (drafter="lowbit"): the target drafts for itself with int4 / int8 copies of the FFN parts it
+streams (issue 40).
+
+Lossless whatever it proposes (greedy equals the target's own decoding token for token, on dense and MoE targets,
+fused experts included, with block KV and chunked prefill; seeded sampling reproducible); verification never reads
+a key or value the drafter wrote; its copies are its format's codes multiplied by the format's kernel, taken as
+stored from a checkpoint compressed in that format; placement counts its copies and pins what it shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specoffload.planner.shapes import PartKey
+from specoffload.runtime.config import ConfigError, EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.formats import dequantize, quantize, weight_format
+from specoffload.runtime.models.model import Transformer
+from specoffload.runtime.models.packed import PackedInt4, PackedInt8
+from specoffload.runtime.offload.drafters import DRAFTERS
+from specoffload.runtime.offload.drafters.lowbit import LowbitDrafter, lowbit_footprint, lowbit_part
+from specoffload.runtime.quantize import quantize_checkpoint
+from specoffload.runtime.sampling import SamplingParams
+from tests.conftest import OFFLOAD_PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
+
+
+def _config(tiny_models, target: str, fmt: str = "int4", **kw) -> EngineConfig:
+    base = dict(target=tiny_models[target], drafter="lowbit", max_batch_size=3, max_seq_len=48, num_draft_tokens=3,
+                device_memory="1GiB", num_buffers=1, drafter_options={"lowbit_format": fmt})
+    return EngineConfig(**(base | kw))
+
+
+def _tight(tiny_models, target: str, fmt: str = "int4", **kw) -> EngineConfig:
+    """The smallest budget that places the plan, with one ring slot: the FFN parts stream, so the drafter copies
+    them (with two slots keeping everything resident is cheaper once the shared parts are pinned)."""
+    config = _config(tiny_models, target, fmt, **kw)
+    roomy = Engine(config)
+    budget = roomy.minimum_device_memory()
+    roomy.close()
+    return replace(config, device_memory=budget)
+
+
+@pytest.mark.parametrize("target", ["llama", "mixtral", "qwen2_moe_fused"])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_lowbit_draft_is_lossless_at_the_minimum_budget(tiny_models, resident_greedy, single_thread, target, fmt):
+    engine = Engine(_tight(tiny_models, target, fmt))
+    shared = [key for key in engine.placement.tiers if key.kind in ("attention", "router", "head")]
+    assert not any(engine.placement.is_streamed(key) for key in shared)  # the drafter drafts with them
+    streamed_ffn = [key for key in engine.placement.tiers
+                    if key.kind in ("dense_mlp", "expert") and engine.placement.is_streamed(key)]
+    drafter = engine.workers.drafter
+    assert isinstance(drafter, LowbitDrafter) and drafter.copies == len(streamed_ffn) > 0
+    assert engine.placement.device_bytes() <= engine.config.device_memory
+    out = engine.generate(OFFLOAD_PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == resident_greedy(target)
+    stats = engine.last_stats
+    assert stats.num_drafted > 0 and 0 < stats.num_accepted <= stats.num_drafted
+    engine.close()
+
+
+@pytest.mark.parametrize("extra", [dict(kv_block_size=4), dict(prefill_chunk=2), dict(refill=False)],
+                         ids=["block-kv", "chunked", "waves"])
+def test_lowbit_draft_is_lossless_with_block_kv_chunked_prefill_and_waves(tiny_models, resident_greedy,
+                                                                          single_thread, extra):
+    engine = Engine(_tight(tiny_models, "qwen2_moe", **extra))
+    assert engine.workers.drafter.copies > 0
+    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)] == resident_greedy("qwen2_moe")
+    assert engine.last_stats.num_drafted > 0
+    engine.close()
+
+
+class _Poisoning(LowbitDrafter):
+    """After every draft call, overwrites every position past the target's committed ones (what it drafted, and the
+    free space beyond) with large random values: verification must never read them before writing its own."""
+
+    poisoned = 0
+
+    def propose(self, batch, ids, num_new, params, seeds=None, warps=None):  # noqa: ANN001, ANN201
+        out = super().propose(batch, ids, num_new, params, seeds, warps)
+        target = self.target_kv[batch]
+        for row, length in enumerate(target.lengths.tolist()):
+            for store in (target.k, target.v):  # [layers, rows, kv_heads, capacity, head_dim]
+                garbage = 1e3 * torch.randn_like(store[:, row, :, length:])
+                store[:, row, :, length:] = garbage
+        type(self).poisoned += 1
+        return out
+
+
+def test_verification_never_reads_what_the_drafter_wrote(tiny_models, resident_greedy, single_thread, monkeypatch):
+    monkeypatch.setitem(DRAFTERS, "lowbit-poisoning", _Poisoning)  # (registered for this test only)
+    config = replace(_tight(tiny_models, "mixtral"), drafter="lowbit-poisoning")
+    engine = Engine(config)
+    assert engine.workers.drafter.target_kv is engine.workers.attention.caches  # it drafts into the target's cache
+    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)] == resident_greedy("mixtral")
+    assert _Poisoning.poisoned > 0 and engine.last_stats.num_drafted > 0
+    engine.close()
+
+
+def test_seeded_sampling_with_the_lowbit_draft_is_reproducible(tiny_models, single_thread):
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    config = _tight(tiny_models, "qwen2_moe")
+    runs = []
+    for _ in range(2):
+        engine = Engine(config)
+        runs.append([r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)])
+        assert engine.last_stats.num_drafted > 0
+        engine.close()
+    assert runs[0] == runs[1] and all(len(t) == 8 for t in runs[0])
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_copy_multiplies_as_its_dequantized_weights(tiny_models, fmt):
+    """Each matrix of a copied part is its format's packed weight, equal in use to x @ dequantize(quantize(W))^T."""
+    model = Transformer(tiny_models["mixtral"])
+    spec = weight_format(fmt, 64 if fmt == "int4" else None)
+    key = PartKey("expert", 1, 2)
+    copy, exact = lowbit_part(model.loader, key, spec), model.loader.load(key)
+    x = torch.randn(5, model.config.hidden_size)
+    for name in ("gate", "up", "down"):
+        w, packed = getattr(exact, name), getattr(copy, name)
+        assert isinstance(packed, PackedInt4 if fmt == "int4" else PackedInt8)
+        x_in = x if name != "down" else torch.randn(5, w.shape[1])
+        reference = x_in @ dequantize(quantize(w, spec), spec, tuple(w.shape)).T
+        torch.testing.assert_close(packed.matmul(x_in) if fmt == "int4" else
+                                   torch._weight_int8pack_mm(x_in, packed.qweight, packed.scale), reference,
+                                   rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(reference, x_in @ w.T, rtol=1e-6, atol=1e-7)  # a copy, not the weight
+
+
+def test_a_checkpoint_stored_in_the_copy_format_is_taken_as_stored(tiny_models, tmp_path):
+    """No second rounding: from an int4 g64 checkpoint the copy holds the stored codes (its weights equal the
+    checkpoint's dequantized ones exactly), and from a float checkpoint it quantizes (not equal to the float)."""
+    out = tmp_path / "int4"
+    quantize_checkpoint(tiny_models["mixtral_fused"], out, weight_format("int4", 64))
+    stored = Transformer(out)
+    copy = lowbit_part(stored.loader, PartKey("expert", 0, 1), weight_format("int4", 64))
+    exact = stored.loader.load(PartKey("expert", 0, 1))  # the checkpoint's own dequantization
+    for name in ("gate", "up", "down"):
+        torch.testing.assert_close(getattr(copy, name).dequantize(), getattr(exact, name), rtol=0, atol=0)
+
+
+def test_placement_counts_the_copies_and_pins_what_it_shares(tiny_models):
+    engine = Engine(_config(tiny_models, "mixtral"))
+    spec = weight_format("int4", 64)
+    footprint = lowbit_footprint(engine.target, spec, shares_kv=True)
+    assert engine.models.draft == footprint.shape and footprint.shape.kv_bytes_per_token == 0
+    kinds = {key.kind for key, _ in footprint.shape.parts}
+    assert kinds == {"expert"}  # every expert of every layer, no other part: those are the target's
+    copies = dict(footprint.shape.parts)
+    full = dict(engine.models.target.parts)
+    assert all(0 < copies[key] < full[key] for key in copies)
+    assert footprint.pins == frozenset(key for key in full if key.kind in ("attention", "router", "head"))
+    items = {item.name: item.nbytes for item in engine.placement.items}
+    assert items["draft weights"] == footprint.shape.total_bytes and items["draft KV cache"] == 0
+    own = lowbit_footprint(engine.target, spec, shares_kv=False)  # in a process of its own: all of it, and a cache
+    assert own.shape.kv_bytes_per_token == engine.models.target.kv_bytes_per_token
+    assert {key for key, _ in own.shape.parts} == set(full) and own.pins == frozenset()
+    engine.close()
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"lowbit_format": "int3"}, "lowbit_format must be one of"),
+    ({"lowbit_group": 48}, "lowbit_group must be 32, 64, 128 or 256"),
+])
+def test_bad_lowbit_options_are_one_line(tiny_models, options, match):
+    with pytest.raises(ConfigError, match=match):
+        Engine(_config(tiny_models, "llama", drafter_options=options))
+
+
+def test_the_lowbit_draft_needs_a_budget(tiny_models):
+    with pytest.raises(ConfigError, match="needs device_memory"):
+        EngineConfig(tiny_models["llama"], drafter="lowbit")
