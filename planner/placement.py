@@ -10,6 +10,8 @@ Tiers:
 Footprint of a plan (what `place` checks against the budgets):
     device = draft weights + draft KV + resident target parts + num_buffers * slot_bytes
              (+ every host item when `unified_memory`: one pool)
+A draft whose parts stand in for the target's (`ModelShape.stands_in`: the low-bit drafter's copies) holds only
+those of streamed target parts: a target part made resident frees its stand-in's bytes.
     host   = target KV + target weights on "host"
 The target KV is rows x `context` positions, or with `kv_block_size` (paged KV, runtime/kv_blocks.py) a pool of
 rows x the expected positions per row (`kv_expected_tokens`, else `context`) rounded up to whole blocks, at least
@@ -327,6 +329,7 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     stored = target.stored_bytes()  # the RAM tier holds compressed parts compressed
     tier_total = sum(stored.get(key, n) for key, n in target.parts)
     draft_bytes = draft.total_bytes + policy.kv_cache_bytes(draft) if draft is not None else 0
+    stand_ins = dict(draft.parts) if draft is not None and draft.stands_in else {}  # freed by a resident target part
     on_host = _host_parts(target, policy)
     kv = policy.target_kv_cache_bytes(target) + sum(nbytes[key] for key in on_host)  # host-resident attention too
     slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
@@ -350,6 +353,7 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     for step in [tuple(policy.pinned), *steps]:
         for key in step:
             resident += nbytes[key]
+            draft_bytes -= stand_ins.get(key, 0)
             resident_stored += stored.get(key, nbytes[key])
             group = slot_unit(key, target.num_layers, policy.expert_group)
             if group is not None:
@@ -418,7 +422,7 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
 
     items: list[PlacementItem] = []
     if draft is not None:
-        items.append(PlacementItem("draft weights", "device", draft.total_bytes))
+        items.append(PlacementItem("draft weights", "device", draft.held_bytes(resident)))
         items.append(PlacementItem("draft KV cache", "device", policy.kv_cache_bytes(draft)))
     for category in _CATEGORY_ORDER:
         if (category, "device") in buckets:

@@ -41,6 +41,9 @@ class ModelShape:
     # parts that take fewer bytes in a ring slot than resident (int8 weights kept packed in the slot,
     # runtime/models/packed.py), with their slot bytes; the rest take their bytes in `parts` in a slot too
     slotted: tuple[tuple[PartKey, int], ...] = ()
+    # a draft whose parts stand in for the target's parts of the same key (runtime/offload/drafters/lowbit.py): it
+    # holds one only while that target part streams, and drafts with the target's own while it is resident
+    stands_in: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 0 or self.kv_bytes_per_token < 0:
@@ -63,6 +66,13 @@ class ModelShape:
     @property
     def total_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self.parts)
+
+    def held_bytes(self, target_resident: set[PartKey] | frozenset[PartKey]) -> int:
+        """Bytes of the parts it holds while the target keeps `target_resident` resident: all of them, or for a
+        stand-in draft (`stands_in`) those of target parts that stream."""
+        if not self.stands_in:
+            return self.total_bytes
+        return sum(nbytes for key, nbytes in self.parts if key not in target_resident)
 
     def stored_bytes(self) -> dict[PartKey, int]:
         """Compressed part -> its stored bytes (absent: stored as computed with)."""

@@ -49,12 +49,12 @@ def _tight(tiny_models, target: str, fmt: str = "int4", **kw) -> EngineConfig:
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_lowbit_draft_is_lossless_at_the_minimum_budget(tiny_models, resident_greedy, single_thread, target, fmt):
     engine = Engine(_tight(tiny_models, target, fmt))
-    shared = [key for key in engine.placement.tiers if key.kind in ("attention", "router", "head")]
-    assert not any(engine.placement.is_streamed(key) for key in shared)  # the drafter drafts with them
-    streamed_ffn = [key for key in engine.placement.tiers
-                    if key.kind in ("dense_mlp", "expert") and engine.placement.is_streamed(key)]
+    streamed = [key for key in engine.placement.tiers if key.kind != "embedding" and engine.placement.is_streamed(key)]
     drafter = engine.workers.drafter
-    assert isinstance(drafter, LowbitDrafter) and drafter.copies == len(streamed_ffn) > 0
+    assert isinstance(drafter, LowbitDrafter) and drafter.copies == len(streamed) > 0  # a copy of each, no more
+    assert {key.kind for key in streamed} >= {"dense_mlp" if target == "llama" else "expert"}
+    items = {item.name: item.nbytes for item in engine.placement.items}
+    assert items["draft weights"] == drafter.copy_bytes  # placement counts the copies it makes
     assert engine.placement.device_bytes() <= engine.config.device_memory
     out = engine.generate(OFFLOAD_PROMPTS, GREEDY)
     assert [r.token_ids for r in out] == resident_greedy(target)
@@ -144,22 +144,28 @@ def test_a_checkpoint_stored_in_the_copy_format_is_taken_as_stored(tiny_models, 
         torch.testing.assert_close(getattr(copy, name).dequantize(), getattr(exact, name), rtol=0, atol=0)
 
 
-def test_placement_counts_the_copies_and_pins_what_it_shares(tiny_models):
-    engine = Engine(_config(tiny_models, "mixtral"))
+def test_placement_counts_a_copy_only_while_its_target_part_streams(tiny_models):
+    """Every part but the embedding has a stand-in copy in the footprint; the budget pays for those of streamed
+    target parts only, so a roomy budget that keeps the whole target resident holds no copy at all."""
+    engine = Engine(_config(tiny_models, "mixtral", num_buffers=2))
     spec = weight_format("int4", 64)
     footprint = lowbit_footprint(engine.target, spec, shares_kv=True)
-    assert engine.models.draft == footprint.shape and footprint.shape.kv_bytes_per_token == 0
-    kinds = {key.kind for key, _ in footprint.shape.parts}
-    assert kinds == {"expert"}  # every expert of every layer, no other part: those are the target's
-    copies = dict(footprint.shape.parts)
+    shape = footprint.shape
+    assert engine.models.draft == shape and shape.kv_bytes_per_token == 0 and shape.stands_in
     full = dict(engine.models.target.parts)
-    assert all(0 < copies[key] < full[key] for key in copies)
-    assert footprint.pins == frozenset(key for key in full if key.kind in ("attention", "router", "head"))
+    copies = dict(shape.parts)
+    assert set(copies) == {key for key in full if key.kind != "embedding"} and footprint.pins == frozenset()
+    for key, n in copies.items():  # a copy is smaller than its part wherever the part has a matrix the kernel takes
+        assert 0 < n <= full[key] and (n < full[key] or key.kind == "router")
+    assert not engine.placement.streamed_layers  # 1 GiB: all resident, so no copy is held or counted
     items = {item.name: item.nbytes for item in engine.placement.items}
-    assert items["draft weights"] == footprint.shape.total_bytes and items["draft KV cache"] == 0
+    assert items["draft weights"] == 0 and engine.workers.drafter.copies == 0
+    streamed = {PartKey("expert", 1, e) for e in range(4)} | {PartKey("head")}
+    assert shape.held_bytes(set(full) - streamed) == sum(copies[key] for key in streamed)
     own = lowbit_footprint(engine.target, spec, shares_kv=False)  # in a process of its own: all of it, and a cache
-    assert own.shape.kv_bytes_per_token == engine.models.target.kv_bytes_per_token
-    assert {key for key, _ in own.shape.parts} == set(full) and own.pins == frozenset()
+    assert own.shape.kv_bytes_per_token == engine.models.target.kv_bytes_per_token and not own.shape.stands_in
+    assert {key for key, _ in own.shape.parts} == set(full)
+    assert own.shape.held_bytes(set(full)) == own.shape.total_bytes
     engine.close()
 
 

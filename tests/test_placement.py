@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -504,3 +505,34 @@ def test_a_budget_too_small_names_the_knob_that_helps() -> None:
         place(target, None, policy, floor - 1, 10**12)
     with pytest.raises(PlacementError, match=f"lower batch_size, .* or raise device_memory to {format_bytes(needed)}"):
         place(target, None, policy, floor + 1, 10**12)
+
+
+@FAST
+@given(target=shapes(), policy=policies, extra=st.integers(0, 40_000), share=st.integers(0, 100))
+def test_a_stand_in_draft_holds_copies_of_the_streamed_parts_only(
+    target: ModelShape, policy: PlacementPolicy, extra: int, share: int
+) -> None:
+    """A draft whose parts stand in for the target's (the low-bit drafter's copies, share% of each part's bytes)
+    pays for a copy only while its target part streams: the chain's footprint and the items agree, at the minimum
+    exactly, and the draft's item is the copies of the streamed parts."""
+    copies = tuple((key, n * share // 100) for key, n in target.parts if key.kind != "embedding")
+    draft = ModelShape("stand-in", copies, target.num_layers, 0, stands_in=True)
+    minimum = minimum_device_memory(target, draft, policy)
+    host = host_ceiling(target, policy)
+    assert place(target, draft, policy, minimum, host).device_bytes() == minimum
+    p = place(target, draft, policy, minimum + extra, host)
+    assert p.device_bytes() <= minimum + extra
+    held = sum(n for key, n in copies if p.tier(key) != "device")
+    items = {item.name: item.nbytes for item in p.items}
+    assert items["draft weights"] == held == draft.held_bytes(resident(p))
+    # the longest prefix of the priority steps that fits, by the definition (the next step would not fit)
+    steps = priority_order(target, policy.pinned)
+    chosen = [step for step in steps if all(p.tier(key) == "device" for key in step)]
+    if len(chosen) < len(steps):
+        tiers = {key: "device" if key in resident(p) or key in steps[len(chosen)] else policy.streamed_tier
+                 for key, _ in target.parts}
+        device, host_bytes = footprint_oracle(target, None, policy, tiers)
+        device += sum(n for key, n in copies if tiers[key] != "device")
+        assert device > minimum + extra or host_bytes > host
+    plain = replace(draft, stands_in=False)  # the same bytes held whatever the target keeps: never cheaper
+    assert minimum_device_memory(target, plain, policy) >= minimum

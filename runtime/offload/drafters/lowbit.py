@@ -1,22 +1,23 @@
-"""The "lowbit" drafter: the target drafts for itself with a resident low-bit copy of the FFN parts it streams
-(SubSpec, Wang et al. 2025, arXiv 2509.18344: a quantized substitute of the offloaded layers, the resident parts and
-the KV cache shared).
+"""The "lowbit" drafter: the target drafts for itself with resident low-bit copies of the parts it streams (SubSpec,
+Wang et al. 2025, arXiv 2509.18344: a quantized substitute of the offloaded layers, the resident parts and the KV
+cache shared).
 
-What it holds. The target's architecture with
-  - the FFN parts (dense MLPs and routed experts, every expert: the draft routes as the target does) as an int4
-    (group `lowbit_group`) or int8 copy made at load time from the checkpoint, multiplied by torch's weight-only
-    kernels (runtime/models/packed.py `PackedInt4`, `PackedInt8`); a compressed checkpoint already stored in that
-    format gives its components as they are (no second rounding). An FFN part the target keeps resident is used as
-    the target holds it (exact, no copy);
-  - every other part (attention, routers with any shared expert, head, embedding) shared with the target in its
-    process (`TargetShare`): placement pins them resident; in a process of its own (a backend's draft role) it
-    loads them at the compute dtype.
+What it holds. The target's architecture with each part the target streams (attention, dense MLP, router's shared
+expert, routed expert, head: every one, so the draft routes through all experts as the target does) as an int4
+(group `lowbit_group`) or int8 copy of its matrices (`COPIED_FIELDS`; norms, biases and the router's own gate as
+stored), made at load time from the checkpoint and multiplied by torch's weight-only kernels
+(runtime/models/packed.py `PackedInt4`, `PackedInt8`); a compressed checkpoint already stored in that format gives
+its components as they are (no second rounding). A part the target keeps resident is drafted with as the target
+holds it (exact, no copy); so is the embedding (the attention worker's rows).
+
+Placement. Its footprint (`lowbit_footprint`) lists every part but the embedding at its copy's bytes as stand-ins
+(planner/shapes.py `ModelShape.stands_in`): placement counts a copy only while its target part streams, so making
+a target part resident costs its bytes less its copy's. In a process of its own (a backend's draft role) it
+cannot see the target's parts: it holds copies of them all, the embedding and a KV cache of its own.
+
 KV: in the target's process it drafts into the target's KV cache (shared_kv.py `SharedKV`: drafted positions lie
-past the committed ones and the verify pass overwrites them before any read), else a cache of its own.
-
-Footprint (`lowbit_footprint`): every FFN part at its copy's bytes (an upper bound: the copies of FFN parts the
-target keeps resident are never made), plus, in a process of its own, every other part and a KV cache. Verification
-by the full target keeps the output lossless whatever the copy proposes.
+past the committed ones and the verify pass overwrites them before any read). Verification by the full target keeps
+the output lossless whatever the copy proposes.
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-#: the part kinds the drafter holds as low-bit copies; it shares the rest with the target
-COPIED = ("dense_mlp", "expert")
-#: the pinned parts a sharing drafter drafts with (the target's own, resident whenever it drafts)
-SHARED = ("attention", "router", "head")
-#: the matrix fields of an FFN part (a fused expert's gate_up is copied as its gate and up halves)
-MATRICES = ("gate", "up", "down", "gate_up")
+#: part kind -> the fields held as low-bit copies when the target streams the part (the router's gate, which picks
+#: the experts, and the shared expert's gate stay as stored: they are small; a fused expert's gate_up is copied as
+#: its gate and up halves); the embedding is never copied
+COPIED_FIELDS = {
+    "attention": ("q", "k", "v", "o"),
+    "dense_mlp": ("gate", "up", "down"),
+    "router": ("shared_gate_proj", "shared_up_proj", "shared_down_proj"),
+    "expert": ("gate", "up", "down", "gate_up"),
+    "head": ("lm_head",),
+}
 LOWBIT_FORMATS = ("int4", "int8")
 
 
@@ -74,7 +79,7 @@ class LowbitOptions:
 
 
 class LowbitDrafter(SharedKV, DrafterTraits):
-    """The target with low-bit copies of its FFN parts (module docstring)."""
+    """The target with low-bit copies of the parts it streams (module docstring)."""
 
     shares_target = True
     options = LowbitOptions
@@ -96,21 +101,16 @@ class LowbitDrafter(SharedKV, DrafterTraits):
         self.target_kv = share.kv if share is not None else None
         self.format = self.settings(config).format
         self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
-        parts = self.model.loader.parts()
-        copied = [key for key in parts if key.kind in COPIED]
-        kept = [key for key in parts if key.kind not in COPIED]
-        if share is not None:  # the target's own tensors, not copies; the embedding is the attention worker's
+        copied = [key for key in self.model.loader.parts() if key.kind in COPIED_FIELDS]
+        if share is not None:  # the target's own tensors where it holds them; the embedding is the attention worker's
             self.model.embedder = share.embed
-            missing = [key for key in kept if key.kind != "embedding" and key not in share.parts]
-            if missing:
-                raise RuntimeError(f"the target streams {missing[:3]}...: a sharing drafter needs them resident")
-            self.model.resident.update({key: share.parts[key] for key in parts if key in share.parts})
+            self.model.resident.update({key: part for key, part in share.parts.items() if key.kind in COPIED_FIELDS})
             copied = [key for key in copied if key not in share.parts]
         else:
-            self.model.preload(kept)
+            self.model.preload([PartKey("embedding")])
         for key in copied:
             self.model.resident[key] = lowbit_part(self.model.loader, key, self.format)
-        #: FFN parts held as low-bit copies, and their bytes
+        #: the target's parts it holds low-bit copies of, and their bytes
         self.copies = len(copied)
         self.copy_bytes = sum(lowbit_nbytes(self.model.loader, key, self.format) for key in copied)
         self.model.fetch = self._missing
@@ -133,12 +133,12 @@ def copies_packed(fmt: WeightFormat, shape: tuple[int, ...], device: torch.devic
 
 
 def lowbit_part(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> Weights:
-    """FFN part `key` with its matrices as `fmt` copies (`copies_packed`), its norm as stored: from the checkpoint's
-    components where it stores the matrix in `fmt`, else quantized from the stored weight."""
+    """Part `key` with its `COPIED_FIELDS` as `fmt` copies (`copies_packed`), its other tensors as stored: from the
+    checkpoint's components where it stores the matrix in `fmt`, else quantized from the stored weight."""
     ckpt, dtype, device = loader.checkpoint, loader.dtype, loader.device
     fields: dict[str, object] = {}
     for name, ref in loader.refs(key).items():
-        if name not in MATRICES:
+        if name not in COPIED_FIELDS[key.kind]:
             fields[name] = ckpt.get(ref.name, dtype, device, ref.index)
             continue
         stored = ckpt.quantized(ref.name, ref.index)
@@ -165,13 +165,13 @@ def _copy(fmt: WeightFormat, components: dict[str, Tensor], shape: tuple[int, ..
 
 
 def lowbit_nbytes(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> int:
-    """Bytes of FFN part `key`'s copy: its matrices as `copies_packed` holds them, its norm in the compute dtype."""
+    """Bytes of part `key`'s copy: its `COPIED_FIELDS` as `copies_packed` holds them, the rest in the compute dtype."""
     ckpt, dtype, total = loader.checkpoint, loader.dtype, 0
     for name, ref in loader.refs(key).items():
         shape = ckpt.shape_of(ref.name, ref.index)
         if name == "gate_up":
             total += 2 * _matrix_nbytes(fmt, (shape[0] // 2, shape[1]), dtype, loader.device)
-        elif name in MATRICES:
+        elif name in COPIED_FIELDS[key.kind]:
             total += _matrix_nbytes(fmt, shape, dtype, loader.device)
         else:
             total += math.prod(shape) * dtype.itemsize
@@ -186,15 +186,15 @@ def _matrix_nbytes(fmt: WeightFormat, shape: tuple[int, ...], dtype: torch.dtype
 
 def lowbit_footprint(target: Transformer, fmt: WeightFormat, shares_kv: bool) -> DraftFootprint:
     """The low-bit drafter's parts and KV cache as placement counts them (module docstring): shares_kv (in the
-    target's process): the FFN copies only, the shared parts pinned; else every part and a KV cache of its own."""
+    target's process): every part but the embedding at its copy's bytes, as stand-ins for the target's; else those
+    copies (held whatever the target keeps), the embedding and a KV cache of its own."""
     shape = target.loader.shape("target")
-    parts = tuple((key, lowbit_nbytes(target.loader, key, fmt) if key.kind in COPIED else n)
-                  for key, n in shape.parts if key.kind in COPIED or not shares_kv)
+    parts = tuple((key, lowbit_nbytes(target.loader, key, fmt) if key.kind in COPIED_FIELDS else n)
+                  for key, n in shape.parts if key.kind in COPIED_FIELDS or not shares_kv)
     cfg = target.config
     draft = ModelShape(f"lowbit-{fmt.label}", parts, shape.num_layers, 0 if shares_kv else shape.kv_bytes_per_token,
-                       hidden_bytes_per_token=shape.hidden_bytes_per_token)
-    pins = frozenset(key for key, _ in shape.parts if key.kind in SHARED) if shares_kv else frozenset()
-    return DraftFootprint(draft, top_k=cfg.num_experts_per_tok if cfg.num_experts else 0, pins=pins)
+                       hidden_bytes_per_token=shape.hidden_bytes_per_token, stands_in=shares_kv)
+    return DraftFootprint(draft, top_k=cfg.num_experts_per_tok if cfg.num_experts else 0)
 
 
 register_drafter("lowbit", LowbitDrafter)
