@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Drafters compared in one run (issue 22): none / ngram / suffix, and model / self where the target allows, on
-summaries (aclsum), code (HumanEval) and chat (sharegpt), the target streamed from disk under one budget.
+"""Drafters compared in one run (issues 22, 40): none / ngram / suffix / lowbit, and model / self where the target
+allows, on summaries (aclsum), code (HumanEval) and chat (sharegpt), the target streamed from disk under one budget.
 
-Per workload and system: each batch of --batches (the system's best is kept; every system measured under the same
-budget), --reps repetitions alternating the systems' order; EOS honoured. Reports tokens/s (median and spread),
+Per workload and system: each batch of --batches and each k its --systems entry names (NAME@K1/K2; default -k) (a
+drafting system's best (batch, k) is kept;
+every system measured under the same budget; "lowbit" runs one batch drafting between its passes: with a job of
+--prompts rows, two interleaved batches would halve the rows each pass verifies), --reps repetitions alternating the
+systems' order; EOS honoured. Reports tokens/s (median and spread),
 the acceptance rate, tokens committed per row per pass, row-tokens verified per row per pass (1 + drafts fed),
-the drafter's microseconds per row-round (its draft ops' wall time over the rows it proposed for), and whether the
+the drafter's microseconds per row-round (its draft ops' wall time over the rows it proposed for), the draft's share
+of the wall time (the trace's draft spans over it), and whether the
 greedy outputs equal no-draft's (bf16 may flip near-ties: a pass over several tokens does not round like one per
 token), and from the trace the no-draft pass's loader time over its compute time (attention + ffn + head) at its
 best batch: the bound on what any drafter can gain there (`io_over_compute_nodraft_<workload>`; a drafter's gain
@@ -17,9 +21,11 @@ its batch and k) is run --reps times: `planner_pick_over_best_<workload>` is its
 (system, batch) of the grid.
 
 Writes docs/perf/<out>.json with a top-level "summary": <system>_over_nodraft_<workload> (each at its own best
-batch), best_modelfree_over_nodraft_<workload>, io_over_compute_nodraft_<workload>, modelfree_bound_<workload>,
+batch and k), <system>_over_best_other_<workload> (over the best other drafting system),
+best_modelfree_over_nodraft_<workload>, io_over_compute_nodraft_<workload>, modelfree_bound_<workload>,
 planner_pick_over_best_<workload>, and the issue's own io_over_compute_nodraft (summaries) and planner_pick_over_best
-(the lowest workload); every key ends in --tag (e.g. "_roomy" for a run at a budget with rows to spare).
+(the lowest workload); every key ends in --tag (e.g. "_roomy" for a run at a budget with rows to spare). The JSON
+records the machine, torch, dtype, commit and full argv (scripts/common.py `run_meta`) and its start and end.
 `--resummarize JSON` rewrites a saved run's summary from its rows (`summarize`), measuring nothing.
 
     python -m scripts.bench_drafters [--target moefied|dense|small|DIR] [--budget 2.5GiB] [--tag _roomy] [--quick]
@@ -41,6 +47,7 @@ from scripts.common import (
     PERF,
     io_compute_seconds,
     median_spread,
+    run_meta,
     timed_generate,
     utc_now,
     workload_prompts,
@@ -63,7 +70,10 @@ def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) 
         drafter = engine.workers.drafter
         asked = getattr(drafter, "proposed", 0)  # rows a model-free drafter proposed for (round-start calls)
         io_s, compute_s = io_compute_seconds(engine)
+        draft_span_s = sum(s.end - s.start for s in engine.tracer.spans if s.name == "draft") \
+            if engine.tracer is not None else 0.0
         return {"batch": engine.plan.batch, "k": engine.plan.k, "io_s": io_s, "compute_s": compute_s,
+                "draft_span_s": draft_span_s, "copies": getattr(drafter, "copies", None),
                 "io_over_compute": io_s / compute_s if compute_s else None,
                 "verified_per_row_pass": 1 + stats.num_drafted / row_passes, "draft_s": stats.draft_s,
                 "draft_us_per_row_round": 1e6 * stats.draft_s / asked if asked else None,
@@ -73,16 +83,19 @@ def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) 
 
 
 def _row(workload: str, system: str, batch: int, runs: list[dict]) -> dict:
-    """One (workload, system, batch) row of the JSON from its repetitions (medians of tokens/s and io / compute)."""
+    """One (workload, system, batch, k) row of the JSON from its repetitions (medians of tokens/s, io / compute and
+    the draft's share of the wall time)."""
     med, lo, hi = median_spread(r["tok_s"] for r in runs)
     first = runs[0]
     ratios = [r["io_over_compute"] for r in runs if r["io_over_compute"] is not None]
+    shares = [r["draft_span_s"] / r["wall_s"] for r in runs if r.get("draft_span_s") is not None]
     return {"workload": workload, "system": system, "batch": batch, "k": first["k"], "tok_s_median": med,
             "tok_s_min": lo, "tok_s_max": hi, "passes": first["passes"], "acceptance": first["acceptance"],
             "committed_per_row_pass": first["committed_per_row_pass"],
             "verified_per_row_pass": first["verified_per_row_pass"],
             "draft_us_per_row_round": first["draft_us_per_row_round"], "matched_rate": first["matched_rate"],
-            "io_over_compute": statistics.median(ratios) if ratios else None, "tokens": first["tokens"]}
+            "io_over_compute": statistics.median(ratios) if ratios else None, "tokens": first["tokens"],
+            "draft_share": statistics.median(shares) if shares else None, "copies": first.get("copies")}
 
 
 def _pick(workload: str, config: EngineConfig, names: list[str], prompts: list[list[int]], params: SamplingParams,
@@ -129,9 +142,12 @@ def summarize(rows: list[dict], picks: list[dict], tag: str = "") -> dict[str, f
         none = best.get((workload, "none"))
         if none is None:
             continue
-        for (w, name), r in best.items():
-            if w == workload and name != "none":
-                summary[f"{name}_over_nodraft_{workload}"] = r["tok_s_median"] / none["tok_s_median"]
+        drafting = {name: r for (w, name), r in best.items() if w == workload and name != "none"}
+        for name, r in drafting.items():
+            summary[f"{name}_over_nodraft_{workload}"] = r["tok_s_median"] / none["tok_s_median"]
+            others = [o["tok_s_median"] for n, o in drafting.items() if n != name]
+            if others:
+                summary[f"{name}_over_best_other_{workload}"] = r["tok_s_median"] / max(others)
         free = [best[(workload, n)] for n in ("ngram", "suffix") if (workload, n) in best]
         io = none["io_over_compute"]
         if free:
@@ -164,8 +180,9 @@ def main() -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=600)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--batches", default="4,8,16")
-    ap.add_argument("-k", type=int, default=4)
-    ap.add_argument("--systems", default=None, help="default: none,ngram,suffix + model (dense) or self (MoE)")
+    ap.add_argument("-k", type=int, default=4, help="k of a drafting system whose --systems entry names none")
+    ap.add_argument("--systems", default=None, help="default: none,ngram,suffix,lowbit + model (dense) or self (MoE); "
+                                                     "NAME@K1/K2 runs a drafting system at each k (its best kept)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="see the module docstring")
     ap.add_argument("--no-pick", action="store_true", help="skip the planner's pick (--drafter auto)")
@@ -191,9 +208,15 @@ def main() -> int:
     from specoffload.runtime.models.config import ModelConfig
 
     moe = bool(ModelConfig.from_dir(target).num_experts)
-    systems = args.systems.split(",") if args.systems else ["none", "ngram", "suffix", "self" if moe else "model"]
+    meta = run_meta("bfloat16")  # machine, torch, dtype, commit, argv, start: before the runs
+    entries = (args.systems.split(",") if args.systems else
+               ["none", "ngram", "suffix", "lowbit", "self" if moe else "model"])
+    systems = [e.split("@")[0] for e in entries]
     extra = {"none": dict(num_draft_tokens=0), "ngram": dict(drafter="ngram"), "suffix": dict(drafter="suffix"),
-             "model": dict(draft=model_dir("draft")), "self": dict(drafter="self")}
+             "model": dict(draft=model_dir("draft")), "self": dict(drafter="self"),
+             "lowbit": dict(drafter="lowbit", interleave=False)}
+    grid = [(name, 0) if name == "none" else (name, int(k))
+            for name, _, ks in (e.partition("@") for e in entries) for k in (ks.split("/") if ks else [args.k])]
     tok = AutoTokenizer.from_pretrained(target)
     budget = parse_bytes(args.budget)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)  # greedy, EOS honoured
@@ -207,36 +230,38 @@ def main() -> int:
         base = dict(target=target, device_memory=budget, replan_interval=0, dtype="bfloat16", trace=True,
                     max_seq_len=max(map(len, prompts)) + args.new_tokens)
         for batch in map(int, args.batches.split(",")):
-            runs: dict[str, list[dict]] = {s: [] for s in systems}
+            runs: dict[tuple[str, int], list[dict]] = {cell: [] for cell in grid}
             for rep in range(args.reps):
-                for name in systems if rep % 2 == 0 else systems[::-1]:
-                    kw = {"num_draft_tokens": args.k, **extra[name]}
+                for name, k in grid if rep % 2 == 0 else grid[::-1]:
+                    kw = {"num_draft_tokens": k, **extra[name]}
                     r = run(EngineConfig(**base, max_batch_size=batch, **kw), prompts, params)
-                    runs[name].append(r)
-                    print(f"  batch {batch:2d} {name:7s} rep {rep}: {r['tok_s']:.2f} tok/s, {r['passes']} passes, "
-                          f"{r['committed_per_row_pass']:.2f} committed / {r['verified_per_row_pass']:.2f} verified "
-                          f"per row per pass", flush=True)
-            reference = runs[systems[0]][0]["token_ids"]
-            for name, rs in runs.items():
+                    runs[name, k].append(r)
+                    print(f"  batch {batch:2d} {name:7s} k {k} rep {rep}: {r['tok_s']:.2f} tok/s, {r['passes']} "
+                          f"passes, {r['committed_per_row_pass']:.2f} committed / {r['verified_per_row_pass']:.2f} "
+                          f"verified per row per pass", flush=True)
+            reference = runs[grid[0]][0]["token_ids"]
+            for (name, _), rs in runs.items():
                 rows.append(_row(workload, name, batch, rs) | {"equal_to_" + systems[0]: rs[0]["token_ids"] ==
                                                                reference})
         if not args.no_pick:
-            picks.append(_pick(workload, EngineConfig(**base, max_batch_size="auto", num_draft_tokens="auto"),
+            picks.append(_pick(workload, EngineConfig(**base, max_batch_size="auto", num_draft_tokens="auto",
+                                                      interleave="auto"),
                                [n for n in systems if n in extra], prompts, params, args.reps))
     best = best_of(rows)
-    print(f"\n{'workload':14s} {'system':7s} {'batch':>5s} {'tok/s (min-max)':20s} {'accept':>6s} {'commit':>6s} "
-          f"{'verify':>6s} {'us/row':>7s} {'io/cmp':>6s} equal")
+    print(f"\n{'workload':14s} {'system':7s} {'batch':>5s} {'k':>2s} {'tok/s (min-max)':20s} {'accept':>6s} "
+          f"{'commit':>6s} {'verify':>6s} {'us/row':>7s} {'draft':>5s} {'io/cmp':>6s} equal")
     for r in [*best.values(), *picks]:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         us = f"{r['draft_us_per_row_round']:.0f}" if r["draft_us_per_row_round"] is not None else "-"
         io = f"{r['io_over_compute']:.2f}" if r["io_over_compute"] is not None else "-"
-        print(f"{r['workload']:14s} {r['system']:7s} {r['batch']:5d} {r['tok_s_median']:6.2f} ({r['tok_s_min']:.2f}-"
-              f"{r['tok_s_max']:.2f})     {acc:>6s} {r['committed_per_row_pass']:6.2f} "
-              f"{r['verified_per_row_pass']:6.2f} {us:>7s} {io:>6s} {r.get('equal_to_' + systems[0], '')}")
+        share = f"{r['draft_share']:.2f}" if r.get("draft_share") is not None else "-"
+        print(f"{r['workload']:14s} {r['system']:7s} {r['batch']:5d} {r['k']:2d} {r['tok_s_median']:6.2f} "
+              f"({r['tok_s_min']:.2f}-{r['tok_s_max']:.2f})     {acc:>6s} {r['committed_per_row_pass']:6.2f} "
+              f"{r['verified_per_row_pass']:6.2f} {us:>7s} {share:>5s} {io:>6s} {r.get('equal_to_' + systems[0], '')}")
     summary = summarize(rows, picks, args.tag)
     print("summary:", {k: round(v, 3) for k, v in summary.items()})
     path = write_json(PERF / f"{args.out}.json", {
-        "date": utc_now(), "argv": sys.argv[1:], "target": str(target), "budget": budget, "quick": args.quick,
+        **meta, "end": utc_now(), "argv": sys.argv[1:], "target": str(target), "budget": budget, "quick": args.quick,
         "note": "quick: a smoke run (0.5B dense, 4 short prompts, 24 new tokens, 1 rep), not the issue's measurement"
         if args.quick else "", "summary": summary, "best": list(best.values()), "picks": picks, "rows": rows})
     print(f"wrote {path}")
