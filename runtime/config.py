@@ -54,8 +54,9 @@ class EngineConfig:
         drafter="self"; None: no checkpoint.
     drafter: who proposes the draft tokens, a name in the drafter registry (runtime/offload/drafters.py
         `DRAFTERS`): "none" (plain decoding), "model" (the draft checkpoint), "self" (an MoE target, offloaded,
-        drafts for itself with only its resident experts), or any registered one. None: from `draft` (None ->
-        "none", "self" -> "self", a checkpoint directory -> "model"); `drafter_name` is the resolved name.
+        drafts for itself with only its resident experts), "lowbit" (the target, offloaded, drafts for itself with
+        int4 / int8 copies of the parts it streams), "ngram", "suffix", or any registered one. None: from `draft`
+        (None -> "none", "self" -> "self", a checkpoint directory -> "model"); `drafter_name` is the resolved name.
     dtype: compute dtype: "float32" (default), "bfloat16", "float16" or "auto" (the checkpoint's; on the CPU a
         float16 checkpoint computes in float32). draft_dtype: the draft's (None: dtype).
     num_draft_tokens: k, tokens the draft proposes per verification step (0 = no speculation: the draft is not

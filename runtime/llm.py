@@ -25,7 +25,7 @@ from typing import Any
 
 from .config import ConfigError, EngineConfig
 from .engine import Engine, PromptError
-from .offload.drafters import option_owners
+from .offload.drafters import DRAFTERS, option_owners
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import GenerationResult
 from .sampling import SamplingParams, model_defaults
@@ -61,8 +61,14 @@ _VLLM_INSTEAD = {
     "swap_space": "host_memory bounds the host side (KV cache and the 'ram' weights tier)",
     "cpu_offload_gb": "device_memory is the budget; everything beyond it streams from host memory or disk",
 }
-#: speculative_config's "method" -> our drafter (a "model" key alone means a draft model)
-_SPEC_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "model", "self": "self"}
+#: speculative_config's "method" names that are vLLM's, not our drafters' (every registered drafter's own name is one
+#: too: "ngram", "suffix", "self", "lowbit", ...; a "model" key alone means a draft model)
+_VLLM_METHODS = {"draft_model": "model"}
+
+
+def _spec_methods() -> dict[str, str]:
+    """speculative_config's "method" -> our drafter: vLLM's names, and every registered drafter that proposes."""
+    return _VLLM_METHODS | {name: name for name, cls in DRAFTERS.items() if cls.proposes and name != "model"}
 
 
 class LLM:
@@ -74,7 +80,8 @@ class LLM:
     requests whose SamplingParams have none. Other keywords are EngineConfig's (runtime/config.py), or vLLM's
     names for them: max_num_seqs (max_batch_size), max_model_len (max_seq_len), num_speculative_tokens
     (num_draft_tokens), speculative_model (draft); a drafter's option (prompt_lookup_max=4) goes into
-    drafter_options. vLLM's `speculative_config` dict ({"method": "ngram" | "suffix" | "draft_model" | "self",
+    drafter_options. vLLM's `speculative_config` dict ({"method": "ngram" | "suffix" | "draft_model" | "self" |
+    "lowbit" (any registered drafter's name),
     "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", ...}) sets the drafter; settings
     that change nothing on one device (tensor_parallel_size=1, enforce_eager, ...) are accepted, those that would
     are refused in one line saying what to use; an unknown keyword names the closest known one.
@@ -302,10 +309,11 @@ def _vllm_settings(options: dict[str, Any], draft: str | Path | None) -> str | P
     spec_model = spec.pop("model", None)
     if method is None:
         method = "draft_model" if spec_model is not None else None
-    if method not in _SPEC_METHODS:
+    methods = _spec_methods()
+    if method not in methods:
         raise ConfigError(f"LLM: speculative_config method {method!r} is not supported here; use one of "
-                          f"{sorted(_SPEC_METHODS)} (a 'model' with no method is a draft model)")
-    drafter = _SPEC_METHODS[method]
+                          f"{sorted(methods)} (a 'model' with no method is a draft model)")
+    drafter = methods[method]
     if drafter == "model":
         if spec_model is None:
             raise ConfigError("LLM: speculative_config method 'draft_model' needs its 'model' (a checkpoint directory)")

@@ -154,6 +154,8 @@ def test_vllm_engine_spellings(chat_models, single_thread) -> None:
             == [o.outputs[0].token_ids for o in direct.generate(["hello"], params)])
     ngram = LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert ngram.config.drafter_name == "ngram" and ngram.config.drafter_options == {"prompt_lookup_max": 4}
+    lowbit = LLM(target, speculative_config={"method": "lowbit", "lowbit_format": "int8"}, device_memory="1GiB")
+    assert lowbit.config.drafter_name == "lowbit" and lowbit.config.drafter_options == {"lowbit_format": "int8"}
     for kwargs, message in ((dict(speculative_config={"method": "eagle", "model": "x"}), "method 'eagle' is not "
                                                                                           "supported here"),
                             (dict(tensor_parallel_size=2), "replicas"),

@@ -181,3 +181,18 @@ def test_bad_lowbit_options_are_one_line(tiny_models, options, match):
 def test_the_lowbit_draft_needs_a_budget(tiny_models):
     with pytest.raises(ConfigError, match="needs device_memory"):
         EngineConfig(tiny_models["llama"], drafter="lowbit")
+
+
+def test_the_profiled_step_copies_the_ffn_and_keeps_attention_and_head_as_stored(tiny_models):
+    """The profiler times the step of the typical placement: FFN parts as copies, attention and head as stored."""
+    model, allowed = LowbitDrafter.step_model(_config(tiny_models, "qwen2_moe"))
+    assert allowed is None and set(model.resident) == set(model.loader.parts())  # nothing left to fetch
+    for key, part in model.resident.items():
+        if key.kind == "expert":
+            assert isinstance(part.gate, PackedInt4) and isinstance(part.down, PackedInt4)
+        elif key.kind == "router" and part.shared_expert is not None:
+            assert isinstance(part.shared_expert.up, PackedInt4) and isinstance(part.gate, torch.Tensor)
+        elif key.kind == "attention":
+            assert isinstance(part.q, torch.Tensor)
+        elif key.kind == "head":
+            assert isinstance(part.lm_head, torch.Tensor)

@@ -56,6 +56,8 @@ COPIED_FIELDS = {
     "expert": ("gate", "up", "down", "gate_up"),
     "head": ("lm_head",),
 }
+#: the part kinds the profiler's draft step holds as copies (`LowbitDrafter.step_model`)
+STEP_COPIES = ("dense_mlp", "router", "expert")
 LOWBIT_FORMATS = ("int4", "int8")
 
 
@@ -94,20 +96,26 @@ class LowbitDrafter(SharedKV, DrafterTraits):
 
     @classmethod
     def step_model(cls, config: EngineConfig) -> tuple[Transformer, dict[int, Tensor] | None] | None:
-        return cls(config).model, None
+        """The step of the typical offloaded placement, for the profiler: the FFN parts as copies (they stream
+        first), attention and head as stored (the target keeps them resident until the tightest budgets)."""
+        return cls(config, copy_kinds=STEP_COPIES).model, None
 
     def __init__(self, config: EngineConfig, weights: WeightPlan | None = None, slots: Sequence[Tensor] | None = None,
-                 *, share: TargetShare | None = None) -> None:
+                 *, share: TargetShare | None = None, copy_kinds: Sequence[str] = tuple(COPIED_FIELDS)) -> None:
+        """share: the target's state in this process (its resident parts are drafted with as they are); without
+        it, the parts of `copy_kinds` are copies and the others loaded as stored."""
         self.target_kv = share.kv if share is not None else None
         self.format = self.settings(config).format
         self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
-        copied = [key for key in self.model.loader.parts() if key.kind in COPIED_FIELDS]
+        parts = self.model.loader.parts()
+        copied = [key for key in parts if key.kind in COPIED_FIELDS]
         if share is not None:  # the target's own tensors where it holds them; the embedding is the attention worker's
             self.model.embedder = share.embed
             self.model.resident.update({key: part for key, part in share.parts.items() if key.kind in COPIED_FIELDS})
             copied = [key for key in copied if key not in share.parts]
         else:
-            self.model.preload([PartKey("embedding")])
+            copied = [key for key in copied if key.kind in copy_kinds]
+            self.model.preload([key for key in parts if key not in copied])
         for key in copied:
             self.model.resident[key] = lowbit_part(self.model.loader, key, self.format)
         #: the target's parts it holds low-bit copies of, and their bytes
