@@ -57,6 +57,30 @@ def test_one_profile_serves_every_drafter(tiny_models, profile_dir, monkeypatch,
     assert profiler.profile_path(ngram) == profiler.profile_path(model)
 
 
+@pytest.mark.parametrize("drafter", ["model", "self", "lowbit"])
+def test_a_timed_draft_step_runs_every_layer_on_a_token_per_row(tiny_models, monkeypatch, single_thread, drafter):
+    """The profiler's draft step computes what a draft step computes: one valid token per row through every
+    attention and FFN (a row fed no valid token skips its FFN, which timed steps 4-5x short), attending to the same
+    context at every repetition."""
+    from specoffload.runtime.models.model import Transformer
+
+    target = "mixtral" if drafter == "self" else "llama"
+    extra = {"draft": tiny_models["qwen2_draft"]} if drafter == "model" else {"drafter": drafter}
+    config = EngineConfig(tiny_models[target], device_memory="1GiB", **extra)
+    seen: list[tuple[int, int]] = []  # (rows the FFN computed, KV length) per layer call
+    real_ffn = Transformer.ffn
+
+    def ffn(self, layer, hidden, token_mask=None, allowed=None):  # noqa: ANN001, ANN202
+        valid = hidden.shape[0] * hidden.shape[1] if token_mask is None else int(token_mask.sum())
+        seen.append((valid, hidden.shape[0]))
+        return real_ffn(self, layer, hidden, token_mask, allowed)
+
+    monkeypatch.setattr(Transformer, "ffn", ffn)
+    steps = profiler._draft_steps(config, profiler._Timer(1), quick=True)
+    assert [rows for rows, _ in steps] == list(profiler.DRAFT_ROWS[:3]) and all(s > 0 for _, s in steps)
+    assert seen and all(valid == rows for valid, rows in seen)  # every row's token reaches every FFN
+
+
 def test_a_disturbed_measurement_is_taken_again_then_marked(tiny_models, profile_dir, monkeypatch, single_thread):
     """Other processes busy while it measures (a busy /proc/stat, simulated: one extra core busy): the isolated rates
     are taken MEASURE_TRIES times, the last is used for the job, saved as disturbed, and measured again by the next

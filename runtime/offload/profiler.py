@@ -58,10 +58,12 @@ from .streamer import WeightStreamer
 PROFILE_DIR = Path(os.environ.get("SPECOFFLOAD_CACHE", Path.home() / ".cache" / "specoffload")) / "profiles"
 FFN_ROWS = (1, 4, 16, 64, 256)
 DRAFT_ROWS = (1, 4, 16, 64)
+DRAFT_CONTEXT = 64  # positions a timed draft step attends to
 # 4: the loader converts float16 -> bfloat16 through float32 blocks (runtime/cast.py); 5: one profile per model
-# shared by the drafters (their steps on top), no-draft calibration at several row counts, conditions recorded.
+# shared by the drafters (their steps on top), no-draft calibration at several row counts, conditions recorded; 6: a
+# timed draft step feeds a valid token per row (before, rows of no valid token skipped their FFN: steps 4-5x short).
 # Bumping it re-measures every cached profile
-PROFILER_VERSION = 5
+PROFILER_VERSION = 6
 ATTENTION_POINTS = ((1, 1, 64), (4, 4, 64), (16, 4, 64), (16, 4, 512), (64, 4, 256), (4, 4, 1024), (32, 32, 32))
 #: a measurement is disturbed when other processes kept more than this many cores busy while it ran ...
 OTHERS_LIMIT = 0.25
@@ -483,13 +485,17 @@ def _draft_steps(config: EngineConfig, timer: _Timer, quick: bool) -> tuple[tupl
     out = []
     for rows in DRAFT_ROWS[:3] if quick else DRAFT_ROWS:
         cache = draft.new_cache(rows, 80, growable=False)
-        cache.advance(torch.full((rows,), 64, dtype=torch.long))
+        context = torch.full((rows,), DRAFT_CONTEXT, dtype=torch.long)
+        cache.advance(context)
         ids = torch.ones(rows, 1, dtype=torch.long)
         last = torch.zeros(rows, 1, dtype=torch.long)
 
-        def step(cache=cache, ids=ids, last=last) -> None:
-            draft.forward(ids, cache, num_new=torch.zeros(ids.shape[0], dtype=torch.long), output_positions=last,
+        def step(cache=cache, ids=ids, last=last, context=context) -> None:
+            # one valid token per row (every layer computes it: a row with no valid token skips its FFN), then the
+            # cache back to its context, so that every repetition attends to the same positions
+            draft.forward(ids, cache, num_new=torch.ones(ids.shape[0], dtype=torch.long), output_positions=last,
                           allowed_experts=allowed)
+            cache.truncate(context)
 
         out.append((rows, timer(step, f"draft step at {rows} rows")))
     return tuple(out)
