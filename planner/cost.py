@@ -176,6 +176,13 @@ class ModelCosts:
         return self.draft is not None and not self.draft.parts
 
     @property
+    def draft_shares_kv(self) -> bool:
+        """The drafter drafts into the target's KV cache (a shape with parts and no KV of its own: the target drafting
+        for itself in its process, runtime/offload/drafters/shared_kv.py): it never prefills a prompt, the target's
+        pass has written the prompt's keys and values."""
+        return self.draft is not None and bool(self.draft.parts) and self.draft.kv_bytes_per_token == 0
+
+    @property
     def expert_fraction(self) -> float:
         """top_k / num_experts: the share of an MoE layer's tokens each expert sees (1 for a dense model)."""
         return self.top_k / self.num_experts if self.num_experts else 1.0
@@ -358,12 +365,15 @@ def estimate_prefill(
     21.9 with the full score matrix, 5.3 at the mean length), while the FFN runs on the fed =
     round(batch * prompt_len) valid tokens only (34 s against 38 modelled); the head sees one position per row.
     Meanwhile the draft prefills the other batch and proposes its first k tokens:
-    draft_seconds(fed) + (k - 1) * draft_seconds(batch).
+    draft_seconds(fed) + (k - 1) * draft_seconds(batch); a draft that shares the target's KV cache prefills nothing:
+    k * draft_seconds(batch).
     """
     _check_plan(profile, costs, placement, batch, k)
     fed = max(batch, round(batch * prompt_len))
     padded = max(prompt_len, padded_len or prompt_len)
     t_draft = profile.draft_seconds(fed) + (k - 1) * profile.draft_seconds(batch) if k else 0.0
+    if k and costs.draft_shares_kv:  # the target's pass wrote the prompt's keys and values: nothing to prefill
+        t_draft = k * profile.draft_seconds(batch)
     if costs.draft_model_free:  # a matching drafter prefills nothing; its first proposal is a decode round's
         t_draft = 0.0
     share = _expert_share(costs, placement, expert_loading, batch * (k + 1), fed)
@@ -466,7 +476,8 @@ def steady_pass(
     carried = prefill_tokens / burst  # [prompt tokens per carrying pass]
     burst_attn = (attn + profile.attention_seconds(round(carried), round(prompt / 2))
                   - profile.attention_fit[0])  # (one op: its fixed cost once)
-    prefills_draft = k and not costs.draft_model_free  # a draft model prefills the prompt too; matching does not
+    # a draft model prefills the prompt too; matching does not, nor does a draft sharing the target's KV cache
+    prefills_draft = k and not costs.draft_model_free and not costs.draft_shares_kv
     t_draft_prefill = t_draft + (profile.draft_seconds(carried) if prefills_draft else 0.0)
     carrying = _pass(profile, costs, placement, decode_fed + carried, decode_padded, attended, t_draft_prefill,
                      rows * per_row, share, serial_draft=not interleave, attention_s=burst_attn)

@@ -344,6 +344,22 @@ def test_step_attention_and_overhead_terms() -> None:
     assert step.t_step == pytest.approx(step.t_chain + 2 * 0.2)  # + the draft, on the same cores
 
 
+def test_a_draft_sharing_the_target_kv_prefills_nothing() -> None:
+    """A drafter built from the target (lowbit, self) drafts into the target's KV cache: its first round is k steps
+    over the rows, whatever the prompt's length; a draft model prefills the prompt first."""
+    profile = make_profile()
+    placement = manual_placement((0, 1, 2, 3))
+    stand_in = ModelShape("stand-in", tuple((key, n // 4) for key, n in TARGET.parts if key.kind != "embedding"),
+                          TARGET.num_layers, 0, stands_in=True)
+    shared = ModelCosts.from_shapes(TARGET, stand_in, dtype_bytes=2)
+    assert shared.draft_shares_kv and not COSTS.draft_shares_kv
+    for prompt_len in (2, 50):
+        prefill = estimate_prefill(profile, shared, placement, batch=2, k=3, prompt_len=prompt_len)
+        assert prefill.t_draft == pytest.approx(3 * profile.draft_seconds(2))
+    model = estimate_prefill(profile, COSTS, placement, batch=2, k=3, prompt_len=50)
+    assert model.t_draft == pytest.approx(profile.draft_seconds(100) + 2 * profile.draft_seconds(2))
+
+
 def test_prefill_and_workload_literal() -> None:
     profile = make_profile()
     placement = manual_placement((0, 1, 2, 3))
