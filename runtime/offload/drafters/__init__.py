@@ -8,7 +8,7 @@
 
 The modules beside this one are the drafters, each registering itself with `register_drafter(name, cls)`:
 model.py ("model": an external draft model), resident_experts.py ("self": the MoE target with only its resident
-experts), lowbit.py ("lowbit": the target with low-bit copies of the FFN parts it streams), modelfree.py ("ngram",
+experts), lowbit.py ("lowbit": the target with low-bit copies of the parts it streams), modelfree.py ("ngram",
 "suffix": prompt lookup and suffix matching); shared_kv.py registers none: it is the KV handling of the drafters
 built from the target itself (drafting into the target's cache). Every module of this package is
 imported when the package is, so a new drafter is one new file here (or, outside the package, one

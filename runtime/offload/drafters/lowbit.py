@@ -65,8 +65,8 @@ LOWBIT_FORMATS = ("int4", "int8")
 class LowbitOptions:
     """The "lowbit" drafter's settings."""
 
-    lowbit_format: str = option("int4", "format of the drafter's resident copy of the target's FFN parts: int4 "
-                                        "(groups of --lowbit-group inputs) or int8 (per channel)")
+    lowbit_format: str = option("int4", "format of the drafter's resident copies of the parts the target streams: "
+                                        "int4 (groups of --lowbit-group inputs) or int8 (per channel)")
     lowbit_group: int = option(64, "inputs per scale of an int4 copy: 32, 64, 128 or 256 (the int4 kernel's)")
 
     def __post_init__(self) -> None:
