@@ -14,6 +14,7 @@ from specoffload.planner.errors import SpecOffloadError
 
 from . import quantize
 from .config import EngineConfig
+from .models.config import SUPPORTED_ARCHITECTURES
 from .offload.drafters import DRAFTERS
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ def _add_model_flags(g: argparse._ArgumentGroup, *, budget_required: bool = Fals
                      ) -> None:
     """The model flags `generate` and `plan` share: vLLM's spelling first, today's as an alias."""
     g.add_argument("--model", "--target", dest="target", required=True, metavar="DIR",
-                   help="target checkpoint directory (HF safetensors)")
+                   help="target checkpoint directory (HF safetensors) of a supported architecture: "
+                        + ", ".join(SUPPORTED_ARCHITECTURES))
     g.add_argument("--speculative-model", "--draft", dest="draft", default=None, metavar="DIR",
                    help="draft checkpoint directory (same vocabulary); 'self': an MoE target drafts with its resident "
                         "experts (needs --device-memory); omit for none")

@@ -22,12 +22,18 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB_SIZE = 512
@@ -119,12 +125,34 @@ def _mistral() -> PretrainedConfig:
     return MistralConfig(**_COMMON, intermediate_size=96, num_hidden_layers=2, sliding_window=4, rope_parameters=rope)
 
 
+def _qwen3() -> PretrainedConfig:
+    """q/k norms per head, head_dim (32) decoupled from hidden / heads, q/k/v/o biases, tied head, sliding window 4
+    on layer 1 (max_window_layers 1)."""
+    return Qwen3Config(**_COMMON, intermediate_size=96, num_hidden_layers=2, head_dim=32, attention_bias=True,
+                       tie_word_embeddings=True, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+
+
+def _qwen3_moe() -> PretrainedConfig:
+    """Fine-grained MoE: 16 experts of width 16, top 4, renormalised; q/k norms per head; layer 1 dense."""
+    return Qwen3MoeConfig(**_COMMON, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=3,
+                          num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1])
+
+
+def _olmoe() -> PretrainedConfig:
+    """16 experts of width 24, top 4, not renormalised; q/k norms over the whole projection; q, k, v clipped."""
+    return OlmoeConfig(**_COMMON, intermediate_size=24, num_hidden_layers=2, num_experts=16, num_experts_per_tok=4,
+                       clip_qkv=1.5)
+
+
 _MODEL_CLASS: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "olmoe": OlmoeForCausalLM,
 }
 
 # name -> (config factory, seed, save options)
@@ -140,6 +168,10 @@ TINY_MODELS: dict[str, tuple[Callable[[], PretrainedConfig], int, dict]] = {
     "qwen2_draft": (_qwen2_draft, 6, {}),
     "mistral": (_mistral, 7, {}),
     "draft_other_vocab": (_draft_other_vocab, 8, {}),
+    "qwen3": (_qwen3, 9, {}),
+    "qwen3_moe": (_qwen3_moe, 10, {}),
+    "qwen3_moe_fused": (_qwen3_moe, 10, {"save_original_format": False}),
+    "olmoe": (_olmoe, 11, {}),
 }
 
 #: extra names for the same checkpoint (tests elsewhere ask for "draft")

@@ -28,6 +28,10 @@ ALL_MODELS = [
     "llama_tied",
     "qwen2_draft",
     "mistral",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_moe_fused",
+    "olmoe",
 ]
 TOL = 1e-4
 
@@ -162,6 +166,12 @@ def test_config_variants(tiny_models: dict[str, Path]) -> None:
     assert not cfg["qwen2_moe"].norm_topk_prob
     assert cfg["qwen2_moe_windowed"].moe_layers == {1} and cfg["qwen2_moe_windowed"].norm_topk_prob
     assert not cfg["llama"].is_moe and cfg["llama"].moe_layers == frozenset()
+    assert cfg["qwen3"].qk_norm == "head" and cfg["qwen3"].o_bias and cfg["qwen3"].layer_windows == (None, 4)
+    assert cfg["qwen3_moe"].moe_layers == {0, 2} and cfg["qwen3_moe"].num_experts == 16
+    assert cfg["qwen3_moe"].norm_topk_prob and not cfg["qwen3_moe"].has_shared_expert
+    assert cfg["olmoe"].qk_norm == "all" and cfg["olmoe"].clip_qkv == 1.5 and not cfg["olmoe"].norm_topk_prob
+    assert cfg["olmoe"].moe_layers == {0, 1} and cfg["olmoe"].moe_intermediate_size == 24
+    assert not cfg["mixtral"].route_weights_in_compute_dtype and cfg["olmoe"].route_weights_in_compute_dtype
     assert all(c.eos_token_ids == (2,) and c.vocab_size == 512 for c in cfg.values())
 
 

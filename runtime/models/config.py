@@ -22,7 +22,16 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
+
+#: MoE families whose router casts the top-k weights back to the compute dtype (Mixtral keeps them in float32)
+_ROUTE_WEIGHTS_IN_COMPUTE_DTYPE = ("qwen2_moe", "qwen3_moe", "olmoe")
+#: how a family normalises queries and keys after their projections: per head over head_dim (Qwen3, Qwen3-MoE)
+#: or over the whole projection (OLMoE)
+_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all"}
 
 # RoPE types whose frequencies depend on the current sequence length: HF recomputes them per forward, which a
 # KV cache written at earlier lengths cannot follow exactly.
@@ -48,12 +57,15 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    o_bias: bool  # the attention's output projection has a bias (Llama with attention_bias)
+    o_bias: bool  # the attention's output projection has a bias (Llama, Qwen3(-MoE), OLMoE with attention_bias)
+    qk_norm: str  # RMSNorm of q and k after projection: "none", "head" (over head_dim) or "all" (whole projection)
+    clip_qkv: float | None  # q, k, v clamped to [-clip, clip] after projection (OLMoE), None = not
     rope_type: str
     layer_windows: tuple[int | None, ...]  # per layer: sliding window size, None = full causal attention
     num_experts: int  # 0 for dense models
     num_experts_per_tok: int
     norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    route_weights_in_compute_dtype: bool  # the top-k weights are cast back to the compute dtype (not Mixtral)
     moe_intermediate_size: int
     shared_expert_intermediate_size: int  # 0 = no shared expert
     moe_layers: frozenset[int]
@@ -152,15 +164,19 @@ def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) ->
         num_experts, moe_width, shared_width = hf.num_local_experts, hf.intermediate_size, 0
         moe_layers = frozenset(range(num_layers))
         norm_topk = True
-    elif family == "qwen2_moe":
+    elif family in ("qwen2_moe", "qwen3_moe"):
         num_experts, moe_width = hf.num_experts, hf.moe_intermediate_size
-        shared_width = hf.shared_expert_intermediate_size
+        shared_width = hf.shared_expert_intermediate_size if family == "qwen2_moe" else 0
         mlp_only = set(hf.mlp_only_layers or [])
         moe_layers = frozenset(
             i
             for i in range(num_layers)
             if i not in mlp_only and num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
         )
+        norm_topk = bool(hf.norm_topk_prob)
+    elif family == "olmoe":  # every layer sparse; the experts are intermediate_size wide
+        num_experts, moe_width, shared_width = hf.num_experts, hf.intermediate_size, 0
+        moe_layers = frozenset(range(num_layers))
         norm_topk = bool(hf.norm_topk_prob)
     else:
         num_experts, moe_width, shared_width, moe_layers, norm_topk = 0, 0, 0, frozenset(), False
@@ -181,12 +197,15 @@ def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) ->
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=_qkv_bias(family, hf),
-        o_bias=family == "llama" and bool(getattr(hf, "attention_bias", False)),
+        o_bias=family in ("llama", "qwen3", "qwen3_moe", "olmoe") and bool(getattr(hf, "attention_bias", False)),
+        qk_norm=_QK_NORM.get(family, "none"),
+        clip_qkv=float(hf.clip_qkv) if family == "olmoe" and getattr(hf, "clip_qkv", None) is not None else None,
         rope_type=rope_type,
         layer_windows=_layer_windows(family, hf, num_layers),
         num_experts=num_experts,
         num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,
         norm_topk_prob=norm_topk,
+        route_weights_in_compute_dtype=family in _ROUTE_WEIGHTS_IN_COMPUTE_DTYPE,
         moe_intermediate_size=moe_width,
         shared_expert_intermediate_size=shared_width,
         moe_layers=moe_layers,
@@ -207,9 +226,9 @@ def _qkv_bias(family: str, hf: Any) -> bool:
 def _layer_windows(family: str, hf: Any, num_layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window, following each family's HF modeling code."""
     window = getattr(hf, "sliding_window", None) or None  # Qwen2-MoE stores 0 when disabled
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "qwen3_moe"):
         return (window,) * num_layers  # these apply config.sliding_window to every layer
-    if family in ("qwen2", "qwen2_moe") and window is not None:
+    if family in ("qwen2", "qwen2_moe", "qwen3") and window is not None:
         types = getattr(hf, "layer_types", None) or ["full_attention"] * num_layers
         return tuple(window if t == "sliding_attention" else None for t in types)
     return (None,) * num_layers

@@ -1,9 +1,10 @@
 """Functional compute of one decoder layer's parts. Weights come in as arguments; nothing here owns state.
 
-Numerics follow transformers' modeling code (Llama/Mistral/Qwen2/Mixtral/Qwen2-MoE, v5) step by step, so fp32
-results agree to rounding: RMSNorm in float32 then cast back before the weight multiply; RoPE cos/sin in
-float32 times the rope type's attention scaling; router softmax in float32; Mixtral keeps the top-k weights in
-float32, Qwen2-MoE casts them back to the compute dtype.
+Numerics follow transformers' modeling code (Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE, v5) step
+by step, so fp32 results agree to rounding: RMSNorm in float32 then cast back before the weight multiply (also the
+q/k norms: Qwen3 per head, OLMoE over the whole projection, before RoPE); RoPE cos/sin in float32 times the rope
+type's attention scaling; router softmax in float32; Mixtral keeps the top-k weights in float32, the others cast
+them back to the compute dtype.
 
 Shapes: B = batch rows, T = new tokens per row in this call, N = B * T, S = key positions attended to,
 H = hidden size, D = head dim, E = experts, k = experts per token.
@@ -136,9 +137,19 @@ def attention_forward(
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)  # [B, T, H]
     mask = padding_mask(token_mask, hidden.device) if steps > 1 else None  # [B, T] or None
-    q = _project(x, w.q, w.q_bias, mask).reshape(batch, steps, heads, dim).transpose(1, 2)  # [B, heads, T, D]
-    k = _project(x, w.k, w.k_bias, mask).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, D]
-    v = _project(x, w.v, w.v_bias, mask).reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, D]
+    q = _project(x, w.q, w.q_bias, mask)  # [B, T, heads * D]
+    k = _project(x, w.k, w.k_bias, mask)  # [B, T, kv * D]
+    v = _project(x, w.v, w.v_bias, mask)  # [B, T, kv * D]
+    if cfg.qk_norm == "all":  # OLMoE: over the whole projection
+        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    q = q.reshape(batch, steps, heads, dim)  # [B, T, heads, D]
+    k = k.reshape(batch, steps, kv_heads, dim)  # [B, T, kv, D]
+    if cfg.qk_norm == "head":  # Qwen3: each head over head_dim
+        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, D], [B, kv, T, D]
+    v = v.reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, D]
 
     positions = cache.device_lengths()[:, None] + torch.arange(steps, device=hidden.device)  # [B, T]
     cos, sin = rope_cos_sin(rope, positions, x.dtype)  # [B, T, D]
@@ -224,7 +235,7 @@ def route(cfg: ModelConfig, w: RouterWeights, hidden: Tensor,
         topk_ids = torch.where(topk_weights > 0, topk_ids, topk_ids[:, :1])
     if cfg.norm_topk_prob:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    if cfg.family == "qwen2_moe":
+    if cfg.route_weights_in_compute_dtype:
         topk_weights = topk_weights.to(logits.dtype)
     return normed, topk_ids, topk_weights
 

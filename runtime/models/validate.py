@@ -43,6 +43,8 @@ def expected_shape(config: ModelConfig, key: PartKey, field: str) -> tuple[int, 
         "v_bias": (kv,), "o_bias": (h,), "up": (inter, h), "down": (h, inter), "gate_up": (2 * inter, h),
         "shared_gate_proj": (shared, h), "shared_up_proj": (shared, h), "shared_down_proj": (h, shared),
         "shared_expert_gate": (1, h),
+        "q_norm": (c.head_dim,) if c.qk_norm == "head" else (q,),
+        "k_norm": (c.head_dim,) if c.qk_norm == "head" else (kv,),
     }  # fmt: skip
     if field == "gate":  # the router's gate is [experts, hidden]; an MLP's gate projection [inter, hidden]
         return (c.num_experts, h) if key.kind == "router" else (inter, h)

@@ -42,6 +42,8 @@ class AttentionWeights:
     k_bias: Tensor | None = None  # [kv_heads * head_dim]
     v_bias: Tensor | None = None  # [kv_heads * head_dim]
     o_bias: Tensor | None = None  # [hidden]
+    q_norm: Tensor | None = None  # [head_dim] (Qwen3: per head) or [heads * head_dim] (OLMoE: whole projection)
+    k_norm: Tensor | None = None  # [head_dim] or [kv_heads * head_dim]
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,8 @@ class WeightLoader:
                 refs |= {f"{x}_bias": TensorRef(f"{p}.self_attn.{x}_proj.bias") for x in "qkv"}
             if cfg.o_bias:
                 refs["o_bias"] = TensorRef(f"{p}.self_attn.o_proj.bias")
+            if cfg.qk_norm != "none":
+                refs |= {f"{x}_norm": TensorRef(f"{p}.self_attn.{x}_norm.weight") for x in "qk"}
             return refs
         if key.kind == "dense_mlp":
             refs = {"post_norm": TensorRef(f"{p}.post_attention_layernorm.weight")}

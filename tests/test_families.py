@@ -1,0 +1,99 @@
+"""The families added for issue 41 (Qwen3, Qwen3-MoE, OLMoE) through the whole engine: the correctness table.
+
+Layer-level agreement with transformers (fp32 logits within 1e-4) is in test_models.py. Here each family runs
+through the Engine: resident greedy equals transformers' greedy; offloaded at the smallest budget (contiguous and
+block KV) equals the resident engine; self-drafting and the low-bit self-draft on the MoEs, and a dense Qwen3 as a
+separate draft, are lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.models.errors import UnsupportedModelError
+from specoffload.runtime.models.model import Transformer
+from specoffload.runtime.sampling import SamplingParams
+from tests.conftest import OFFLOAD_PROMPTS
+from tests.test_engine import PROMPTS, hf_greedy
+
+FAMILIES = ["qwen3", "qwen3_moe", "olmoe"]
+MOES = ["qwen3_moe", "qwen3_moe_fused", "olmoe"]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _tight(tiny_models, target: str, **kw) -> EngineConfig:
+    """The smallest budget that places the plan, one ring slot (so the tiny models stream their FFN parts)."""
+    config = EngineConfig(**(dict(target=tiny_models[target], max_batch_size=3, max_seq_len=48, num_draft_tokens=3,
+                                  device_memory="1GiB", num_buffers=1) | kw))
+    probe = Engine(config)
+    budget = probe.minimum_device_memory()
+    probe.close()
+    return replace(config, device_memory=budget)
+
+
+def _run(config: EngineConfig) -> tuple[list[list[int]], Engine]:
+    """Greedy tokens of OFFLOAD_PROMPTS and the engine (the caller closes it)."""
+    engine = Engine(config)
+    return [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)], engine
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resident_greedy_matches_transformers(tiny_models, family):
+    engine = Engine(EngineConfig(target=tiny_models[family], max_batch_size=2))
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12))
+    assert [r.token_ids for r in results] == hf_greedy(tiny_models[family], PROMPTS)
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv_block_size": 4}], ids=["contiguous", "block-kv"])
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe_fused"])
+def test_offloaded_at_the_minimum_budget_matches_resident(tiny_models, resident_greedy, family, kv):
+    out, engine = _run(_tight(tiny_models, family, **kv))
+    assert engine.placement.streamed_layers, "the smallest budget must stream something"
+    assert engine.last_stats.bytes_read > 0
+    assert out == resident_greedy(family)
+    engine.close()
+
+
+@pytest.mark.parametrize("target", MOES)
+def test_self_draft_is_lossless(tiny_models, resident_greedy, target):
+    config = _tight(tiny_models, target, draft="self", drafter_options={"resident_experts": 4, "migrate_interval": 2})
+    out, engine = _run(config)
+    assert out == resident_greedy(target)
+    assert engine.last_stats.num_drafted > 0 and engine.last_stats.expert_picks > 0
+    engine.close()
+
+
+@pytest.mark.parametrize("target", [*FAMILIES, "qwen3_moe_fused"])
+def test_lowbit_self_draft_is_lossless(tiny_models, resident_greedy, target):
+    out, engine = _run(_tight(tiny_models, target, drafter="lowbit"))
+    assert out == resident_greedy(target)
+    stats = engine.last_stats
+    assert engine.workers.drafter.copies > 0 and 0 < stats.num_accepted <= stats.num_drafted
+    engine.close()
+
+
+@pytest.mark.parametrize("target", ["qwen3_moe", "olmoe"])
+def test_dense_qwen3_drafts_for_the_moes(tiny_models, resident_greedy, target):
+    config = EngineConfig(target=tiny_models[target], draft=tiny_models["qwen3"], max_batch_size=3, max_seq_len=48,
+                          num_draft_tokens=3)
+    out, engine = _run(config)
+    assert out == resident_greedy(target) and engine.last_stats.num_drafted > 0
+    engine.close()
+
+
+def test_an_unsupported_family_is_refused_naming_the_supported_ones(tiny_models, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "other"
+    shutil.copytree(tiny_models["qwen3"], path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(raw | {"architectures": ["GptOssForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match="GptOssForCausalLM.*supported: .*Qwen3MoeForCausalLM"):
+        Transformer(path)
