@@ -262,20 +262,48 @@ def experts_forward(
     Tokens with token_mask False get 0 (their routing is ignored, so they pull in no expert).
     out: accumulate into it (and return it); only: consider just these expert ids. Calling it for consecutive
     ranges of experts in order adds exactly what one call over all adds, in the same order.
+
+    Grouped, for fine-grained MoEs (64-128 experts, top 8): the (token, slot) pairs are sorted by expert once, so
+    each active expert's tokens are one contiguous slice of the gathered inputs, and the Python loop does only that
+    expert's three GEMMs; the routing weights multiply all pairs in one op. The sum is deterministic on every device
+    and adds each token's experts in ascending expert id (the order of one index_add per expert): the weighted
+    outputs are scattered to [N, k, H] at each pair's rank among its token's expert ids, then added rank by rank.
     """
     out = torch.zeros_like(normed) if out is None else out  # [N, H]
-    hits = topk_ids[:, :, None] == torch.arange(cfg.num_experts, device=topk_ids.device)  # [N, k, E]
+    num_tokens, k = topk_ids.shape
+    pairs = torch.arange(num_tokens * k, device=topk_ids.device)  # [N * k]: token * k + slot
+    chosen = topk_ids.reshape(-1)  # [N * k] the expert of each pair
+    keep = None
     if token_mask is not None:
-        hits &= token_mask.to(hits.device).reshape(-1, 1, 1)
-    for e in selected_experts(topk_ids, token_mask):
-        if only is not None and e not in only:
+        keep = token_mask.to(topk_ids.device).reshape(-1, 1).expand(-1, k).reshape(-1)  # [N * k]
+    if only is not None:
+        inside = (chosen >= only.start) & (chosen < only.stop) if only.step == 1 else \
+            torch.isin(chosen, torch.tensor(list(only), device=chosen.device))
+        keep = inside if keep is None else keep & inside
+    if keep is not None:
+        pairs, chosen = pairs[keep], chosen[keep]  # [P]
+    if pairs.numel() == 0:
+        return out
+    chosen, order = torch.sort(chosen, stable=True)  # [P]: expert-major, then token, then slot
+    pairs = pairs[order]
+    tokens, slots = pairs // k, pairs % k  # [P], [P]
+    counts = torch.bincount(chosen, minlength=cfg.num_experts).tolist()  # the one host sync
+    x = normed[tokens]  # [P, H]
+    pieces, start = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
             continue
         if e not in experts:
             raise KeyError(f"expert {e} was selected but not provided (have {sorted(experts)})")
-        tokens, slots = torch.where(hits[:, :, e])  # [n_e], [n_e]
-        y = gated_mlp(normed[tokens], experts[e], cfg.hidden_act)  # [n_e, H]
-        y = y * topk_weights[tokens, slots, None]  # float32 for Mixtral, as in transformers
-        out.index_add_(0, tokens, y.to(out.dtype))
+        pieces.append(gated_mlp(x[start:start + n], experts[e], cfg.hidden_act))  # [n_e, H]
+        start += n
+    y = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # [P, H]
+    y = (y * topk_weights[tokens, slots, None]).to(out.dtype)  # float32 weights for Mixtral, as in transformers
+    rank = torch.sort(topk_ids, dim=1, stable=True).indices.argsort(dim=1)  # [N, k]: slot -> rank by expert id
+    ranked = out.new_zeros(num_tokens, k, out.shape[-1])  # [N, k, H]
+    ranked[tokens, rank[tokens, slots]] = y
+    for j in range(k):
+        out += ranked[:, j]
     return out
 
 
