@@ -1,7 +1,8 @@
 """The grouped MoE expert pass (layers.experts_forward) against the per-expert loop it replaced, bit for bit.
 
-The reference below is that loop as it was: for each selected expert in ascending id, its tokens by a mask, its
-gated MLP, the routing weight, one index_add. The grouped pass must give the same bits (same GEMMs on the same
+The reference (scripts/bench_fine_moe.py `per_expert_loop`, also the benchmark's baseline) is that loop as it
+was: for each selected expert in ascending id, its tokens by a mask, its gated MLP, the routing weight, one
+index_add. The grouped pass must give the same bits (same GEMMs on the same
 rows, the same additions in the same order) for any routing: padded tokens, consecutive expert ranges (`only`, the
 streamed expert groups), duplicate ids with weight 0 (route's fallback when fewer than k experts are allowed),
 float32 weights with bfloat16 activations (Mixtral) and many experts with top 8 (the fine-grained families).
@@ -9,35 +10,14 @@ float32 weights with bfloat16 activations (Mixtral) and many experts with top 8 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scripts.bench_fine_moe import _Cfg
+from scripts.bench_fine_moe import per_expert_loop as _reference
 from specoffload.runtime.models import layers
 from specoffload.runtime.models.weights import ExpertWeights
-
-
-@dataclass(frozen=True)
-class _Cfg:
-    num_experts: int
-    hidden_act: str = "silu"
-
-
-def _reference(cfg, normed, topk_ids, topk_weights, experts, token_mask=None, out=None, only=None):  # noqa: ANN001, ANN202
-    out = torch.zeros_like(normed) if out is None else out
-    hits = topk_ids[:, :, None] == torch.arange(cfg.num_experts)  # [N, k, E]
-    if token_mask is not None:
-        hits &= token_mask.reshape(-1, 1, 1)
-    for e in layers.selected_experts(topk_ids, token_mask):
-        if only is not None and e not in only:
-            continue
-        tokens, slots = torch.where(hits[:, :, e])
-        y = layers.gated_mlp(normed[tokens], experts[e], cfg.hidden_act)
-        y = y * topk_weights[tokens, slots, None]
-        out.index_add_(0, tokens, y.to(out.dtype))
-    return out
 
 
 @settings(max_examples=60, deadline=None)
