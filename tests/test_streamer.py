@@ -267,6 +267,31 @@ def test_direct_reader_rejects_bad_arguments(tmp_path: Path) -> None:
         AlignedBuffer(0)
 
 
+def test_reads_run_ahead_on_one_thread_in_file_order(tiny_models: dict[str, Path]) -> None:
+    """On the CPU the next group's read (the reader thread) overlaps this group's conversion (the caller's): every
+    read is on the one reader thread, in file order, and the slot holds what the loader loads."""
+    import threading
+
+    loader = _loader(tiny_models["qwen3_moe"])
+    with WeightStreamer(loader, SLOT, 2, "disk", "cpu", staging_bytes=4 * ALIGN) as streamer:
+        calls: list[tuple[str, int]] = []
+        read_into = streamer.reader.read_into
+
+        def recording(path, offset, *args):  # noqa: ANN001, ANN202
+            calls.append((threading.current_thread().name, offset))
+            return read_into(path, offset, *args)
+
+        streamer.reader.read_into = recording
+        keys = [key for key in loader.parts() if key.kind == "expert" and key.layer == 0]
+        got = streamer.load(0, keys)
+        for key in keys:
+            for (name, actual), (_, expected) in zip(_fields(got[key]), _fields(loader.load(key)), strict=True):
+                assert torch.equal(actual, expected), (key, name)
+        assert len(calls) > 2
+        assert {name.split("_")[0] for name, _ in calls} == {"specoffload-read"}
+        assert [offset for _, offset in calls] == sorted(offset for _, offset in calls)
+
+
 # --- files that change under the streamer ------------------------------------------------------------------
 
 
