@@ -266,8 +266,9 @@ def experts_forward(
     Grouped, for fine-grained MoEs (64-128 experts, top 8): the (token, slot) pairs are sorted by expert once, so
     each active expert's tokens are one contiguous slice of the gathered inputs, and the Python loop does only that
     expert's three GEMMs; the routing weights multiply all pairs in one op. The sum is deterministic on every device
-    and adds each token's experts in ascending expert id (the order of one index_add per expert): the weighted
-    outputs are scattered to [N, k, H] at each pair's rank among its token's expert ids, then added rank by rank.
+    and adds each token's experts in ascending expert id (the order of one index_add per expert): with each pair's
+    rank among its token's expert ids, the weighted outputs are added rank by rank, k index_adds of which none has
+    two rows for one token (no [N, k, H] buffer: a long prefill's pass holds the gathered inputs and outputs only).
     """
     out = torch.zeros_like(normed) if out is None else out  # [N, H]
     num_tokens, k = topk_ids.shape
@@ -300,10 +301,10 @@ def experts_forward(
     y = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # [P, H]
     y = (y * topk_weights[tokens, slots, None]).to(out.dtype)  # float32 weights for Mixtral, as in transformers
     rank = torch.sort(topk_ids, dim=1, stable=True).indices.argsort(dim=1)  # [N, k]: slot -> rank by expert id
-    ranked = out.new_zeros(num_tokens, k, out.shape[-1])  # [N, k, H]
-    ranked[tokens, rank[tokens, slots]] = y
-    for j in range(k):
-        out += ranked[:, j]
+    ranks = rank[tokens, slots]  # [P]
+    for j in range(k):  # each token at most once per rank: index_add without colliding targets, deterministic
+        at = ranks == j  # [P]
+        out.index_add_(0, tokens[at], y[at])
     return out
 
 
