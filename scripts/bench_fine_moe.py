@@ -47,10 +47,11 @@ REPS = 7
 
 @dataclass(frozen=True)
 class _Cfg:
-    """The two ModelConfig fields the expert pass reads."""
+    """The ModelConfig fields the expert pass reads."""
 
     num_experts: int
     hidden_act: str = "silu"
+    swiglu_limit: float | None = None
 
 
 def per_expert_loop(cfg: _Cfg, normed: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from transformers import (
     GenerationConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -144,6 +146,15 @@ def _olmoe() -> PretrainedConfig:
                        clip_qkv=1.5)
 
 
+def _gpt_oss() -> PretrainedConfig:
+    """8 experts of width 32, top 2 (top-k logits, then their softmax); attention sinks; sliding window 4 on the even
+    layers; q/k/v/o, router and expert biases; clamped SwiGLU; YaRN RoPE."""
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 256}
+    return GptOssConfig(**_COMMON, head_dim=16, intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
+                        num_experts_per_tok=2, sliding_window=4, rope_parameters=rope, swiglu_limit=1.0)
+
+
 _MODEL_CLASS: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
@@ -153,6 +164,7 @@ _MODEL_CLASS: dict[str, type[PreTrainedModel]] = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 # name -> (config factory, seed, save options)
@@ -172,6 +184,7 @@ TINY_MODELS: dict[str, tuple[Callable[[], PretrainedConfig], int, dict]] = {
     "qwen3_moe": (_qwen3_moe, 10, {}),
     "qwen3_moe_fused": (_qwen3_moe, 10, {"save_original_format": False}),
     "olmoe": (_olmoe, 11, {}),
+    "gpt_oss": (_gpt_oss, 12, {}),
 }
 
 #: extra names for the same checkpoint (tests elsewhere ask for "draft")
@@ -186,8 +199,10 @@ def build(name: str, out_dir: Path) -> Path:
     model = _MODEL_CLASS[config.model_type](config).eval()
     with torch.no_grad():  # transformers initialises biases to zero: random ones, so a bias left out shows
         for pname, param in model.named_parameters():
-            if pname.endswith(".bias"):
+            if pname.endswith((".bias", "_bias")):
                 param.normal_(0.0, 0.02)
+            elif pname.endswith(".sinks"):  # gpt-oss's sink logits: large enough to take a visible share
+                param.normal_(0.0, 1.0)
     path = Path(out_dir) / name
     shutil.rmtree(path, ignore_errors=True)
     model.save_pretrained(path, **save_options)

@@ -1,4 +1,4 @@
-"""The families added for issue 41 (Qwen3, Qwen3-MoE, OLMoE) through the whole engine: the correctness table.
+"""The families added for issue 41 (Qwen3, Qwen3-MoE, OLMoE, gpt-oss) through the whole engine: the correctness table.
 
 Layer-level agreement with transformers (fp32 logits within 1e-4) is in test_models.py. Here each family runs
 through the Engine: resident greedy equals transformers' greedy; offloaded at the smallest budget (contiguous and
@@ -20,8 +20,8 @@ from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 from tests.test_engine import PROMPTS, hf_greedy
 
-FAMILIES = ["qwen3", "qwen3_moe", "olmoe"]
-MOES = ["qwen3_moe", "qwen3_moe_fused", "olmoe"]
+FAMILIES = ["qwen3", "qwen3_moe", "olmoe", "gpt_oss"]
+MOES = ["qwen3_moe", "qwen3_moe_fused", "olmoe", "gpt_oss"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -78,7 +78,7 @@ def test_lowbit_self_draft_is_lossless(tiny_models, resident_greedy, target):
     engine.close()
 
 
-@pytest.mark.parametrize("target", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("target", ["qwen3_moe", "olmoe", "gpt_oss"])
 def test_dense_qwen3_drafts_for_the_moes(tiny_models, resident_greedy, target):
     config = EngineConfig(target=tiny_models[target], draft=tiny_models["qwen3"], max_batch_size=3, max_seq_len=48,
                           num_draft_tokens=3)
@@ -94,6 +94,29 @@ def test_an_unsupported_family_is_refused_naming_the_supported_ones(tiny_models,
     path = tmp_path / "other"
     shutil.copytree(tiny_models["qwen3"], path)
     raw = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(raw | {"architectures": ["GptOssForCausalLM"]}))
-    with pytest.raises(UnsupportedModelError, match="GptOssForCausalLM.*supported: .*Qwen3MoeForCausalLM"):
+    (path / "config.json").write_text(json.dumps(raw | {"architectures": ["DeepseekV2ForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match="DeepseekV2ForCausalLM.*supported: .*GptOssForCausalLM"):
         Transformer(path)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_gpt_oss_lowbit_copies_its_transposed_experts(tiny_models, fmt):
+    """gpt-oss stores its experts as x @ W ([in, out], gate and up interleaved): the low-bit copy holds the [out, in]
+    matrices, keeps the biases as stored, and computes the expert within the format's rounding."""
+    import torch
+
+    from specoffload.planner.shapes import PartKey
+    from specoffload.runtime.formats import weight_format
+    from specoffload.runtime.models import layers
+    from specoffload.runtime.offload.drafters.lowbit import lowbit_part
+
+    model = Transformer(tiny_models["gpt_oss"])
+    key = PartKey("expert", 1, 5)
+    stored = model.loader.load(key)
+    copy = lowbit_part(model.loader, key, weight_format(fmt, 32 if fmt == "int4" else None))
+    for bias in ("gate_bias", "up_bias", "down_bias"):
+        assert torch.equal(getattr(copy, bias), getattr(stored, bias))
+    x = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    want, got = layers.expert_mlp(model.config, x, stored), layers.expert_mlp(model.config, x, copy)
+    assert float((got - want).abs().max() / want.abs().max()) < (0.02 if fmt == "int8" else 0.2)
+    assert not torch.equal(got, want)  # a copy, not the stored weights

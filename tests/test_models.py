@@ -32,6 +32,7 @@ ALL_MODELS = [
     "qwen3_moe",
     "qwen3_moe_fused",
     "olmoe",
+    "gpt_oss",
 ]
 TOL = 1e-4
 

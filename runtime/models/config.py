@@ -25,10 +25,13 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 #: MoE families whose router casts the top-k weights back to the compute dtype (Mixtral keeps them in float32)
-_ROUTE_WEIGHTS_IN_COMPUTE_DTYPE = ("qwen2_moe", "qwen3_moe", "olmoe")
+_ROUTE_WEIGHTS_IN_COMPUTE_DTYPE = ("qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+#: families whose attention_bias also gives the output projection a bias (the others: q, k, v only)
+_O_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss")
 #: how a family normalises queries and keys after their projections: per head over head_dim (Qwen3, Qwen3-MoE)
 #: or over the whole projection (OLMoE)
 _QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all"}
@@ -60,12 +63,17 @@ class ModelConfig:
     o_bias: bool  # the attention's output projection has a bias (Llama, Qwen3(-MoE), OLMoE with attention_bias)
     qk_norm: str  # RMSNorm of q and k after projection: "none", "head" (over head_dim) or "all" (whole projection)
     clip_qkv: float | None  # q, k, v clamped to [-clip, clip] after projection (OLMoE), None = not
+    attention_sinks: bool  # a learned logit per head joins each query's softmax and takes no value (gpt-oss)
+    norm_scale_in_float32: bool  # RMSNorm scales by its weight in float32, then casts (gpt-oss); else casts first
     rope_type: str
     layer_windows: tuple[int | None, ...]  # per layer: sliding window size, None = full causal attention
     num_experts: int  # 0 for dense models
     num_experts_per_tok: int
     norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
     route_weights_in_compute_dtype: bool  # the top-k weights are cast back to the compute dtype (not Mixtral)
+    router: str  # "softmax_topk": softmax over all experts, then top k; "topk_softmax": top k logits, softmax of those
+    swiglu_limit: float | None  # gpt-oss's clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate): clamp, and alpha
+    swiglu_alpha: float
     moe_intermediate_size: int
     shared_expert_intermediate_size: int  # 0 = no shared expert
     moe_layers: frozenset[int]
@@ -174,6 +182,10 @@ def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) ->
             if i not in mlp_only and num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
         )
         norm_topk = bool(hf.norm_topk_prob)
+    elif family == "gpt_oss":  # every layer sparse; the experts are intermediate_size wide
+        num_experts, moe_width, shared_width = hf.num_local_experts, hf.intermediate_size, 0
+        moe_layers = frozenset(range(num_layers))
+        norm_topk = False  # (its softmax over the top k sums to 1 by construction)
     elif family == "olmoe":  # every layer sparse; the experts are intermediate_size wide
         num_experts, moe_width, shared_width = hf.num_experts, hf.intermediate_size, 0
         moe_layers = frozenset(range(num_layers))
@@ -197,15 +209,20 @@ def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) ->
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=_qkv_bias(family, hf),
-        o_bias=family in ("llama", "qwen3", "qwen3_moe", "olmoe") and bool(getattr(hf, "attention_bias", False)),
+        o_bias=family in _O_BIAS_FAMILIES and bool(getattr(hf, "attention_bias", False)),
         qk_norm=_QK_NORM.get(family, "none"),
         clip_qkv=float(hf.clip_qkv) if family == "olmoe" and getattr(hf, "clip_qkv", None) is not None else None,
+        attention_sinks=family == "gpt_oss",
+        norm_scale_in_float32=family == "gpt_oss",
         rope_type=rope_type,
         layer_windows=_layer_windows(family, hf, num_layers),
         num_experts=num_experts,
         num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,
         norm_topk_prob=norm_topk,
         route_weights_in_compute_dtype=family in _ROUTE_WEIGHTS_IN_COMPUTE_DTYPE,
+        router="topk_softmax" if family == "gpt_oss" else "softmax_topk",
+        swiglu_limit=float(hf.swiglu_limit) if family == "gpt_oss" else None,
+        swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)) if family == "gpt_oss" else 1.0,
         moe_intermediate_size=moe_width,
         shared_expert_intermediate_size=shared_width,
         moe_layers=moe_layers,
@@ -228,7 +245,7 @@ def _layer_windows(family: str, hf: Any, num_layers: int) -> tuple[int | None, .
     window = getattr(hf, "sliding_window", None) or None  # Qwen2-MoE stores 0 when disabled
     if family in ("mistral", "mixtral", "qwen3_moe"):
         return (window,) * num_layers  # these apply config.sliding_window to every layer
-    if family in ("qwen2", "qwen2_moe", "qwen3") and window is not None:
+    if family in ("qwen2", "qwen2_moe", "qwen3", "gpt_oss") and window is not None:
         types = getattr(hf, "layer_types", None) or ["full_attention"] * num_layers
         return tuple(window if t == "sliding_attention" else None for t in types)
     return (None,) * num_layers

@@ -1,10 +1,11 @@
 """Functional compute of one decoder layer's parts. Weights come in as arguments; nothing here owns state.
 
-Numerics follow transformers' modeling code (Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE, v5) step
-by step, so fp32 results agree to rounding: RMSNorm in float32 then cast back before the weight multiply (also the
-q/k norms: Qwen3 per head, OLMoE over the whole projection, before RoPE); RoPE cos/sin in float32 times the rope
-type's attention scaling; router softmax in float32; Mixtral keeps the top-k weights in float32, the others cast
-them back to the compute dtype.
+Numerics follow transformers' modeling code (Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE/gpt-oss,
+v5) step by step, so fp32 results agree to rounding: RMSNorm in float32 then cast back before the weight multiply
+(gpt-oss: after it; also the q/k norms: Qwen3 per head, OLMoE over the whole projection, before RoPE); RoPE cos/sin
+in float32 times the rope type's attention scaling; router softmax in float32 (gpt-oss: the top-k logits, then
+their softmax in the compute dtype); Mixtral keeps the top-k weights in float32, the others cast them back to the
+compute dtype; gpt-oss's attention with its sink logits as transformers' eager attention computes it.
 
 Shapes: B = batch rows, T = new tokens per row in this call, N = B * T, S = key positions attended to,
 H = hidden size, D = head dim, E = experts, k = experts per token.
@@ -30,12 +31,20 @@ Tensor = torch.Tensor
 # --- norms, activations, embedding, head ------------------------------------------------------------------
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, scale_in_float32: bool = False) -> Tensor:
+    """RMSNorm as transformers computes it: normalise in float32, cast back, then scale (scale_in_float32, gpt-oss:
+    scale in float32, then cast back)."""
     dtype = x.dtype
     h = x.to(torch.float32)  # [..., H]
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if scale_in_float32:
+        return (weight * h).to(dtype)
     return weight * h.to(dtype)
+
+
+def norm(cfg: ModelConfig, x: Tensor, weight: Tensor) -> Tensor:
+    """The model's RMSNorm of x [..., H'] with `weight` [H']."""
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_scale_in_float32)
 
 
 @lru_cache(maxsize=8)
@@ -46,8 +55,18 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
 
 
 def gated_mlp(x: Tensor, w: ExpertWeights, act: str) -> Tensor:
-    """down(act(gate x) * up x): x [..., H] -> [..., H]."""
-    return linear(activation(act)(linear(x, w.gate)) * linear(x, w.up), w.down)
+    """down(act(gate x) * up x) (each with its bias, where it has one): x [..., H] -> [..., H]."""
+    return linear(activation(act)(linear(x, w.gate, w.gate_bias)) * linear(x, w.up, w.up_bias), w.down, w.down_bias)
+
+
+def expert_mlp(cfg: ModelConfig, x: Tensor, w: ExpertWeights) -> Tensor:
+    """An expert (or dense MLP) of this model: `gated_mlp`, or gpt-oss's clamped SwiGLU (transformers' GptOssExperts):
+    gate clamped above at `swiglu_limit`, up to +-limit, down((up + 1) * gate * sigmoid(alpha * gate)). x [..., H]."""
+    if cfg.swiglu_limit is None:
+        return gated_mlp(x, w, cfg.hidden_act)
+    gate = linear(x, w.gate, w.gate_bias).clamp(max=cfg.swiglu_limit)  # [..., I]
+    up = linear(x, w.up, w.up_bias).clamp(-cfg.swiglu_limit, cfg.swiglu_limit)  # [..., I]
+    return linear((up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha)), w.down, w.down_bias)
 
 
 def embed(w: EmbeddingWeights, input_ids: Tensor) -> Tensor:
@@ -57,7 +76,7 @@ def embed(w: EmbeddingWeights, input_ids: Tensor) -> Tensor:
 
 def head_logits(cfg: ModelConfig, w: HeadWeights, hidden: Tensor) -> Tensor:
     """Final norm and LM head: hidden [B, T, H] -> logits [B, T, V] in float32."""
-    return linear(rms_norm(hidden, w.norm, cfg.rms_norm_eps), w.lm_head).float()
+    return linear(norm(cfg, hidden, w.norm), w.lm_head).float()
 
 
 # --- rotary position embedding -----------------------------------------------------------------------------
@@ -135,19 +154,19 @@ def attention_forward(
     """
     batch, steps, _ = hidden.shape
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)  # [B, T, H]
+    x = norm(cfg, hidden, w.input_norm)  # [B, T, H]
     mask = padding_mask(token_mask, hidden.device) if steps > 1 else None  # [B, T] or None
     q = _project(x, w.q, w.q_bias, mask)  # [B, T, heads * D]
     k = _project(x, w.k, w.k_bias, mask)  # [B, T, kv * D]
     v = _project(x, w.v, w.v_bias, mask)  # [B, T, kv * D]
     if cfg.qk_norm == "all":  # OLMoE: over the whole projection
-        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q, k = norm(cfg, q, w.q_norm), norm(cfg, k, w.k_norm)
     if cfg.clip_qkv is not None:
         q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
     q = q.reshape(batch, steps, heads, dim)  # [B, T, heads, D]
     k = k.reshape(batch, steps, kv_heads, dim)  # [B, T, kv, D]
     if cfg.qk_norm == "head":  # Qwen3: each head over head_dim
-        q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        q, k = norm(cfg, q, w.q_norm), norm(cfg, k, w.k_norm)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, D], [B, kv, T, D]
     v = v.reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, D]
 
@@ -161,17 +180,15 @@ def attention_forward(
     attn_mask = attention_mask(positions, num_keys, cfg.window_of(layer))  # [B, 1, T, S]
     groups = _split_rows(mask.sum(dim=1), steps) if mask is not None else None
     if groups is None:
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=attn_mask, scale=dim**-0.5, enable_gqa=heads != kv_heads
-        )  # [B, heads, T, D]
+        out = _attend(q, keys, values, attn_mask, dim**-0.5, w.sinks)  # [B, heads, T, D]
     else:  # the short rows' queries cut to their longest feed, and their keys to what those queries see
         out = q.new_zeros(q.shape)  # [B, heads, T, D]
         lengths = cache.device_lengths()
         for rows, width in groups:
             seen = int(lengths[rows].max()) + width
-            out[rows, :, :width] = F.scaled_dot_product_attention(
-                q[rows, :, :width], keys[rows, :, :seen], values[rows, :, :seen],
-                attn_mask=attn_mask[rows, :, :width, :seen], scale=dim**-0.5, enable_gqa=heads != kv_heads,
+            out[rows, :, :width] = _attend(
+                q[rows, :, :width], keys[rows, :, :seen], values[rows, :, :seen], attn_mask[rows, :, :width, :seen],
+                dim**-0.5, w.sinks,
             )  # [rows, heads, width, D]
     out = out.transpose(1, 2).reshape(batch, steps, heads * dim)  # [B, T, heads * D]
     if mask is None:
@@ -179,6 +196,25 @@ def attention_forward(
     result = hidden.clone()
     result[mask] = hidden[mask] + linear(out[mask], w.o, w.o_bias)  # [n valid, H]
     return result
+
+
+def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, sinks: Tensor | None) -> Tensor:
+    """softmax(q k^T scale, masked) v: q [B, heads, T, D], keys / values [B, kv_heads, S, D], mask [B, 1, T, S] bool
+    -> [B, heads, T, D]. With sinks [heads] (gpt-oss) as transformers' eager attention computes it: each head's sink
+    logit joins every query's softmax (after the max is subtracted) and its probability is dropped, taking no value."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=heads != kv_heads)
+    keys = keys.repeat_interleave(heads // kv_heads, dim=1)  # [B, heads, S, D]
+    values = values.repeat_interleave(heads // kv_heads, dim=1)  # [B, heads, S, D]
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [B, heads, T, S]
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)  # [B, heads, T, 1]
+    logits = torch.cat([scores, sink], dim=-1)  # [B, heads, T, S + 1]
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # [B, heads, T, S]
+    return torch.matmul(probs.to(values.dtype), values)
 
 
 def _project(x: Tensor, weight: Tensor, bias: Tensor | None, mask: Tensor | None) -> Tensor:
@@ -213,7 +249,7 @@ def _split_rows(lengths: Tensor, steps: int) -> list[tuple[Tensor, int]] | None:
 
 def dense_mlp_forward(cfg: ModelConfig, w: DenseMLPWeights, hidden: Tensor) -> Tensor:
     """Pre-norm dense MLP block with residual: hidden [B, T, H] -> [B, T, H]."""
-    return hidden + gated_mlp(rms_norm(hidden, w.post_norm, cfg.rms_norm_eps), w.mlp, cfg.hidden_act)
+    return hidden + expert_mlp(cfg, norm(cfg, hidden, w.post_norm), w.mlp)
 
 
 def route(cfg: ModelConfig, w: RouterWeights, hidden: Tensor,
@@ -225,12 +261,16 @@ def route(cfg: ModelConfig, w: RouterWeights, hidden: Tensor,
     experts only (the others' logits are -inf before the softmax, so the architecture's own normalisation
     applies to the allowed set; with fewer than k allowed, the rest get weight 0 on an allowed expert's id).
     """
-    normed = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps).reshape(-1, hidden.shape[-1])  # [N, H]
-    logits = linear(normed, w.gate)  # [N, E]
+    normed = norm(cfg, hidden, w.post_norm).reshape(-1, hidden.shape[-1])  # [N, H]
+    logits = linear(normed, w.gate, w.gate_bias)  # [N, E]
     if allowed is not None:
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
-    topk_weights, topk_ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [N, k]
+    if cfg.router == "topk_softmax":  # gpt-oss: the top k logits, then a softmax over them (in the logits' dtype)
+        top_logits, topk_ids = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)  # [N, k]
+        topk_weights = torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
+        topk_weights, topk_ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [N, k]
     if allowed is not None:  # fewer allowed experts than k: point the zero-weight picks at an allowed one
         topk_ids = torch.where(topk_weights > 0, topk_ids, topk_ids[:, :1])
     if cfg.norm_topk_prob:
@@ -296,7 +336,7 @@ def experts_forward(
             continue
         if e not in experts:
             raise KeyError(f"expert {e} was selected but not provided (have {sorted(experts)})")
-        pieces.append(gated_mlp(x[start:start + n], experts[e], cfg.hidden_act))  # [n_e, H]
+        pieces.append(expert_mlp(cfg, x[start:start + n], experts[e]))  # [n_e, H]
         start += n
     y = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # [P, H]
     y = (y * topk_weights[tokens, slots, None]).to(out.dtype)  # float32 weights for Mixtral, as in transformers
@@ -313,5 +353,5 @@ def shared_expert_forward(cfg: ModelConfig, w: RouterWeights, normed: Tensor) ->
     if w.shared_expert is None or w.shared_expert_gate is None:
         raise ValueError("router weights carry no shared expert")
     gate = torch.sigmoid(linear(normed, w.shared_expert_gate))  # [N, 1]
-    return gate * gated_mlp(normed, w.shared_expert, cfg.hidden_act)
+    return gate * expert_mlp(cfg, normed, w.shared_expert)
 

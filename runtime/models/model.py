@@ -38,7 +38,7 @@ class MoEPartial:
 
 
 class Transformer:
-    """Layer-by-layer executor of a decoder-only LLM (Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE)."""
+    """Layer-by-layer executor of a decoder-only LLM (runtime/models/config.py `SUPPORTED_ARCHITECTURES`)."""
 
     def __init__(
         self,

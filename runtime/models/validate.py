@@ -45,6 +45,8 @@ def expected_shape(config: ModelConfig, key: PartKey, field: str) -> tuple[int, 
         "shared_expert_gate": (1, h),
         "q_norm": (c.head_dim,) if c.qk_norm == "head" else (q,),
         "k_norm": (c.head_dim,) if c.qk_norm == "head" else (kv,),
+        "sinks": (c.num_heads,), "gate_bias": (c.num_experts,), "gate_up_t": (h, 2 * inter),
+        "gate_up_bias": (2 * inter,), "down_t": (inter, h), "down_bias": (h,),
     }  # fmt: skip
     if field == "gate":  # the router's gate is [experts, hidden]; an MLP's gate projection [inter, hidden]
         return (c.num_experts, h) if key.kind == "router" else (inter, h)

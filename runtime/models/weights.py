@@ -44,6 +44,7 @@ class AttentionWeights:
     o_bias: Tensor | None = None  # [hidden]
     q_norm: Tensor | None = None  # [head_dim] (Qwen3: per head) or [heads * head_dim] (OLMoE: whole projection)
     k_norm: Tensor | None = None  # [head_dim] or [kv_heads * head_dim]
+    sinks: Tensor | None = None  # [heads]: gpt-oss's attention sink logits
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class ExpertWeights:
     gate: Tensor  # [intermediate, hidden]
     up: Tensor  # [intermediate, hidden]
     down: Tensor  # [hidden, intermediate]
+    gate_bias: Tensor | None = None  # [intermediate] (gpt-oss)
+    up_bias: Tensor | None = None  # [intermediate]
+    down_bias: Tensor | None = None  # [hidden]
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class RouterWeights:
     gate: Tensor  # [experts, hidden]
     shared_expert: ExpertWeights | None = None  # Qwen2-MoE only
     shared_expert_gate: Tensor | None = None  # [1, hidden], Qwen2-MoE only
+    gate_bias: Tensor | None = None  # [experts], gpt-oss only
 
 
 @dataclass(frozen=True)
@@ -138,12 +143,17 @@ class WeightLoader:
             shared = None
             if "shared_gate_proj" in t:
                 shared = ExpertWeights(t["shared_gate_proj"], t["shared_up_proj"], t["shared_down_proj"])
-            return RouterWeights(t["post_norm"], t["gate"], shared, t.get("shared_expert_gate"))
+            return RouterWeights(t["post_norm"], t["gate"], shared, t.get("shared_expert_gate"), t.get("gate_bias"))
         if key.kind == "expert":
+            if "gate_up_t" in t:  # gpt-oss: [hidden, 2 * inter], gate and up interleaved; down [inter, hidden]
+                w, b = t["gate_up_t"], t["gate_up_bias"]  # [H, 2I], [2I]
+                return ExpertWeights(w[:, 0::2].T, w[:, 1::2].T, t["down_t"].T, b[0::2], b[1::2], t["down_bias"])
             if "gate_up" in t:
                 gate, up = t["gate_up"].chunk(2, dim=0)  # [2 * intermediate, hidden] -> 2 x [intermediate, hidden]
                 return ExpertWeights(gate, up, t["down"])
-            return ExpertWeights(t["gate"], t["up"], t["down"])
+            bias = t.get("gate_up_bias")  # (gpt-oss's experts as [out, in] matrices: its low-bit copies)
+            gate_bias, up_bias = (bias[0::2], bias[1::2]) if bias is not None else (None, None)
+            return ExpertWeights(t["gate"], t["up"], t["down"], gate_bias, up_bias, t.get("down_bias"))
         raise ValueError(f"unknown part kind {key.kind!r}; expected one of {PART_KINDS}")
 
     # --- sizes, for placement planning -----------------------------------------------------------------
@@ -225,12 +235,17 @@ class WeightLoader:
                 refs["o_bias"] = TensorRef(f"{p}.self_attn.o_proj.bias")
             if cfg.qk_norm != "none":
                 refs |= {f"{x}_norm": TensorRef(f"{p}.self_attn.{x}_norm.weight") for x in "qk"}
+            if cfg.attention_sinks:
+                refs["sinks"] = TensorRef(f"{p}.self_attn.sinks")
             return refs
         if key.kind == "dense_mlp":
             refs = {"post_norm": TensorRef(f"{p}.post_attention_layernorm.weight")}
             return refs | {x: TensorRef(f"{p}.mlp.{x}_proj.weight") for x in ("gate", "up", "down")}
         moe = self._moe_prefix(key.layer)
         if key.kind == "router":
+            if cfg.family == "gpt_oss":
+                return {"post_norm": TensorRef(f"{p}.post_attention_layernorm.weight"),
+                        "gate": TensorRef(f"{moe}.router.weight"), "gate_bias": TensorRef(f"{moe}.router.bias")}
             refs = {
                 "post_norm": TensorRef(f"{p}.post_attention_layernorm.weight"),
                 "gate": TensorRef(f"{moe}.gate.weight"),
@@ -274,6 +289,11 @@ class WeightLoader:
         return f"{p}.mlp"
 
     def _expert_refs(self, moe: str, e: int) -> dict[str, TensorRef]:
+        if self.config.family == "gpt_oss":  # fused, transposed, with biases: [experts, hidden, 2 * inter], ...
+            return {"gate_up_t": TensorRef(f"{moe}.experts.gate_up_proj", e),
+                    "gate_up_bias": TensorRef(f"{moe}.experts.gate_up_proj_bias", e),
+                    "down_t": TensorRef(f"{moe}.experts.down_proj", e),
+                    "down_bias": TensorRef(f"{moe}.experts.down_proj_bias", e)}
         if self.checkpoint.has(f"{moe}.experts.gate_up_proj"):  # fused: [experts, 2 * inter, hidden]
             return {
                 "gate_up": TensorRef(f"{moe}.experts.gate_up_proj", e),

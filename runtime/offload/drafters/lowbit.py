@@ -53,8 +53,13 @@ COPIED_FIELDS = {
     "attention": ("q", "k", "v", "o"),
     "dense_mlp": ("gate", "up", "down"),
     "router": ("shared_gate_proj", "shared_up_proj", "shared_down_proj"),
-    "expert": ("gate", "up", "down", "gate_up"),
+    "expert": ("gate", "up", "down", "gate_up", "gate_up_t", "down_t"),
     "head": ("lm_head",),
+}
+#: gpt-oss's transposed expert tensors -> the [out, in] matrices their copies hold
+_TRANSPOSED = {
+    "gate_up_t": lambda w: {"gate": w[:, 0::2].T, "up": w[:, 1::2].T},  # [hidden, 2 * inter] interleaved
+    "down_t": lambda w: {"down": w.T},  # [inter, hidden]
 }
 #: the part kinds the profiler's draft step holds as copies (`LowbitDrafter.step_model`)
 STEP_COPIES = ("dense_mlp", "router", "expert")
@@ -149,6 +154,12 @@ def lowbit_part(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> Weight
         if name not in COPIED_FIELDS[key.kind]:
             fields[name] = ckpt.get(ref.name, dtype, device, ref.index)
             continue
+        if name in _TRANSPOSED:  # gpt-oss stores x @ W ([in, out], gate and up interleaved): copy the [out, in]s
+            w = ckpt.get(ref.name, torch.float32, "cpu", ref.index)
+            for field, m in _TRANSPOSED[name](w).items():
+                m = m.contiguous()  # [out, in]
+                fields[field] = _copy(fmt, quantize(m, fmt), tuple(m.shape), dtype, device)
+            continue
         stored = ckpt.quantized(ref.name, ref.index)
         if stored is not None and stored.spec == fmt:
             components = {c.suffix: ckpt.get(f"{ref.name}.{c.suffix}", None, "cpu", ref.index)
@@ -179,6 +190,10 @@ def lowbit_nbytes(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> int:
         shape = ckpt.shape_of(ref.name, ref.index)
         if name == "gate_up":
             total += 2 * _matrix_nbytes(fmt, (shape[0] // 2, shape[1]), dtype, loader.device)
+        elif name == "gate_up_t":  # [hidden, 2 * inter] -> gate and up [inter, hidden]
+            total += 2 * _matrix_nbytes(fmt, (shape[1] // 2, shape[0]), dtype, loader.device)
+        elif name == "down_t":  # [inter, hidden] -> down [hidden, inter]
+            total += _matrix_nbytes(fmt, (shape[1], shape[0]), dtype, loader.device)
         elif name in COPIED_FIELDS[key.kind]:
             total += _matrix_nbytes(fmt, shape, dtype, loader.device)
         else:
