@@ -286,7 +286,7 @@ def test_reads_run_ahead_on_one_thread_in_file_order(tiny_models: dict[str, Path
         got = streamer.load(0, keys)
         for key in keys:
             for (name, actual), (_, expected) in zip(_fields(got[key]), _fields(loader.load(key)), strict=True):
-                assert torch.equal(actual, expected), (key, name)
+                assert (actual is None and expected is None) or torch.equal(actual, expected), (key, name)
         assert len(calls) > 2
         assert {name.split("_")[0] for name, _ in calls} == {"specoffload-read"}
         assert [offset for _, offset in calls] == sorted(offset for _, offset in calls)
