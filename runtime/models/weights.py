@@ -83,6 +83,14 @@ class HeadWeights:
 Weights = EmbeddingWeights | AttentionWeights | DenseMLPWeights | RouterWeights | ExpertWeights | HeadWeights
 
 
+#: gpt-oss stores its experts as x @ W: field -> the [out, in] matrices (views) of an expert's stored tensor; the
+#: loader's `assemble` and the low-bit drafter's copies (offload/drafters/lowbit.py) read the layout from here
+TRANSPOSED_EXPERT_FIELDS = {
+    "gate_up_t": lambda w: {"gate": w[:, 0::2].T, "up": w[:, 1::2].T},  # [hidden, 2 * inter], interleaved
+    "down_t": lambda w: {"down": w.T},  # [inter, hidden]
+}
+
+
 @dataclass(frozen=True)
 class TensorRef:
     """A checkpoint tensor, or row `index` of its first dimension (one expert of a fused expert tensor)."""
@@ -145,13 +153,13 @@ class WeightLoader:
                 shared = ExpertWeights(t["shared_gate_proj"], t["shared_up_proj"], t["shared_down_proj"])
             return RouterWeights(t["post_norm"], t["gate"], shared, t.get("shared_expert_gate"), t.get("gate_bias"))
         if key.kind == "expert":
-            if "gate_up_t" in t:  # gpt-oss: [hidden, 2 * inter], gate and up interleaved; down [inter, hidden]
-                w, b = t["gate_up_t"], t["gate_up_bias"]  # [H, 2I], [2I]
-                return ExpertWeights(w[:, 0::2].T, w[:, 1::2].T, t["down_t"].T, b[0::2], b[1::2], t["down_bias"])
+            for name, matrices in TRANSPOSED_EXPERT_FIELDS.items():  # gpt-oss: views of its [in, out] tensors
+                if name in t:
+                    t = {**t, **matrices(t[name])}
             if "gate_up" in t:
                 gate, up = t["gate_up"].chunk(2, dim=0)  # [2 * intermediate, hidden] -> 2 x [intermediate, hidden]
                 return ExpertWeights(gate, up, t["down"])
-            bias = t.get("gate_up_bias")  # (gpt-oss's experts as [out, in] matrices: its low-bit copies)
+            bias = t.get("gate_up_bias")  # gpt-oss: [2 * inter], gate and up interleaved as in its gate_up_t
             gate_bias, up_bias = (bias[0::2], bias[1::2]) if bias is not None else (None, None)
             return ExpertWeights(t["gate"], t["up"], t["down"], gate_bias, up_bias, t.get("down_bias"))
         raise ValueError(f"unknown part kind {key.kind!r}; expected one of {PART_KINDS}")

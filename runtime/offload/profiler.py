@@ -329,11 +329,11 @@ def _isolated(config: EngineConfig, quick: bool, phase: Callable[[int], None]) -
         ffn_rates, resident_rates = [], []
         for rows in FFN_ROWS[:3] if quick else FFN_ROWS:
             x = torch.randn(rows, 1, cfg.hidden_size, dtype=dtype, device=device)
-            seconds = timer(lambda x=x, mlp=streamed or mlp: layers.gated_mlp(x, mlp, cfg.hidden_act),
+            seconds = timer(lambda x=x, mlp=streamed or mlp: layers.expert_mlp(cfg, x, mlp),
                             f"FFN at {rows} rows")
             ffn_rates.append((rows, 2 * params * rows / seconds))
             if packed is not None:
-                seconds = timer(lambda x=x, mlp=packed: layers.gated_mlp(x, mlp, cfg.hidden_act),
+                seconds = timer(lambda x=x, mlp=packed: layers.expert_mlp(cfg, x, mlp),
                                 f"resident FFN at {rows} rows")
                 resident_rates.append((rows, 2 * params * rows / seconds))
         if slots is not None:

@@ -465,21 +465,18 @@ class WeightStreamer:
         and the copy both leave the GIL, so a layer costs max(read, copy) per group instead of their sum (a
         128-expert layer converts 384 tensors of 3 MB where an 8-expert layer of the same bytes converts 24)."""
         groups = coalesce(pieces, self._staging[0].nbytes, self.max_gap)
-        if on_device or len(self._staging) < 2 or len(groups) < 2:
+        if on_device or len(groups) < 2:
             for group in groups:
                 turn, self._turn = self._turn, (self._turn + 1) % len(self._staging)
-                raw = self._read_group(group, turn)
-                self._convert_group(group, raw, turn, on_device)
+                self._convert_group(group, self._read_group(group, turn), turn, on_device)
             return
         pending = self._reader_thread().submit(self._read_group, groups[0], 0)
         try:
             for i, group in enumerate(groups):
-                raw, current = pending.result(), pending
-                pending = None
-                if i + 1 < len(groups):
-                    pending = self._reader_thread().submit(self._read_group, groups[i + 1], (i + 1) % 2)
+                raw = pending.result()
+                pending = self._reader_thread().submit(self._read_group, groups[i + 1], (i + 1) % 2) \
+                    if i + 1 < len(groups) else None
                 self._convert_group(group, raw, i % 2, on_device)
-                del current
         finally:
             if pending is not None:  # an error: the read in flight must leave its staging buffer before reuse
                 futures.wait([pending])

@@ -35,7 +35,7 @@ from ...errors import ConfigError
 from ...formats import WeightFormat, dequantize, quantize, weight_format
 from ...kv_cache import KVCache
 from ...models.model import Transformer
-from ...models.weights import WeightLoader, Weights
+from ...models.weights import TRANSPOSED_EXPERT_FIELDS, WeightLoader, Weights
 from ..wire import wire
 from . import DrafterTraits, DraftFootprint, TargetShare, option, register_drafter
 from .shared_kv import SharedKV
@@ -55,11 +55,6 @@ COPIED_FIELDS = {
     "router": ("shared_gate_proj", "shared_up_proj", "shared_down_proj"),
     "expert": ("gate", "up", "down", "gate_up", "gate_up_t", "down_t"),
     "head": ("lm_head",),
-}
-#: gpt-oss's transposed expert tensors -> the [out, in] matrices their copies hold
-_TRANSPOSED = {
-    "gate_up_t": lambda w: {"gate": w[:, 0::2].T, "up": w[:, 1::2].T},  # [hidden, 2 * inter] interleaved
-    "down_t": lambda w: {"down": w.T},  # [inter, hidden]
 }
 #: the part kinds the profiler's draft step holds as copies (`LowbitDrafter.step_model`)
 STEP_COPIES = ("dense_mlp", "router", "expert")
@@ -154,9 +149,9 @@ def lowbit_part(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> Weight
         if name not in COPIED_FIELDS[key.kind]:
             fields[name] = ckpt.get(ref.name, dtype, device, ref.index)
             continue
-        if name in _TRANSPOSED:  # gpt-oss stores x @ W ([in, out], gate and up interleaved): copy the [out, in]s
+        if name in TRANSPOSED_EXPERT_FIELDS:  # gpt-oss stores x @ W ([in, out]): copy the [out, in] matrices
             w = ckpt.get(ref.name, torch.float32, "cpu", ref.index)
-            for field, m in _TRANSPOSED[name](w).items():
+            for field, m in TRANSPOSED_EXPERT_FIELDS[name](w).items():
                 m = m.contiguous()  # [out, in]
                 fields[field] = _copy(fmt, quantize(m, fmt), tuple(m.shape), dtype, device)
             continue
