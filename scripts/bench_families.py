@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.common import PERF, io_compute_seconds, median_spread, run_meta, write_json
+from scripts.common import PERF, io_compute_seconds, median_spread, run_meta, utc_now, write_json
 
 CACHE = Path.home() / ".cache" / "specoffload" / "shapes"
 SHARD_BYTES = 2 << 30
@@ -257,7 +257,7 @@ def main() -> None:
             summary[f"{name}_tok_s_{label}"] = round(r["tok_s"]["median"], 3)
             summary[f"{name}_io_over_compute_{label}"] = round(r["io_s_per_pass"] / r["compute_s_per_pass"], 3)
     out = PERF / "scratch" / "families_quick.json" if args.quick else PERF / "families.json"
-    write_json(out, {"summary": summary, **meta, "end": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+    write_json(out, {"summary": summary, **meta, "end": utc_now(),
                      "layers": layers, "reps": reps, "rows": args.rows, "new_tokens": args.new_tokens,
                      "checkpoints": {n: str(p) for n, p in paths.items()}, "read": reads, "engine": engines})
     print(f"summary: {summary}\nwrote {out}")

@@ -23,13 +23,13 @@ timings each, min and max beside.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from scripts.common import PERF, median_spread, run_meta, write_json
+from scripts.common import PERF, median_spread, run_meta, timed_samples, utc_now, write_json
 from specoffload.runtime.models import layers
 from specoffload.runtime.models.weights import ExpertWeights
 
@@ -74,16 +74,6 @@ def per_expert_loop(cfg: _Cfg, normed: torch.Tensor, topk_ids: torch.Tensor, top
     return out
 
 
-def _timed(fn: Callable[[], object], reps: int) -> list[float]:
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
 def _mlp(width: int, hidden: int, gen: torch.Generator) -> ExpertWeights:
     def w(*shape: int) -> torch.Tensor:
         return (0.02 * torch.randn(*shape, generator=gen)).to(torch.bfloat16)
@@ -102,16 +92,16 @@ def measure(shape: str, tokens: tuple[int, ...], reps: int) -> list[dict]:
         weights, ids = torch.topk(torch.softmax(torch.randn(n, num_experts, generator=gen), -1), top_k)  # [N, k]
         weights = weights.to(torch.bfloat16)
         active = ids.unique().tolist()
-        grouped = _timed(lambda: layers.experts_forward(cfg, normed, ids, weights, experts), reps)  # noqa: B023
-        loop = _timed(lambda: per_expert_loop(cfg, normed, ids, weights, experts), reps)  # noqa: B023
+        grouped = timed_samples(lambda: layers.experts_forward(cfg, normed, ids, weights, experts), reps)  # noqa: B023
+        loop = timed_samples(lambda: per_expert_loop(cfg, normed, ids, weights, experts), reps)  # noqa: B023
         assert torch.equal(layers.experts_forward(cfg, normed, ids, weights, experts),
                            per_expert_loop(cfg, normed, ids, weights, experts))
         dense_w = _mlp(top_k * width, hidden, gen)
-        dense = _timed(lambda: layers.gated_mlp(normed, dense_w, "silu"), reps)  # noqa: B023
+        dense = timed_samples(lambda: layers.gated_mlp(normed, dense_w, "silu"), reps)  # noqa: B023
         union = ExpertWeights(*(torch.cat([getattr(experts[e], f) for e in active], dim=0 if f != "down" else 1)
                                 for f in ("gate", "up", "down")))
         one = normed[:1]
-        read = _timed(lambda: layers.gated_mlp(one, union, "silu"), reps)  # noqa: B023
+        read = timed_samples(lambda: layers.gated_mlp(one, union, "silu"), reps)  # noqa: B023
         m = {name: median_spread(x) for name, x in
              (("grouped", grouped), ("loop", loop), ("dense", dense), ("read", read))}
         bound = max(m["dense"][0], m["read"][0])
@@ -137,7 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="the headline shape, 3 repetitions, into docs/perf/scratch")
-    parser.add_argument("--out", default=None, help="result JSON (default docs/perf/fine_moe.json)")
+    parser.add_argument("--out", type=Path, default=None, help="result JSON (default docs/perf/fine_moe.json)")
     args = parser.parse_args()
     meta = run_meta("bfloat16")
     shapes = [HEADLINE] if args.quick else list(SHAPES)
@@ -152,7 +142,7 @@ def main() -> None:
         summary[f"fine_moe_over_bound_{n}"] = round(r["grouped_over_bound"], 3)
         summary[f"grouped_over_loop_{n}"] = round(r["loop_over_grouped"], 3)
     out = args.out or (PERF / "scratch" / "fine_moe_quick.json" if args.quick else PERF / "fine_moe.json")
-    write_json(out, {"summary": summary, **meta, "end": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+    write_json(out, {"summary": summary, **meta, "end": utc_now(),
                      "reps": reps, "rows": rows})
     print(f"summary: {summary}\nwrote {out}")
 

@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from scripts.common import PERF, median_spread, run_meta, write_json
+from scripts.common import PERF, median_spread, run_meta, timed_samples, write_json
 from specoffload.runtime.formats import dequantize_into, weight_format
 
 SHAPES = ((8960, 1536), (1536, 8960))
@@ -50,16 +48,6 @@ def kernel_layout(qweight: torch.Tensor) -> torch.Tensor:
     even = (a[:, 0] & 0xF) | (a[:, 1] << 4)  # [blocks, j, i]: input 2i of channels j (low) and 32 + j (high)
     odd = (a[:, 0] >> 4) | (a[:, 1] & 0xF0)  # [blocks, j, i]: input 2i + 1
     return torch.stack((even.transpose(1, 2), odd.transpose(1, 2)), dim=2).reshape(n, half)  # [blocks, i, p, j]
-
-
-def _timed(fn: Callable[[], object], reps: int) -> list[float]:
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return samples
 
 
 def main() -> None:
@@ -86,9 +74,10 @@ def main() -> None:
         dequantize_into(dense, parts, fmt)
         int8_codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         int8_scale = torch.rand(n, dtype=torch.bfloat16) * 1e-3
-        load = {"dequantize": _timed(partial(dequantize_into, dense, parts, fmt), reps),
-                "aten_convert": _timed(partial(torch.ops.aten._convert_weight_to_int4pack_for_cpu, codes, 2), reps),
-                "permute": _timed(partial(kernel_layout, parts["qweight"]), reps)}
+        load = {"dequantize": timed_samples(partial(dequantize_into, dense, parts, fmt), reps),
+                "aten_convert": timed_samples(
+                    partial(torch.ops.aten._convert_weight_to_int4pack_for_cpu, codes, 2), reps),
+                "permute": timed_samples(partial(kernel_layout, parts["qweight"]), reps)}
         for name, samples in load.items():
             med, lo, hi = median_spread(samples)
             rows_out.append({"shape": [n, k], "kind": "load", "what": name, "ms": med * 1e3, "min_ms": lo * 1e3,
@@ -98,10 +87,11 @@ def main() -> None:
             ref = x.float() @ dense.float().T
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
             error = float((out.float() - ref).abs().max() / ref.abs().max())
-            compute = {"bf16_linear": _timed(partial(F.linear, x, dense), reps),
-                       "int8_kernel": _timed(partial(torch._weight_int8pack_mm, x, int8_codes, int8_scale), reps),
-                       "int4_kernel": _timed(partial(torch.ops.aten._weight_int4pack_mm_for_cpu, x, packed, GROUP,
-                                                     scales_zeros), reps)}
+            compute = {"bf16_linear": timed_samples(partial(F.linear, x, dense), reps),
+                       "int8_kernel": timed_samples(
+                           partial(torch._weight_int8pack_mm, x, int8_codes, int8_scale), reps),
+                       "int4_kernel": timed_samples(
+                           partial(torch.ops.aten._weight_int4pack_mm_for_cpu, x, packed, GROUP, scales_zeros), reps)}
             med = {name: statistics.median(s) for name, s in compute.items()}
             for name, samples in compute.items():
                 m_, lo, hi = median_spread(samples)

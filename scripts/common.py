@@ -22,7 +22,8 @@ from specoffload.runtime.offload.direct_io import drop_page_cache as drop_caches
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 PERF = ROOT / "docs" / "perf"  # benchmark results: JSON per benchmark, sections of its README.md
 
-__all__ = ["PERF", "ROOT", "drop_caches", "figure", "median_spread", "timed_generate", "utc_now", "write_json"]
+__all__ = ["PERF", "ROOT", "drop_caches", "figure", "median_spread", "timed_generate", "timed_samples", "utc_now",
+           "write_json"]
 
 
 #: benchmark workload -> its prompts' source ("DATASET[:start:end]" of runtime/corpora.py, or "humaneval")
@@ -134,6 +135,19 @@ def io_compute_seconds(engine: Any) -> tuple[float, float]:
     for s in spans:
         by_name[s.name] = by_name.get(s.name, 0.0) + s.end - s.start
     return by_name.get("load", 0.0), sum(by_name.get(n, 0.0) for n in COMPUTE_SPANS)
+
+
+def timed_samples(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds of `reps` calls of `fn` after one untimed warm-up call (perf_counter around each)."""
+    import time
+
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
 
 
 def median_spread(values: Iterable[float]) -> tuple[float, float, float]:
