@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from specoffload.planner.errors import SpecOffloadError
 from . import quantize
 from .config import EngineConfig
 from .models.config import SUPPORTED_ARCHITECTURES
+from .models.gguf import gguf_file_in, resolve_model
 from .offload.drafters import DRAFTERS
 
 if TYPE_CHECKING:
@@ -476,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" (did you mean {close[0]}?)" if close else ""
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     try:
+        for name in ("target", "draft", "model"):  # a GGUF (file, or a directory holding one): its companion
+            value = getattr(args, name, None)
+            if isinstance(value, (str, Path)) and str(value) != "self":
+                value = Path(os.path.expanduser(str(value)))
+                if gguf_file_in(value) is not None:
+                    setattr(args, name, type(getattr(args, name))(resolve_model(value)))
         if args.command == "quantize":
             return quantize.run(args, lambda m: print(m, file=sys.stderr))
         if args.command == "generate":

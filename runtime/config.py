@@ -13,6 +13,7 @@ import torch
 from specoffload.planner.units import MemorySizeError, machine_memory_bytes, parse_bytes
 
 from .errors import ConfigError
+from .models.gguf import gguf_file_in, resolve_model
 from .offload.drafters import check_options, drafter_named
 from .param_ranges import MAX_LOGPROBS
 
@@ -157,7 +158,10 @@ class EngineConfig:
         for name in ("target", "draft"):  # "~/models/x" as a shell would read it
             value = getattr(self, name)
             if isinstance(value, (str, Path)) and str(value).startswith("~"):
-                object.__setattr__(self, name, type(value)(os.path.expanduser(str(value))))
+                value = type(value)(os.path.expanduser(str(value)))
+                object.__setattr__(self, name, value)
+            if isinstance(value, (str, Path)) and value != "self" and gguf_file_in(value) is not None:
+                object.__setattr__(self, name, type(value)(resolve_model(value)))  # a GGUF: its companion directory
         if self.dtype not in (*_DTYPES, "auto"):
             raise ConfigError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {self.dtype!r}")
         if self.draft_dtype is not None and self.draft_dtype not in (*_DTYPES, "auto"):

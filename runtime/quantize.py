@@ -62,6 +62,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: WeightFormat, at
     src, out = Path(src), Path(out)
     config = ModelConfig.from_dir(src)
     ckpt = Checkpoint(src)
+    if ckpt.gguf is not None:
+        raise CheckpointError(f"{ckpt.gguf} is a GGUF file: it runs as stored (--model FILE.gguf); quantizing it again "
+                              "would add a second rounding to weights that are low-bit already")
     if ckpt.quantization is not None:
         raise CheckpointError(f"{src} is already compressed ({ckpt.quantization.spec.name}); quantize the original")
     if out.exists():
@@ -192,7 +195,7 @@ def _numel(shape: Sequence[int]) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an int8 or int4 copy of a checkpoint for streaming")
     p.add_argument("--model", required=True, type=Path, help="source checkpoint directory (HF safetensors)")
-    p.add_argument("--to", required=True, choices=sorted(FORMATS),
+    p.add_argument("--to", required=True, choices=sorted(n for n, f in FORMATS.items() if f.writable),
                    help="int8: per output channel (near-lossless); int4: per group of --group inputs (4.5 bits)")
     p.add_argument("--group", type=int, default=None, help="int4: inputs per scale and min (default 64)")
     p.add_argument("--attention", action="store_true",

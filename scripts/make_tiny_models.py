@@ -140,6 +140,19 @@ def _qwen3_moe() -> PretrainedConfig:
                           num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1])
 
 
+def _qwen2_256() -> PretrainedConfig:
+    """Rows of whole 256-input blocks (GGUF's k-quants: tests/test_gguf.py), untied head, q/k/v biases."""
+    cfg = dict(_COMMON, hidden_size=256)
+    return Qwen2Config(**cfg, intermediate_size=256, num_hidden_layers=2, tie_word_embeddings=False)
+
+
+def _qwen3_moe_256() -> PretrainedConfig:
+    """A Qwen3-MoE of 256-wide rows (GGUF's k-quants), 8 experts of width 256, top 2, tied head."""
+    cfg = dict(_COMMON, hidden_size=256)
+    return Qwen3MoeConfig(**cfg, intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=2, head_dim=64,
+                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
+
+
 def _olmoe() -> PretrainedConfig:
     """16 experts of width 24, top 4, not renormalised; q/k norms over the whole projection; q, k, v clipped."""
     return OlmoeConfig(**_COMMON, intermediate_size=24, num_hidden_layers=2, num_experts=16, num_experts_per_tok=4,
@@ -185,6 +198,8 @@ TINY_MODELS: dict[str, tuple[Callable[[], PretrainedConfig], int, dict]] = {
     "qwen3_moe_fused": (_qwen3_moe, 10, {"save_original_format": False}),
     "olmoe": (_olmoe, 11, {}),
     "gpt_oss": (_gpt_oss, 12, {}),
+    "qwen2_256": (_qwen2_256, 13, {}),  # the GGUF tests' models (tests/test_gguf.py)
+    "qwen3_moe_256": (_qwen3_moe_256, 14, {}),
 }
 
 #: extra names for the same checkpoint (tests elsewhere ask for "draft")

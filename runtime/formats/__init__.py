@@ -7,6 +7,8 @@
                    with the slot bytes, the view and the fill of such a weight
     int8.py        "int8": symmetric per output channel
     int4.py        "int4": asymmetric per group of inputs
+    ggml.py        llama.cpp's block types as a GGUF file stores them (q8_0, q4_0, q5_0, q4_k, q5_k, q6_k, mxfp4): read
+                   in place, not written
 
 Every format applies along a weight's last (input) dimension, every leading dimension being a "row" (an output
 channel; a fused expert tensor `[experts, out, in]` is `experts x out` rows). Weights stored uncompressed (float16,
@@ -49,6 +51,8 @@ class WeightFormat:
 
     name: ClassVar[str] = ""
     default_group: ClassVar[int] = 0  # the group `weight_format` picks when none is given (0: none)
+    #: `specoffload quantize` writes it (False: a format read from other files only, e.g. GGUF's blocks)
+    writable: ClassVar[bool] = True
 
     @property
     def label(self) -> str:

@@ -10,7 +10,9 @@ expert of a fused `[experts, ...]` tensor) inside its file, for direct reads tha
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from ..formats import COMPONENTS, WeightFormat, dequantize_into
 from ..hashing import check_recorded_hashes
 from ..json_bounds import JsonBounds, loads_bounded
 from .errors import CheckpointError
+from .gguf import GGUFTable, read_pointer
 from .quantized import QUANT_FILE, QuantManifest, check_components, read_manifest
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -92,15 +95,27 @@ class Checkpoint:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory not found: {self.path}")
-        check_recorded_hashes(self.path)  # the files its provenance.json records, when it records them
         self._entries: dict[str, _Entry] = {}
+        self._handles: dict[Path, Any] = {}
+        self._fds: dict[Path, int] = {}
+        #: a compressed weight's components, format, and logical (shape, dtype), by the weight's name
+        self._quant: dict[str, dict[str, _Entry]] = {}
+        self._qspec: dict[str, WeightFormat] = {}
+        self._qlogical: dict[str, tuple[tuple[int, ...], str]] = {}
+        #: the GGUF file a companion directory stands for (models/gguf.py), read in place; else None
+        table = read_pointer(self.path)
+        self.gguf: Path | None = table.file if table is not None else None
+        #: the compression manifest of a `specoffload quantize` checkpoint (models/quantized.py), else None
+        self.quantization: QuantManifest | None = None
+        if table is not None:
+            self._open_gguf(table)
+            return
+        check_recorded_hashes(self.path)  # the files its provenance.json records, when it records them
         for file in self._files():
             for name, entry in _read_header(file).items():
                 self._entries.setdefault(name, entry)
-        self._handles: dict[Path, Any] = {}
-        #: the compression manifest of a `specoffload quantize` checkpoint (models/quantized.py), else None
-        self.quantization: QuantManifest | None = read_manifest(self.path)
-        self._quant: dict[str, dict[str, _Entry]] = self._open_quantized()
+        self.quantization = read_manifest(self.path)
+        self._open_quantized()
         self._check_scales()
 
     def names(self) -> list[str]:
@@ -117,7 +132,6 @@ class Checkpoint:
         parts = self._quant.get(name)
         if parts is None:
             return None
-        assert self.quantization is not None
         if index is not None:
             self._check_index(name, self._entry(name), index)
         components = []
@@ -132,7 +146,7 @@ class Checkpoint:
                 location = TensorLocation(location.path, entry.offset + index * row, row)
                 shape = shape[1:]
             components.append(QuantComponent(suffix, location, _TORCH_DTYPE[entry.dtype], shape))
-        return QuantRef(self.quantization.spec, tuple(components))
+        return QuantRef(self._qspec[name], tuple(components))
 
     __contains__ = has
 
@@ -197,6 +211,9 @@ class Checkpoint:
             shape = self.shape_of(name, index)
             dest = torch.empty(shape, dtype=dtype or torch.float32, device=device)
             return dequantize_into(dest, parts, ref.spec)
+        if self.gguf is not None:
+            tensor = self._read_raw(name, entry, index)
+            return tensor.to(device=device, dtype=dtype or tensor.dtype)
         try:
             handle = self._handle(entry.file)
             if index is None:
@@ -221,8 +238,7 @@ class Checkpoint:
         before compression, located at its codes)."""
         parts = self._quant.get(name)
         if parts is not None:
-            assert self.quantization is not None
-            shape, dtype = self.quantization.tensors[name]
+            shape, dtype = self._qlogical[name]
             q = parts["qweight"]
             return _Entry(q.file, dtype, shape, q.offset, sum(e.length for e in parts.values()))
         try:
@@ -230,7 +246,34 @@ class Checkpoint:
         except KeyError:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}") from None
 
-    def _open_quantized(self) -> dict[str, dict[str, _Entry]]:
+    def _open_gguf(self, table: GGUFTable) -> None:
+        """The GGUF's tensors (models/gguf.py `GGUFTable`, checked there): plain ones as entries, block ones as
+        compressed weights of their GGML format with one component, the blocks as stored."""
+        file = table.file
+        for name, t in table.tensors.items():
+            if t.fmt is None:
+                self._entries[name] = _Entry(file, t.dtype, t.shape, t.offset, t.length)
+                continue
+            blocks = _Entry(file, "U8", t.byte_shape, t.offset, t.length)
+            self._entries[f"{name}.qweight"] = blocks
+            self._quant[name], self._qspec[name], self._qlogical[name] = {"qweight": blocks}, t.fmt, (t.shape, "F32")
+
+    def _read_raw(self, name: str, entry: _Entry, index: int | None) -> torch.Tensor:
+        """A tensor (or its row `index`) read from its byte range (a GGUF's: no safetensors handle)."""
+        offset, length, shape = entry.offset, entry.length, entry.shape
+        if index is not None:
+            rows = self._check_index(name, entry, index)
+            length //= rows
+            offset, shape = offset + index * length, shape[1:]
+        fd = self._fds.get(entry.file)
+        if fd is None:
+            fd = self._fds[entry.file] = os.open(entry.file, os.O_RDONLY)
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise CheckpointError(f"truncated {entry.file}: {name} needs bytes {offset}..{offset + length}")
+        return torch.frombuffer(bytearray(data), dtype=_TORCH_DTYPE[entry.dtype]).reshape(shape)
+
+    def _open_quantized(self) -> None:
         """Each compressed weight's component entries, checked against the manifest's scheme (models/quantized.py).
         A checkpoint with compressed components and no manifest is refused."""
         manifest = self.quantization
@@ -239,8 +282,7 @@ class Checkpoint:
             if orphan is not None:
                 raise CheckpointError(f"{self.path} holds compressed tensors ({orphan}) but no {QUANT_FILE}; "
                                       "re-run `specoffload quantize`")
-            return {}
-        out: dict[str, dict[str, _Entry]] = {}
+            return
         for name in manifest.tensors:
             if name in self._entries:
                 raise CheckpointError(f"compressed checkpoint {self.path}: {name} is stored both as is and compressed")
@@ -251,29 +293,33 @@ class Checkpoint:
             if len(files) > 1:
                 raise CheckpointError(f"compressed checkpoint {self.path}: the components of {name} are split over "
                                       f"{len(files)} files")
-            out[name] = parts
-        return out
+            self._quant[name], self._qspec[name], self._qlogical[name] = parts, manifest.spec, manifest.tensors[name]
 
     def _check_scales(self) -> None:
         """Every compressed weight's small components (scale, zero point) read and checked by its format (finite,
         in range: `WeightFormat.check_parts`), so a damaged one fails here in one line naming tensor and file;
         the codes are checked where they are first read (`get`, the streamer)."""
         for name, parts in self._quant.items():
-            assert self.quantization is not None
             small = {c: self.get(f"{name}.{c}") for c in parts if c != "qweight"}
-            self._check_parts(name, self.quantization.spec, small)
+            self._check_parts(name, self._qspec[name], small)
 
     def _check_parts(self, name: str, spec: WeightFormat, parts: dict[str, torch.Tensor]) -> None:
         problem = spec.check_parts(parts)
         if problem is not None:
             file = self._quant[name]["qweight"].file
-            raise CheckpointError(f"compressed checkpoint {file}: {name}: {problem}; re-run `specoffload quantize`")
+            fix = "the GGUF file is damaged" if self.gguf is not None else "re-run `specoffload quantize`"
+            raise CheckpointError(f"compressed checkpoint {file}: {name}: {problem}; {fix}")
 
     def _check_index(self, name: str, entry: _Entry, index: int) -> int:
         rows = entry.shape[0] if entry.shape else 0
         if not 0 <= index < rows:
             raise IndexError(f"row {index} out of range for {name!r} of shape {entry.shape}")
         return rows
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_fds", {}).values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _handle(self, file: Path) -> Any:
         if file not in self._handles:

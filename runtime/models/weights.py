@@ -302,6 +302,8 @@ class WeightLoader:
                     "gate_up_bias": TensorRef(f"{moe}.experts.gate_up_proj_bias", e),
                     "down_t": TensorRef(f"{moe}.experts.down_proj", e),
                     "down_bias": TensorRef(f"{moe}.experts.down_proj_bias", e)}
+        if self.checkpoint.has(f"{moe}.experts.gate_proj"):  # fused per matrix (a GGUF's): [experts, out, in]
+            return {x: TensorRef(f"{moe}.experts.{x}_proj", e) for x in ("gate", "up", "down")}
         if self.checkpoint.has(f"{moe}.experts.gate_up_proj"):  # fused: [experts, 2 * inter, hidden]
             return {
                 "gate_up": TensorRef(f"{moe}.experts.gate_up_proj", e),

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hashing import HASHES, sha256_file
+from ..models.gguf import read_pointer
 
 FORMAT_VERSION = 2
 #: files of a checkpoint directory, besides its weights, whose content can change a row (hashed when present)
@@ -142,11 +143,15 @@ def write_manifest(path: Path, manifest: Manifest) -> None:
 
 
 def checkpoint_identity(directory: str | Path | None) -> str | None:
-    """What identifies a checkpoint's weights: the SHA-256 of its safetensors files recorded in its provenance.json,
-    else the pinned GGUF it was converted from (and the dtype), else the SHA-256 of the files themselves."""
+    """What identifies a checkpoint's weights: the SHA-256 of the GGUF file a GGUF's companion directory stands for;
+    the SHA-256 of its safetensors files recorded in its provenance.json, else the pinned GGUF it was converted
+    from (and the dtype), else the SHA-256 of the files themselves."""
     if directory is None:
         return None
     d = Path(directory)
+    table = read_pointer(d)
+    if table is not None:  # a GGUF run in place (runtime/models/gguf.py): the file itself
+        return f"gguf-sha256:{sha256_file(table.file)}"
     try:
         record = json.loads((d / "provenance.json").read_text())
     except (OSError, ValueError):

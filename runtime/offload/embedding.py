@@ -2,7 +2,8 @@
 
 A decode step needs only the rows of its tokens (a few KB each), so the [vocab, hidden] table (467 MB for a
 151k-token vocabulary at 1536 wide in 16 bits) need not be resident. Rows are read with `os.pread` and cast
-to the compute dtype; repeated ids in a batch are read once.
+to the compute dtype (a block-quantized table, a GGUF's: each row's blocks dequantized by its format); repeated ids
+in a batch are read once.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 
 import torch
 
+from ..formats import dequantize
 from ..models.checkpoint import Checkpoint
 from ..models.errors import CheckpointError
 
@@ -19,7 +21,14 @@ class EmbeddingRows:
     """Reads rows of tensor `name` ([vocab, hidden]) from its safetensors file."""
 
     def __init__(self, checkpoint: Checkpoint, name: str, dtype: torch.dtype, device: str | torch.device = "cpu"):
-        self.location = checkpoint.file_of(name)
+        self._fd = -1
+        quant = checkpoint.quantized(name)
+        if quant is not None and len(quant.components) != 1:
+            raise CheckpointError(f"{name} of {checkpoint.path} is stored as {quant.spec.label}, whose rows are not "
+                                  "read one by one: keep the embedding resident")
+        #: the format of a block-quantized table (rows of whole blocks), None for a plain one
+        self.fmt = quant.spec if quant is not None else None
+        self.location = quant.components[0].location if quant is not None else checkpoint.file_of(name)
         self.shape = checkpoint.shape(name)  # (vocab, hidden)
         self.file_dtype = checkpoint.torch_dtype(name)
         self.row_bytes = self.location.length // self.shape[0]
@@ -44,8 +53,12 @@ class EmbeddingRows:
                 )
             buf[n * self.row_bytes : (n + 1) * self.row_bytes] = data
         self.bytes_read += len(buf)
-        rows = torch.frombuffer(buf, dtype=self.file_dtype).view(len(unique), self.shape[1])  # [U, H]
-        rows = rows.to(dtype=self.dtype, device=self.device)
+        if self.fmt is not None:
+            blocks = torch.frombuffer(buf, dtype=torch.uint8).view(len(unique), self.row_bytes)  # [U, row bytes]
+            rows = dequantize({"qweight": blocks}, self.fmt, (len(unique), self.shape[1]), self.dtype, self.device)
+        else:
+            rows = torch.frombuffer(buf, dtype=self.file_dtype).view(len(unique), self.shape[1])  # [U, H]
+            rows = rows.to(dtype=self.dtype, device=self.device)
         return rows[inverse.to(self.device)]  # [B, T, H]
 
     def close(self) -> None:

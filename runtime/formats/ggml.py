@@ -1,0 +1,258 @@
+"""llama.cpp's block formats (GGML types), read as a GGUF file stores them: "q8_0", "q4_0", "q5_0", "q4_k", "q5_k",
+"q6_k", "mxfp4".
+
+A row of `in` inputs is `in / block` blocks of `block_bytes` bytes each, stored as one uint8 component
+`qweight [..., in / block * block_bytes]` exactly as in the file (the streamer reads the GGUF's tensor data in place,
+runtime/models/gguf.py). Dequantization is llama.cpp's (ggml-quants.c `dequantize_row_*`, which the gguf package
+implements in numpy: tests/test_ggml_formats.py checks these against it bit for bit), in float32:
+
+    q8_0   34 B / 32:   d f16, q int8[32]                              w = d * q
+    q4_0   18 B / 32:   d f16, 32 nibbles (j low, j + 16 high)          w = d * (q - 8)
+    q5_0   22 B / 32:   d f16, qh u32 (5th bits), 32 nibbles           w = d * (q - 16)
+    q4_k   144 B / 256: d, dmin f16, 8 x (6-bit scale, 6-bit min), 256 nibbles per 64: 32 low, 32 high
+                        w = (d * sc_j) * q - (dmin * m_j) per sub-block j of 32
+    q5_k   176 B / 256: as q4_k with a 5th bit per weight (qh[32], bit j for sub-block j)
+    q6_k   210 B / 256: ql[128] nibbles, qh[64] 2-bit pairs, 16 int8 scales, d f16   w = (d * sc_j) * (q - 32), j per 16
+    mxfp4  17 B / 32:   e8m0 exponent, 32 e2m1 nibbles                  w = 2^(e - 128) * kvalue(q) (kvalues doubled)
+
+q4_0 and q4_k are int4 with a scale and an offset per 32 inputs, so a streamed one stays packed for torch's CPU int4
+kernel (runtime/models/packed.py `PackedInt4`, group 32): codes permuted into the kernel's layout, scale = d * sc_j
+and zero = -(dmin * m_j) + 8 * scale rounded to the compute dtype (the kernel takes the activation dtype: a
+deviation from llama.cpp's float32 products of at most half a unit in the last place of bfloat16, measured in
+docs/perf `gguf`). The others are dequantized into the slot in the compute dtype.
+
+These formats are read, not written: `specoffload quantize` writes int8 / int4 (`writable` is False here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..models.packed import int4_packable
+from . import WeightFormat, register_format
+from .int4 import Int4
+
+Tensor = torch.Tensor
+
+QK_K = 256  # inputs per k-quant super-block
+
+
+def _blocks(q: Tensor, block_bytes: int) -> Tensor:
+    """uint8 [..., nb * block_bytes] -> [R, nb, block_bytes]."""
+    return q.reshape(-1, q.shape[-1] // block_bytes, block_bytes)
+
+
+def _f16(field: Tensor) -> Tensor:
+    """A 2-byte field of every block, uint8 [R, nb, 2] -> its float16 value as float32 [R, nb, 1]."""
+    return field.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: Tensor, run: int) -> Tensor:
+    """uint8 [..., n * run] -> uint8 [..., n, 2, run]: per run of `run` bytes, the low nibbles then the high ones."""
+    b = qs.unflatten(-1, (qs.shape[-1] // run, 1, run))  # [..., n, 1, run]
+    return torch.cat((b & 0xF, b >> 4), dim=-2)  # [..., n, 2, run]
+
+
+def _k_scales(scales: Tensor) -> tuple[Tensor, Tensor]:
+    """q4_k / q5_k's 12 scale bytes [R, nb, 12] -> (sc, m) [R, nb, 8] uint8 (ggml's get_scale_min_k4)."""
+    s = scales.unflatten(-1, (3, 4))  # [R, nb, 3, 4]
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+@dataclass(frozen=True)
+class GGMLFormat(WeightFormat):
+    """One GGML block type (module docstring): `group` is its block (inputs per block), stored as raw blocks."""
+
+    block_bytes: ClassVar[int] = 0
+    block: ClassVar[int] = 0
+    gguf_type: ClassVar[str] = ""  # gguf.GGMLQuantizationType member name
+    writable = False
+
+    def __post_init__(self) -> None:
+        if self.group != self.block:
+            raise ValueError(f"{self.name} blocks are {self.block} inputs, got group {self.group}")
+
+    def components(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        self._check_matrix(shape)
+        if shape[-1] % self.block:
+            raise ValueError(f"a {self.name} row is whole blocks of {self.block} inputs, got {shape[-1]}")
+        return {"qweight": ("U8", (*shape[:-1], shape[-1] // self.block * self.block_bytes))}
+
+    def quantize_rows(self, x: Tensor) -> dict[str, Tensor]:
+        """Through the gguf package's quantizer (llama.cpp's reference; q8_0, q4_0, q5_0 and mxfp4 only)."""
+        import numpy as np
+        from gguf import GGMLQuantizationType, quants
+
+        blocks = quants.quantize(x.numpy().astype(np.float32), GGMLQuantizationType[self.gguf_type])
+        return {"qweight": torch.from_numpy(np.ascontiguousarray(blocks))}
+
+    def dequantize_rows(self, dest: Tensor, parts: dict[str, Tensor]) -> Tensor:
+        b = _blocks(parts["qweight"], self.block_bytes)  # [R, nb, block_bytes]
+        self._dequantize(dest.view(b.shape[0], b.shape[1], self.block), b)
+        return dest
+
+    def _dequantize(self, out: Tensor, b: Tensor) -> None:
+        """Write blocks b [R, nb, block_bytes] as float32 into out [R, nb, block] (llama.cpp's arithmetic)."""
+        raise NotImplementedError
+
+    def check_parts(self, parts: dict[str, Tensor]) -> str | None:
+        """Every block's float16 scale (the first two bytes, where the format has one there) finite."""
+        q = parts.get("qweight")
+        if q is None or self.scale_at is None or not q.numel():
+            return None
+        b = _blocks(q, self.block_bytes)
+        d = _f16(b[..., self.scale_at : self.scale_at + 2])
+        return None if bool(torch.isfinite(d).all()) else "a block scale holds NaN or infinity"
+
+    scale_at: ClassVar[int | None] = 0  # byte offset of a float16 scale in each block (None: none to check)
+
+
+@register_format
+@dataclass(frozen=True)
+class Q8_0(GGMLFormat):
+    name, default_group, block, block_bytes, gguf_type = "q8_0", 32, 32, 34, "Q8_0"
+
+    def _dequantize(self, out: Tensor, b: Tensor) -> None:
+        out.copy_(b[..., 2:].view(torch.int8))
+        out.mul_(_f16(b[..., :2]))
+
+
+@dataclass(frozen=True)
+class _Int4Blocks(GGMLFormat):
+    """A block type that is int4 with a scale and an offset per 32 inputs: stays packed for the int4 kernel."""
+
+    def int4_parts(self, parts: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The weight as "int4" group-32 components (codes [..., in / 2] even input low; scale and min float32)."""
+        raise NotImplementedError
+
+    def stays_packed(self, shape: tuple[int, ...]) -> bool:
+        return int4_packable(shape, 32)
+
+    def packed_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
+        return Int4(32).packed_nbytes(shape, dtype, align)
+
+    def packed_view(self, region: Tensor, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> object:
+        return Int4(32).packed_view(region, shape, dtype, align)
+
+    def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
+        Int4(32).fill_packed(view, self.int4_parts(parts), codes_there)
+
+
+def _pairs(codes: Tensor) -> Tensor:
+    """Codes uint8 [R, in] (0..15) -> int4's stored bytes [R, in / 2] (input 2i low, 2i + 1 high)."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+@register_format
+@dataclass(frozen=True)
+class Q4_0(_Int4Blocks):
+    name, default_group, block, block_bytes, gguf_type = "q4_0", 32, 32, 18, "Q4_0"
+
+    def _dequantize(self, out: Tensor, b: Tensor) -> None:
+        out.view(*b.shape[:2], 2, 16).copy_(_nibbles(b[..., 2:], 16)[..., 0, :, :])
+        out.sub_(8).mul_(_f16(b[..., :2]))
+
+    def int4_parts(self, parts: dict[str, Tensor]) -> dict[str, Tensor]:
+        b = _blocks(parts["qweight"], self.block_bytes)  # [R, nb, 18]
+        codes = _nibbles(b[..., 2:], 16).reshape(b.shape[0], -1)  # [R, in]
+        d = _f16(b[..., :2])[..., 0]  # [R, nb]
+        return {"qweight": _pairs(codes), "scale": d, "zero": -8 * d}
+
+
+@register_format
+@dataclass(frozen=True)
+class Q5_0(GGMLFormat):
+    name, default_group, block, block_bytes, gguf_type = "q5_0", 32, 32, 22, "Q5_0"
+
+    def _dequantize(self, out: Tensor, b: Tensor) -> None:
+        high = (b[..., 2:6, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [R, nb, 4, 8]: bit j of qh, LE
+        low = _nibbles(b[..., 6:], 16).flatten(-3)  # [R, nb, 32]
+        out.copy_(low | (high.flatten(-2) << 4))
+        out.sub_(16).mul_(_f16(b[..., :2]))
+
+
+def _k_dequantize(out: Tensor, b: Tensor, q: Tensor) -> None:
+    """q4_k / q5_k: out [R, nb, 256] = (d * sc_j) * q - (dmin * m_j) per sub-block j of 32; q [R, nb, 8, 32]."""
+    sc, mn = _k_scales(b[..., 4:16])
+    o = out.view(*b.shape[:2], 8, 32)
+    o.copy_(q)
+    o.mul_((_f16(b[..., 0:2]) * sc.float())[..., None]).sub_((_f16(b[..., 2:4]) * mn.float())[..., None])
+
+
+@register_format
+@dataclass(frozen=True)
+class Q4_K(_Int4Blocks):
+    name, default_group, block, block_bytes, gguf_type = "q4_k", QK_K, QK_K, 144, "Q4_K"
+
+    def _dequantize(self, out: Tensor, b: Tensor) -> None:
+        _k_dequantize(out, b, _nibbles(b[..., 16:], 32).flatten(-3, -2))
+
+    def check_parts(self, parts: dict[str, Tensor]) -> str | None:
+        return super().check_parts(parts) or _check_dmin(parts, self.block_bytes)
+
+    def int4_parts(self, parts: dict[str, Tensor]) -> dict[str, Tensor]:
+        b = _blocks(parts["qweight"], self.block_bytes)  # [R, nb, 144]
+        codes = _nibbles(b[..., 16:], 32).reshape(b.shape[0], -1)  # [R, in]
+        sc, mn = _k_scales(b[..., 4:16])  # [R, nb, 8]
+        scale = (_f16(b[..., 0:2]) * sc.float()).flatten(1)  # [R, in / 32]
+        return {"qweight": _pairs(codes), "scale": scale, "zero": -(_f16(b[..., 2:4]) * mn.float()).flatten(1)}
+
+
+def _check_dmin(parts: dict[str, Tensor], block_bytes: int) -> str | None:
+    q = parts.get("qweight")
+    if q is None or not q.numel():
+        return None
+    dmin = _f16(_blocks(q, block_bytes)[..., 2:4])
+    return None if bool(torch.isfinite(dmin).all()) else "a block's min scale holds NaN or infinity"
+
+
+@register_format
+@dataclass(frozen=True)
+class Q5_K(GGMLFormat):
+    name, default_group, block, block_bytes, gguf_type = "q5_k", QK_K, QK_K, 176, "Q5_K"
+
+    def _dequantize(self, out: Tensor, b: Tensor) -> None:
+        low = _nibbles(b[..., 48:], 32).flatten(-3, -2)  # [R, nb, 8, 32]
+        high = (b[..., None, 16:48] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [R, nb, 8, 32]
+        _k_dequantize(out, b, low | (high << 4))
+
+    def check_parts(self, parts: dict[str, Tensor]) -> str | None:
+        return super().check_parts(parts) or _check_dmin(parts, self.block_bytes)
+
+
+@register_format
+@dataclass(frozen=True)
+class Q6_K(GGMLFormat):
+    name, default_group, block, block_bytes, gguf_type = "q6_k", QK_K, QK_K, 210, "Q6_K"
+    scale_at = 208
+
+    def _dequantize(self, out: Tensor, b: Tensor) -> None:
+        low = _nibbles(b[..., :128], 64).reshape(*b.shape[:2], 8, 32)  # [R, nb, 8, 32]
+        qh = b[..., 128:192].unflatten(-1, (2, 1, 32)) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        high = (qh & 3).reshape(*b.shape[:2], 8, 32)  # [R, nb, 8, 32]
+        o = out.view(*b.shape[:2], 16, 16)
+        o.copy_((low | (high << 4)).view(*b.shape[:2], 16, 16))
+        o.sub_(32).mul_((_f16(b[..., 208:210]) * b[..., 192:208].view(torch.int8).float())[..., None])
+
+
+#: MXFP4's e2m1 values, doubled (the exponent below halves them: ggml's kvalues_mxfp4)
+_E2M1_X2 = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+@register_format
+@dataclass(frozen=True)
+class MXFP4(GGMLFormat):
+    name, default_group, block, block_bytes, gguf_type = "mxfp4", 32, 32, 17, "MXFP4"
+    scale_at = None  # (an e8m0 exponent: every byte is a finite power of two)
+
+    def _dequantize(self, out: Tensor, b: Tensor) -> None:
+        e = b[..., :1].to(torch.int32)  # [R, nb, 1]
+        bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)  # ggml_e8m0_to_fp32_half
+        out.view(*b.shape[:2], 2, 16).copy_(_E2M1_X2[_nibbles(b[..., 1:], 16)[..., 0, :, :].long()])
+        out.mul_(bits.view(torch.float32))
