@@ -59,8 +59,9 @@ def read_manifest(directory: Path) -> QuantManifest | None:
     if raw.get("version") != VERSION:
         raise bad(f"version {raw.get('version')!r}, this runtime reads version {VERSION}")
     scheme, group = raw.get("scheme"), raw.get("group_size")
-    if scheme not in FORMATS or not FORMATS[scheme].writable or type(group) is not int:
-        raise bad(f"scheme {scheme!r:.20} / group_size {group!r:.20} (expected one of {tuple(sorted(n for n, f in FORMATS.items() if f.writable))} and "
+    writable = tuple(sorted(n for n, f in FORMATS.items() if f.writable))
+    if scheme not in writable or type(group) is not int:
+        raise bad(f"scheme {scheme!r:.20} / group_size {group!r:.20} (expected one of {writable} and "
                   "an integer)")
     try:
         spec = weight_format(scheme, group)

@@ -1,0 +1,238 @@
+"""GGUF files run as stored (runtime/models/gguf.py, runtime/formats/ggml.py).
+
+The block formats decode exactly as llama.cpp's reference (the gguf package's numpy implementation), bit for bit;
+q4_0 / q4_k packed for the int4 kernel multiply as their dequantized weights do. Tiny Qwen2 and Qwen3-MoE
+checkpoints written as GGUF files of every readable type (scripts/make_tiny_gguf.py) run through the engine and
+match transformers on the weights their blocks decode to (fp32 logits within 1e-4, greedy tokens identical), resident
+and offloaded at the smallest budget (contiguous and block KV); speculation on a GGUF target is lossless.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specoffload.runtime.cli import main as cli_main
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.formats import FORMATS, dequantize, weight_format
+from specoffload.runtime.formats.int4 import Int4
+from specoffload.runtime.models.checkpoint import Checkpoint
+from specoffload.runtime.models.errors import CheckpointError, UnsupportedModelError
+from specoffload.runtime.models.gguf import GGUF_POINTER, gguf_file_in, resolve_model
+from specoffload.runtime.models.model import Transformer
+from specoffload.runtime.models.packed import int4_kernel_ok
+from specoffload.runtime.offline.manifest import checkpoint_identity
+from specoffload.runtime.offload.embedding import EmbeddingRows
+from specoffload.runtime.sampling import SamplingParams
+from tests.conftest import OFFLOAD_PROMPTS
+from tests.test_engine import PROMPTS, hf_greedy
+from tests.test_models import TOL, hf_logits, ragged_batch, rel_err
+
+GGML = sorted(n for n, f in FORMATS.items() if not f.writable)
+MODELS = ["qwen2_256", "qwen3_moe_256"]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def random_blocks(name: str, rows: int, blocks: int, seed: int) -> np.ndarray:
+    """Random bytes of `rows` x `blocks` blocks of format `name`, with finite, small float16 scales."""
+    fmt = weight_format(name)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, blocks, fmt.block_bytes), dtype=np.uint8)
+    halves = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "mxfp4": ()}.get(name, (0,))
+    for at in halves:
+        d = rng.normal(0, 0.01, size=(rows, blocks)).astype(np.float16)
+        raw[..., at : at + 2] = d[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    if name == "mxfp4":
+        raw[..., 0] = rng.integers(100, 140, size=(rows, blocks))
+    return raw.reshape(rows, -1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(name=st.sampled_from(GGML), rows=st.integers(1, 4), blocks=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_block_formats_decode_as_llama_cpp(name, rows, blocks, seed):
+    fmt = weight_format(name)
+    raw = random_blocks(name, rows, blocks, seed)
+    assert (fmt.block, fmt.block_bytes) == GGML_QUANT_SIZES[GGMLQuantizationType[fmt.gguf_type]]
+    ref = quants.dequantize(raw, GGMLQuantizationType[fmt.gguf_type])
+    ours = dequantize({"qweight": torch.from_numpy(raw)}, fmt, (rows, blocks * fmt.block))
+    assert np.array_equal(ours.numpy(), ref)
+    if hasattr(fmt, "int4_parts"):  # q4_0 / q4_k as int4 group 32: the same weights
+        parts = fmt.int4_parts({"qweight": torch.from_numpy(raw)})
+        assert torch.equal(dequantize(parts, Int4(32), (rows, blocks * fmt.block)), ours)
+
+
+@pytest.mark.skipif(not int4_kernel_ok(), reason="this torch has no CPU int4 kernel")
+@pytest.mark.parametrize("name", ["q4_0", "q4_k"])
+def test_packed_q4_multiplies_as_its_dequantized_weight(name):
+    fmt = weight_format(name)
+    shape = (128, 512)
+    raw = torch.from_numpy(random_blocks(name, shape[0], shape[1] // fmt.block, 3))
+    assert fmt.stays_packed(shape)
+    w = fmt.packed_copy({"qweight": raw}, shape, torch.bfloat16)
+    dense = dequantize({"qweight": raw}, fmt, shape)  # float32
+    x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert rel_err(w.matmul(x), F.linear(x.float(), dense)) < 2e-2  # (scales rounded to bfloat16)
+    assert rel_err(w.dequantize(), dense) < 1e-2
+
+
+@pytest.fixture(scope="module")
+def ggufs(tiny_models, tmp_path_factory):
+    """name -> (companion dir, reference checkpoint of the decoded weights, the GGUF file)."""
+    from scripts.make_tiny_gguf import write_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for name in MODELS:
+        file = write_gguf(tiny_models[name], root / f"{name}.gguf", root / f"{name}_ref")
+        out[name] = (resolve_model(file, root / "companions"), root / f"{name}_ref", file)
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_and_greedy_match_transformers(ggufs, name):
+    companion, ref, _ = ggufs[name]
+    model = Transformer(companion)
+    assert model.loader.checkpoint.gguf is not None
+    lengths = [7, 3, 12]
+    ids, rows = ragged_batch(lengths, seed=0)
+    logits = model.forward(ids, model.new_cache(3, capacity=16), num_new=torch.tensor(lengths))
+    for b, row in enumerate(rows):
+        assert rel_err(logits[b, : len(row)], hf_logits(ref, row)) <= TOL, f"row {b}"
+    engine = Engine(EngineConfig(target=companion, max_batch_size=2, dtype="float32"))
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12))
+    assert [r.token_ids for r in out] == hf_greedy(ref, PROMPTS, 12)
+    engine.close()
+
+
+def _tight(target: Path, **kw) -> EngineConfig:
+    config = EngineConfig(**(dict(target=target, max_batch_size=3, max_seq_len=48, num_draft_tokens=3,
+                                  device_memory="1GiB", num_buffers=1) | kw))
+    probe = Engine(config)
+    budget = probe.minimum_device_memory()
+    probe.close()
+    return replace(config, device_memory=budget)
+
+
+def _greedy(config: EngineConfig) -> tuple[list[list[int]], Engine]:
+    engine = Engine(config)
+    return [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)], engine
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv_block_size": 4}], ids=["contiguous", "block-kv"])
+@pytest.mark.parametrize("name", MODELS)
+def test_offloaded_reads_the_gguf_in_place(ggufs, name, kv):
+    companion, _, file = ggufs[name]
+    resident, engine = _greedy(EngineConfig(target=companion, max_batch_size=3, dtype="float32"))
+    engine.close()
+    out, engine = _greedy(_tight(companion, dtype="float32", **kv))
+    assert engine.placement.streamed_layers and engine.last_stats.bytes_read > 0
+    assert out == resident
+    engine.close()
+
+
+@pytest.mark.parametrize("drafter", [{"drafter": "lowbit"}, {"draft": "self"}], ids=["lowbit", "self"])
+def test_speculation_on_a_gguf_target_is_lossless(ggufs, drafter):
+    companion = ggufs["qwen3_moe_256"][0]
+    plain, engine = _greedy(_tight(companion, dtype="float32", num_draft_tokens=0))
+    engine.close()
+    out, engine = _greedy(_tight(companion, dtype="float32", **drafter))
+    assert engine.last_stats.num_drafted > 0
+    assert out == plain
+    engine.close()
+
+
+@pytest.mark.skipif(not int4_kernel_ok(), reason="this torch has no CPU int4 kernel")
+def test_bfloat16_streams_q4_blocks_packed(ggufs):
+    """In bfloat16 the q4_0 / q4_k weights a slot streams stay packed for the int4 kernel (the others are decoded
+    into the slot); the run's tokens are the float32 run's on most positions (the kernel's bfloat16 scales)."""
+    companion = ggufs["qwen2_256"][0]
+    reference, engine = _greedy(_tight(companion, dtype="float32"))
+    engine.close()
+    out, engine = _greedy(_tight(companion, dtype="bfloat16", packed_weights="on"))
+    streamer = engine.workers.prefetch.streamer
+    keys = [k for k in engine.workers.prefetch.model.loader.parts() if engine.placement.is_streamed(k)]
+    fields = [f for key in keys for f in streamer.layout(key).fields]
+    kinds = {f.quant.spec.name for f in fields if f.packed}
+    assert kinds and kinds <= {"q4_0", "q4_k"}
+    assert {f.quant.spec.name for f in fields if f.quant is not None and not f.packed} - {"q4_0", "q4_k"}
+    same = sum(a == b for x, y in zip(out, reference) for a, b in zip(x, y))
+    assert same >= 0.7 * sum(map(len, reference))
+    engine.close()
+
+
+def test_embedding_rows_decode_blocks(ggufs):
+    companion = ggufs["qwen2_256"][0]
+    ckpt = Checkpoint(companion)
+    name = "model.embed_tokens.weight"
+    assert ckpt.quantized(name) is not None  # Q4_K in the tiny GGUF
+    rows = EmbeddingRows(ckpt, name, torch.float32)
+    ids = torch.tensor([[5, 300, 5], [511, 0, 7]])
+    assert torch.equal(rows(ids), ckpt.get(name, torch.float32)[ids])
+    rows.close()
+
+
+def test_a_gguf_path_resolves_to_its_companion(ggufs, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECOFFLOAD_GGUF_CACHE", str(tmp_path / "cache"))
+    _, _, file = ggufs["qwen2_256"]
+    config = EngineConfig(target=str(file))
+    assert (Path(config.target) / GGUF_POINTER).is_file() and Path(config.target).parent == tmp_path / "cache"
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    shutil.copy(file, holder / file.name)
+    assert gguf_file_in(holder) == holder / file.name
+    shutil.copy(file, holder / "second.gguf")
+    with pytest.raises(CheckpointError, match="2 GGUF files"):
+        gguf_file_in(holder)
+    assert checkpoint_identity(config.target).startswith("gguf-sha256:")
+    assert gguf_file_in(config.target) is None  # a companion is a checkpoint directory
+    with pytest.raises(CheckpointError, match="not found"):
+        EngineConfig(target=str(tmp_path / "missing.gguf"))
+
+
+def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, str]]) -> Path:
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    for name, (data, kind) in tensors.items():
+        if kind == "F32":
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unreadable_ggufs_fail_in_one_line(ggufs, tmp_path):
+    w = np.zeros((4, 256), np.float32)
+    with pytest.raises(UnsupportedModelError, match="architecture 'llama'.*permuted"):
+        resolve_model(_write(tmp_path / "l.gguf", "llama", {"token_embd.weight": (w, "F32")}), tmp_path)
+    q2 = np.zeros((4, GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K][1]), np.uint8)
+    with pytest.raises(UnsupportedModelError, match="up_proj.weight. is Q2_K"):
+        resolve_model(_write(tmp_path / "q2.gguf", "qwen2", {"blk.0.ffn_up.weight": (q2, "Q2_K")}), tmp_path)
+    with pytest.raises(UnsupportedModelError, match="no counterpart"):
+        resolve_model(_write(tmp_path / "x.gguf", "qwen2", {"blk.0.mystery.weight": (w, "F32")}), tmp_path)
+    good = ggufs["qwen2_256"][2]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="cut.gguf"):
+        resolve_model(cut, tmp_path)
+
+
+def test_quantize_refuses_a_gguf(ggufs, tmp_path, capsys):
+    assert cli_main(["quantize", "--model", str(ggufs["qwen2_256"][0]), "--to", "int4", "--out",
+                     str(tmp_path / "q")]) == 2
+    assert "GGUF file: it runs as stored" in capsys.readouterr().err
