@@ -14,6 +14,8 @@ checkpoints with packed slots off, in the same run (`int4_packed_over_dequantize
 the bound no format can beat (`io_over_compute_fp16`). The summary's ratios are named by `--regime` (the issue's
 `int8_over_fp16_tight` at the smallest budget where fp16 runs a batch of 8; `_moe` / `_dense` roomy; default: by
 target). `--dtype` is the compute dtype (bfloat16 where the CPU has native 16-bit GEMMs, runtime/models/linear.py).
+The variant "gguf" runs the Q4_K_M GGUF the dense target was converted from, as stored (runtime/models/gguf.py;
+`--gguf FILE`, default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary.
 Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens;
 --quick: 4 windows, 4 prompts). JSON under docs/perf/ with a top-level "summary" holding the ratios the issue names.
 """
@@ -38,7 +40,8 @@ from specoffload.runtime.sampling import SamplingParams
 
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 VARIANTS = {"fp16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
-            "int8a": weight_format("int8"), "int4u": weight_format("int4", 64), "int8u": weight_format("int8")}
+            "int8a": weight_format("int8"), "int4u": weight_format("int4", 64), "int8u": weight_format("int8"),
+            "gguf": None}
 #: variants run with their weights dequantized into the slots (packed_weights "off"): the loader path the packed
 #: kernels replace, on the same checkpoint as the variant without the "u"
 UNPACKED = {"int4u", "int8u"}
@@ -46,8 +49,15 @@ UNPACKED = {"int4u", "int8u"}
 WITH_ATTENTION = {"int8a"}
 
 
-def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path | None) -> Path:
-    """The checkpoint of a variant: the source for fp16, else its compressed copy (built once)."""
+def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path | None,
+                gguf: Path | None = None) -> Path:
+    """The checkpoint of a variant: the source for fp16, the GGUF's companion directory for gguf, else its
+    compressed copy (built once)."""
+    if name == "gguf":
+        from scripts.get_models import SPECS, default_cache, fetch_gguf
+        from specoffload.runtime.models.gguf import resolve_model
+
+        return resolve_model(gguf or fetch_gguf(SPECS["target"], default_cache()))
     if spec is None:
         return source
     suffix = spec.label + ("-attn" if name in WITH_ATTENTION else "")
@@ -95,6 +105,7 @@ def main() -> int:
     ap.add_argument("--variants", default="fp16,int8,int4",
                     help="comma-separated: fp16, int8, int4 (group 64), int8a (int8 with the attention projections)")
     ap.add_argument("--variants-dir", type=Path, default=None, help="where compressed copies are built / found")
+    ap.add_argument("--gguf", type=Path, default=None, help="the GGUF of variant gguf (default: the target's Q4_K_M)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens, batch 4, 1 rep, quick accuracy")
     ap.add_argument("--out", default="compressed")
@@ -105,7 +116,7 @@ def main() -> int:
     meta = run_meta(args.dtype)  # machine, torch, dtype, commit, argv, date: at the start of the run
     source = model_dir(TARGETS[args.target]) if args.target in TARGETS else Path(args.target)
     names = args.variants.split(",")
-    dirs = {n: variant_dir(source, n, VARIANTS[n], args.variants_dir) for n in names}
+    dirs = {n: variant_dir(source, n, VARIANTS[n], args.variants_dir, args.gguf) for n in names}
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(source)
@@ -133,7 +144,7 @@ def main() -> int:
     if not args.no_accuracy:
         rows, greedy_prompts = held_out(source, *((4, 128, 4) if args.quick else (12, 256, 32)))
         for n in names:
-            if VARIANTS[n] is not None and n not in UNPACKED:
+            if (VARIANTS[n] is not None or n == "gguf") and n not in UNPACKED:
                 accuracy[n] = compare(source, dirs[n], rows, greedy_prompts, 32)
     fp16 = results.get("fp16")
     summary: dict[str, object] = {"target": source.name, "budget": args.budget, "dtype": args.dtype,
@@ -147,6 +158,10 @@ def main() -> int:
                 summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
         for n in UNPACKED & set(results):
             summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
+        if "gguf" in results:
+            summary[f"gguf_q4km_over_fp16_{regime}"] = round(results["gguf"]["tok_s_median"] / fp16["tok_s_median"], 3)
+            summary["bytes_per_pass_ratio_gguf_q4km"] = round(results["gguf"]["bytes_per_pass"]
+                                                              / fp16["bytes_per_pass"], 3)
         if "int4" in results and fp16["bytes_per_pass"]:
             summary["bytes_per_pass_ratio_int4"] = round(results["int4"]["bytes_per_pass"] / fp16["bytes_per_pass"], 3)
     for packed, unpacked in (("int4", "int4u"), ("int8", "int8u")):
@@ -154,6 +169,7 @@ def main() -> int:
             summary[f"{packed}_packed_over_dequantized_{regime}"] = round(
                 results[packed]["tok_s_median"] / results[unpacked]["tok_s_median"], 3)
     for n, a in accuracy.items():
+        n = "gguf_q4km" if n == "gguf" else n
         summary[f"{n}_top1_agreement"] = a["top1_agreement"]
         summary[f"{n}_mean_kl"] = round(a["mean_kl"], 5)
         summary[f"{n}_greedy32_identical"] = f"{a['greedy_identical']}/{a['greedy_prompts']}"
