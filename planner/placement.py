@@ -324,8 +324,8 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
 
     Incremental, O(steps * layers); the items `_layout` builds for a resident set add up to the same numbers.
     """
-    nbytes = dict(target.parts)
-    in_slot = nbytes | target.slot_bytes()  # a streamed part's bytes in a ring slot
+    nbytes = target.resident_bytes()  # a resident part's bytes (packed, where the target holds them packed)
+    in_slot = dict(target.parts) | target.slot_bytes()  # a streamed part's bytes in a ring slot
     stored = target.stored_bytes()  # the RAM tier holds compressed parts compressed
     tier_total = sum(stored.get(key, n) for key, n in target.parts)
     draft_bytes = draft.total_bytes + policy.kv_cache_bytes(draft) if draft is not None else 0
@@ -407,7 +407,7 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
     slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
     buckets: dict[tuple[str, str], list[Any]] = {}  # (category, tier) -> [bytes, set of layers]
     on_host = _host_parts(target, policy)
-    stored, in_slot = target.stored_bytes(), target.slot_bytes()
+    stored, in_slot, held = target.stored_bytes(), target.slot_bytes(), target.resident_bytes()
     for key, nbytes in target.parts:
         tier = "host" if key in on_host else "device" if key in resident else policy.streamed_tier
         tiers.append((key, tier))
@@ -415,7 +415,7 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
         if tier != "device" and group is not None and key not in on_host:
             slots[group] = slots.get(group, 0) + in_slot.get(key, nbytes)
         bucket = buckets.setdefault((_CATEGORY[key.kind], tier), [0, set(), 0])
-        bucket[0] += nbytes if tier == "device" else stored.get(key, nbytes)  # off the device: as stored
+        bucket[0] += held[key] if tier == "device" else stored.get(key, nbytes)  # off the device: as stored
         bucket[1].add(key.layer)
         bucket[2] += 1
     slot_bytes = max(slots.values(), default=0)

@@ -41,6 +41,8 @@ class ModelShape:
     # parts that take fewer bytes in a ring slot than resident (int8 weights kept packed in the slot,
     # runtime/models/packed.py), with their slot bytes; the rest take their bytes in `parts` in a slot too
     slotted: tuple[tuple[PartKey, int], ...] = ()
+    # resident parts are held as a slot holds them (packed), so they too take their `slotted` bytes
+    resident_packed: bool = False
     # a draft whose parts stand in for the target's parts of the same key (runtime/offload/drafters/lowbit.py): it
     # holds one only while that target part streams, and drafts with the target's own while it is resident
     stands_in: bool = False
@@ -79,8 +81,12 @@ class ModelShape:
         return dict(self.stored)
 
     def slot_bytes(self) -> dict[PartKey, int]:
-        """Part -> the bytes it takes in a ring slot, where that differs from its resident bytes."""
+        """Part -> the bytes it takes in a ring slot, where that differs from its bytes in `parts`."""
         return dict(self.slotted)
+
+    def resident_bytes(self) -> dict[PartKey, int]:
+        """Part -> the bytes it takes resident: its slot bytes where `resident_packed`, else its bytes in `parts`."""
+        return dict(self.parts) | (dict(self.slotted) if self.resident_packed else {})
 
     def kv_cache_bytes(self, rows: int, kv_capacity: int) -> int:
         """Bytes of this model's KV cache for `rows` rows of `kv_capacity` positions each."""

@@ -153,9 +153,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--num-buffers", type=int, default=2, help="ring slots of streamed layer weights")
     o.add_argument("--expert-loading", default="auto", choices=["auto", "selected", "all"],
                    help="MoE: load only the experts the router picked, every expert, or choose")
-    o.add_argument("--packed-weights", default="auto", choices=["auto", "on", "off"],
-                   help="an int8 checkpoint's streamed weights: keep them packed in the slots where the layers "
-                        "multiply by them faster (auto: bfloat16 on a CPU with native bfloat16), always, or never")
+    o.add_argument("--packed-weights", default="auto", choices=["auto", "on", "slots", "off"],
+                   help="a compressed checkpoint's (int8, int4, GGUF q4) weights: keep them packed, resident and "
+                        "streamed, where the layers multiply by them faster (auto: bfloat16 on a CPU with native "
+                        "bfloat16), always, in the ring slots only, or never")
     o.add_argument("--interleave", default=None, choices=["on", "off", "auto"],
                    help="with a draft: on: two batches alternate; off: one batch drafts between its passes; "
                         "auto: the planner chooses (default: off for a model-free drafter, else on)")

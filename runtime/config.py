@@ -89,10 +89,11 @@ class EngineConfig:
         every expert of a layer ahead of use, "auto" picks by the expected number of distinct experts.
     expert_group: MoE only: experts per ring slot of a streamed MoE layer (None: a whole layer per slot); the
         ffn then runs one group after another, so the ring holds a group, not a layer (smaller by up to E / g).
-    packed_weights: a compressed (int8 or int4) target's streamed weights: "auto" keeps them packed in the ring
-        slots where the layers multiply by them faster than they can be dequantized (bfloat16 compute on a CPU with
-        native bfloat16 GEMMs, runtime/models/packed.py), "on" keeps them packed on any CPU, "off" always
-        dequantizes them into the slots.
+    packed_weights: a compressed target's weights (int8, int4, a GGUF's q4_0 / q4_k): "auto" keeps them packed
+        where the layers multiply by them faster than they can be dequantized (bfloat16 compute on a CPU with
+        native bfloat16 GEMMs, runtime/models/packed.py), in the ring slots and resident alike (a resident part
+        then takes its packed bytes of the budget); "on" does so on any CPU; "slots" packs only the streamed
+        weights (resident parts dequantized at load); "off" always dequantizes.
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
     kv_block_size: offloaded: the target's KV caches hold blocks of this many positions from one pool of the
         attention worker, sized by the placement (runtime/kv_blocks.py): a row holds the blocks its tokens use, not
@@ -228,10 +229,11 @@ class EngineConfig:
             raise ConfigError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.expert_loading not in ("auto", "selected", "all"):
             raise ConfigError(f"expert_loading must be 'auto', 'selected' or 'all', got {self.expert_loading!r}")
-        if self.packed_weights not in ("auto", "on", "off"):
-            raise ConfigError(f"packed_weights must be 'auto', 'on' or 'off', got {self.packed_weights!r}")
-        if self.packed_weights == "on" and torch.device(self.device).type != "cpu":
-            raise ConfigError("packed_weights 'on' is for CPU compute; use 'auto' or 'off' on a GPU")
+        if self.packed_weights not in ("auto", "on", "slots", "off"):
+            raise ConfigError(f"packed_weights must be 'auto', 'on', 'slots' or 'off', got {self.packed_weights!r}")
+        if self.packed_weights in ("on", "slots") and torch.device(self.device).type != "cpu":
+            raise ConfigError(f"packed_weights {self.packed_weights!r} is for CPU compute; use 'auto' or 'off' on a "
+                              "GPU")
 
     @property
     def packed_slots(self) -> bool:
@@ -240,7 +242,12 @@ class EngineConfig:
 
         if self.packed_weights == "auto":
             return packed_kernel(self.torch_dtype, torch.device(self.device))
-        return self.packed_weights == "on"
+        return self.packed_weights in ("on", "slots")
+
+    @property
+    def packed_resident(self) -> bool:
+        """Resident compressed weights stay packed too (`packed_weights` "auto" / "on"; runtime/models/weights.py)."""
+        return self.packed_slots and self.packed_weights != "slots"
 
     def _check_drafter(self) -> None:
         """The drafter is registered and has what its class needs (a checkpoint, a budget)."""

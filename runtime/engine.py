@@ -85,7 +85,8 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         dtype = config.torch_dtype
-        self.target = Transformer(config.target, dtype=dtype, device=config.device)  # headers only: nothing loaded
+        self.target = Transformer(config.target, dtype=dtype, device=config.device,
+                                  packed=config.packed_resident)  # headers only: nothing loaded
         self.tokenizer = load_tokenizer(config.target)
         cfg = self.target.config
         drafter = config.drafter_class  # the registry's class (offload/drafters.py): ask it, not the name

@@ -160,7 +160,7 @@ def test_bfloat16_streams_q4_blocks_packed(ggufs):
     companion = ggufs["qwen2_256"][0]
     reference, engine = _greedy(_tight(companion, dtype="float32"))
     engine.close()
-    out, engine = _greedy(_tight(companion, dtype="bfloat16", packed_weights="on"))
+    out, engine = _greedy(_tight(companion, dtype="bfloat16", packed_weights="slots"))
     streamer = engine.workers.prefetch.streamer
     keys = [k for k in engine.workers.prefetch.model.loader.parts() if engine.placement.is_streamed(k)]
     fields = [f for key in keys for f in streamer.layout(key).fields]

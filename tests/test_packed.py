@@ -146,7 +146,7 @@ def _assert_same(a, b) -> int:
 def test_speculation_on_a_packed_target_is_lossless(tiny_models, int8, target, single_thread):
     params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     base = EngineConfig(target=int8(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
-                        packed_weights="on", num_draft_tokens=0)
+                        packed_weights="slots", num_draft_tokens=0)
     lo = Engine(base).minimum_device_memory()
     lo_off = Engine(replace(base, packed_weights="off")).minimum_device_memory()
     assert lo < lo_off  # the ring holds int8 codes
@@ -277,7 +277,7 @@ def test_speculation_on_a_packed_int4_target_is_lossless(tiny_models, int4, targ
     target's tokens are the dequantized target's."""
     params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     base = EngineConfig(target=int4(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
-                        packed_weights="on", num_draft_tokens=0)
+                        packed_weights="slots", num_draft_tokens=0)
     lo = Engine(base).minimum_device_memory()
     lo_off = Engine(replace(base, packed_weights="off")).minimum_device_memory()
     assert lo < lo_off
@@ -294,6 +294,28 @@ def test_speculation_on_a_packed_int4_target_is_lossless(tiny_models, int4, targ
     engine = Engine(replace(base, device_memory=lo_off, packed_weights="off"))
     assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == alone
     engine.close()
+
+
+@pytest.mark.parametrize("target", ["llama", "mixtral"])
+def test_resident_parts_stay_packed(tiny_models, int4, target, single_thread):
+    """packed_weights "on": the resident parts are held as the slots hold them (int4 codes for the kernel), the
+    placement counts their packed bytes (a smaller footprint than "slots" at the same budget, everything resident),
+    and in float32 the tokens are the dequantized target's."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    base = EngineConfig(target=int4(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
+                        num_draft_tokens=0)
+    outs, used = {}, {}
+    for mode in ("on", "slots"):
+        engine = Engine(replace(base, packed_weights=mode))
+        outs[mode] = [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)]
+        used[mode] = engine.placement.device_bytes()
+        resident = engine.pipeline.workers.verifier.model.resident
+        key = PartKey("expert", 0, 0) if target == "mixtral" else PartKey("dense_mlp", 0)
+        mlp = resident[key] if target == "mixtral" else resident[key].mlp
+        assert isinstance(mlp.gate, PackedInt4) == (mode == "on")
+        engine.close()
+    assert used["on"] < used["slots"]
+    assert outs["on"] == outs["slots"]
 
 
 def test_the_profiler_times_the_streamed_ffn_as_the_slots_hold_it(int4, single_thread):

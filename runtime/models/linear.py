@@ -105,6 +105,6 @@ def pack_weights(weights: W) -> W:
         value = getattr(weights, f.name)
         if isinstance(value, torch.Tensor) and value.dim() == 2:
             changes[f.name] = value.contiguous().to_mkldnn()
-        elif dataclasses.is_dataclass(value):
+        elif dataclasses.is_dataclass(value) and not isinstance(value, (PackedInt8, PackedInt4)):  # (kernel's own)
             changes[f.name] = pack_weights(value)
     return dataclasses.replace(weights, **changes)

@@ -45,6 +45,7 @@ class Transformer:
         path_or_checkpoint: str | Path | Checkpoint,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        packed: bool = False,
     ) -> None:
         path = path_or_checkpoint.path if isinstance(path_or_checkpoint, Checkpoint) else path_or_checkpoint
         self.config = ModelConfig.from_dir(path)  # first: a bad config.json is the clearer error
@@ -55,6 +56,7 @@ class Transformer:
         self.dtype = dtype
         self.device = torch.device(device)
         self.loader = WeightLoader(checkpoint, self.config, dtype, self.device)
+        self.loader.packed = packed  # compressed weights a kernel takes stay packed when loaded (weights.py)
         self.rope = layers.Rope.from_config(self.config, self.device)
         self.resident: dict[PartKey, Weights] = {}
         #: provider of non-resident parts (a list of keys -> their weights), or None to load and keep them

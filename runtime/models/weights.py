@@ -109,6 +109,10 @@ class WeightLoader:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        #: a compressed weight the format keeps packed for a kernel (runtime/models/packed.py) is loaded packed, as
+        #: a ring slot holds it (resident parts then take their packed bytes: `shape`), not dequantized (CPU only;
+        #: the embedding, read by rows, never)
+        self.packed = False
 
     # --- the parts -------------------------------------------------------------------------------------
 
@@ -200,7 +204,8 @@ class WeightLoader:
             if packed else ()
         return ModelShape(name=name, parts=tuple((key, self.nbytes(key)) for key in keys),
                           num_layers=cfg.num_layers, kv_bytes_per_token=kv, stored=stored,
-                          hidden_bytes_per_token=cfg.hidden_size * self.dtype.itemsize, slotted=slotted)
+                          hidden_bytes_per_token=cfg.hidden_size * self.dtype.itemsize, slotted=slotted,
+                          resident_packed=packed and self.packed)
 
     def packed_nbytes(self, key: PartKey) -> int:
         """Bytes the part takes in a ring slot with its compressed weights packed (their format's `packed_nbytes`:
@@ -272,10 +277,17 @@ class WeightLoader:
     # --- internals -------------------------------------------------------------------------------------
 
     def _read(self, key: PartKey) -> dict[str, Tensor]:
-        return {
-            field: self.checkpoint.get(ref.name, self.dtype, self.device, ref.index)
-            for field, ref in self.refs(key).items()
-        }
+        ckpt, out = self.checkpoint, {}
+        packs = self.packed and self.device.type == "cpu" and key.kind != "embedding"
+        for field, ref in self.refs(key).items():
+            quant = ckpt.quantized(ref.name, ref.index) if packs else None
+            shape = ckpt.shape_of(ref.name, ref.index)
+            if quant is not None and stays_packed(quant, shape):
+                parts = {c.suffix: ckpt.get(f"{ref.name}.{c.suffix}", None, "cpu", ref.index) for c in quant.components}
+                out[field] = quant.spec.packed_copy(parts, shape, self.dtype)
+            else:
+                out[field] = ckpt.get(ref.name, self.dtype, self.device, ref.index)
+        return out
 
     def _check_layer(self, key: PartKey) -> None:
         cfg = self.config

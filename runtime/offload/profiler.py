@@ -310,7 +310,7 @@ def _isolated(config: EngineConfig, quick: bool, phase: Callable[[int], None]) -
     timer = _Timer(1 if quick else REPS)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     dtype, device = config.torch_dtype, torch.device(config.device)
-    target = Transformer(config.target, dtype=dtype, device=device)
+    target = Transformer(config.target, dtype=dtype, device=device, packed=config.packed_resident)
     target.pack = False  # streamed weights are used unpacked
     cfg = target.config
     with torch.inference_mode(), _Others() as others:

@@ -198,7 +198,8 @@ class PrefetchWorker:
     def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None,
                  sync: SlotSync | None = None) -> None:
         self.plan = plan
-        self.model = Transformer(config.target, dtype=config.torch_dtype, device=compute_device(config))
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=compute_device(config),
+                                 packed=config.packed_resident)
         self.streamer = _slot_streamer(self.model, plan, config, slots, loads=True, sync=sync)
 
     @property
@@ -232,7 +233,8 @@ class AttentionWorker(BatchKV):
     def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None,
                  sync: SlotSync | None = None) -> None:
         self.plan = plan
-        self.model = Transformer(config.target, dtype=config.torch_dtype, device=attention_device(config))
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=attention_device(config),
+                                 packed=config.packed_resident)
         mine = [k for k in plan.resident if k.kind in ("attention", "embedding")]
         self.model.preload(mine)
         self.reader = _SlotReader(_slot_streamer(self.model, plan, config, slots, loads=False, sync=sync), plan)
@@ -311,7 +313,8 @@ class VerifierWorker:
     def __init__(self, config: EngineConfig, plan: WeightPlan, slots: Sequence[Tensor] | None = None,
                  sync: SlotSync | None = None) -> None:
         self.plan = plan
-        self.model = Transformer(config.target, dtype=config.torch_dtype, device=compute_device(config))
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=compute_device(config),
+                                 packed=config.packed_resident)
         mine = [k for k in plan.resident if k.kind in ("dense_mlp", "router", "expert", "head")]
         self.model.preload(mine)
         views = _slot_streamer(self.model, plan, config, slots, loads=False, sync=sync)

@@ -106,7 +106,8 @@ class LowbitDrafter(SharedKV, DrafterTraits):
         it, the parts of `copy_kinds` are copies and the others loaded as stored."""
         self.target_kv = share.kv if share is not None else None
         self.format = self.settings(config).format
-        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device,
+                                 packed=config.packed_resident)
         parts = self.model.loader.parts()
         copied = [key for key in parts if key.kind in COPIED_FIELDS]
         if share is not None:  # the target's own tensors where it holds them; the embedding is the attention worker's

@@ -88,7 +88,8 @@ class ResidentExpertDrafter(SharedKV, DrafterTraits):
     def __init__(self, config: EngineConfig, weights: WeightPlan | None = None, slots: Sequence[Tensor] | None = None,
                  *, share: TargetShare | None = None, decay: float = 0.5, min_gain: float = 0.02) -> None:
         self.target_kv = share.kv if share is not None else None
-        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device)
+        self.model = Transformer(config.target, dtype=config.torch_dtype, device=config.device,
+                                 packed=config.packed_resident)
         cfg = self.model.config
         self.n = weights.draft_experts if weights is not None and weights.draft_experts else resident_expert_count(
             config, cfg)
