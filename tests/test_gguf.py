@@ -77,10 +77,12 @@ def test_block_formats_decode_as_llama_cpp(name, rows, blocks, seed):
 @pytest.mark.parametrize("name", ["q4_0", "q4_k"])
 def test_packed_q4_multiplies_as_its_dequantized_weight(name):
     fmt = weight_format(name)
-    shape = (128, 512)
+    shape = (100, 512)  # (outputs padded to two kernel blocks of 64)
     raw = torch.from_numpy(random_blocks(name, shape[0], shape[1] // fmt.block, 3))
     assert fmt.stays_packed(shape)
     w = fmt.packed_copy({"qweight": raw}, shape, torch.bfloat16)
+    via_int4 = Int4(32).packed_copy(fmt.int4_parts({"qweight": raw}), shape, torch.bfloat16)  # the int4 path
+    assert torch.equal(w.codes, via_int4.codes) and torch.equal(w.scales_zeros, via_int4.scales_zeros)
     dense = dequantize({"qweight": raw}, fmt, shape)  # float32
     x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     assert rel_err(w.matmul(x), F.linear(x.float(), dense)) < 2e-2  # (scales rounded to bfloat16)

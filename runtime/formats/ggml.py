@@ -31,7 +31,7 @@ from typing import ClassVar
 
 import torch
 
-from ..models.packed import int4_packable
+from ..models.packed import PackedInt4, int4_packable
 from . import WeightFormat, register_format
 from .int4 import Int4
 
@@ -125,11 +125,24 @@ class Q8_0(GGMLFormat):
 
 @dataclass(frozen=True)
 class _Int4Blocks(GGMLFormat):
-    """A block type that is int4 with a scale and an offset per 32 inputs: stays packed for the int4 kernel."""
+    """A block type that is int4 with a scale and an offset per 32 inputs: stays packed for the int4 kernel. Its
+    blocks hold, from byte `qs_at`, runs of `run` bytes whose low nibbles are `run` consecutive codes and whose
+    high nibbles the next `run` (`chunks` such pairs per block)."""
+
+    qs_at: ClassVar[int] = 0
+    run: ClassVar[int] = 0
+    chunks: ClassVar[int] = 1
+
+    def scales(self, b: Tensor) -> tuple[Tensor, Tensor]:
+        """Blocks [R, nb, block_bytes] -> (scale, min) float32 [R, in / 32]: w = q * scale + min per 32 inputs."""
+        raise NotImplementedError
 
     def int4_parts(self, parts: dict[str, Tensor]) -> dict[str, Tensor]:
         """The weight as "int4" group-32 components (codes [..., in / 2] even input low; scale and min float32)."""
-        raise NotImplementedError
+        b = _blocks(parts["qweight"], self.block_bytes)  # [R, nb, block_bytes]
+        codes = _nibbles(b[..., self.qs_at :], self.run).reshape(b.shape[0], -1)  # [R, in]
+        scale, low = self.scales(b)
+        return {"qweight": _pairs(codes), "scale": scale, "zero": low}
 
     def stays_packed(self, shape: tuple[int, ...]) -> bool:
         return int4_packable(shape, 32)
@@ -141,7 +154,24 @@ class _Int4Blocks(GGMLFormat):
         return Int4(32).packed_view(region, shape, dtype, align)
 
     def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
-        Int4(32).fill_packed(view, self.int4_parts(parts), codes_there)
+        """The codes straight from the blocks into the kernel's layout (runtime/models/packed.py `kernel_layout`:
+        per block of 64 outputs and per input e, the byte code(channel j, e) | code(channel 32 + j, e) << 4), two
+        passes over the codes; per group (scale, min + 8 * scale) in the compute dtype (padded outputs: 0, 0)."""
+        assert isinstance(view, PackedInt4) and not codes_there
+        b = _blocks(parts["qweight"], self.block_bytes)  # [n, nb, block_bytes]
+        n, nb = b.shape[:2]
+        out_p = view.codes.shape[0]
+        padded = torch.cat([b, b.new_zeros(out_p - n, nb, self.block_bytes)]) if n < out_p else b
+        a = padded[..., self.qs_at :].unflatten(-1, (self.chunks, self.run)).unflatten(0, (out_p // 64, 2, 32))
+        first, second = a[:, 0], a[:, 1]  # [blocks, 32 channels j, nb, chunks, run]: channels j and 32 + j
+        d = view.codes.view(out_p // 64, nb, self.chunks, 2, self.run, 32)  # [blocks, nb, chunks, nibble, run, j]
+        torch.bitwise_or(first & 0xF, second << 4, out=d[:, :, :, 0].permute(0, 4, 1, 2, 3))
+        torch.bitwise_or(first >> 4, second & 0xF0, out=d[:, :, :, 1].permute(0, 4, 1, 2, 3))
+        scale, low = self.scales(b)  # [n, in / 32]
+        if n < out_p:
+            view.scales_zeros[:, n:].zero_()
+        view.scales_zeros[:, :n, 0].copy_(scale.T)
+        view.scales_zeros[:, :n, 1].copy_((low + 8 * scale).T)
 
 
 def _pairs(codes: Tensor) -> Tensor:
@@ -153,16 +183,15 @@ def _pairs(codes: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class Q4_0(_Int4Blocks):
     name, default_group, block, block_bytes, gguf_type = "q4_0", 32, 32, 18, "Q4_0"
+    qs_at, run, chunks = 2, 16, 1
 
     def _dequantize(self, out: Tensor, b: Tensor) -> None:
         out.view(*b.shape[:2], 2, 16).copy_(_nibbles(b[..., 2:], 16)[..., 0, :, :])
         out.sub_(8).mul_(_f16(b[..., :2]))
 
-    def int4_parts(self, parts: dict[str, Tensor]) -> dict[str, Tensor]:
-        b = _blocks(parts["qweight"], self.block_bytes)  # [R, nb, 18]
-        codes = _nibbles(b[..., 2:], 16).reshape(b.shape[0], -1)  # [R, in]
+    def scales(self, b: Tensor) -> tuple[Tensor, Tensor]:
         d = _f16(b[..., :2])[..., 0]  # [R, nb]
-        return {"qweight": _pairs(codes), "scale": d, "zero": -8 * d}
+        return d, -8 * d
 
 
 @register_format
@@ -189,6 +218,7 @@ def _k_dequantize(out: Tensor, b: Tensor, q: Tensor) -> None:
 @dataclass(frozen=True)
 class Q4_K(_Int4Blocks):
     name, default_group, block, block_bytes, gguf_type = "q4_k", QK_K, QK_K, 144, "Q4_K"
+    qs_at, run, chunks = 16, 32, 4
 
     def _dequantize(self, out: Tensor, b: Tensor) -> None:
         _k_dequantize(out, b, _nibbles(b[..., 16:], 32).flatten(-3, -2))
@@ -196,12 +226,9 @@ class Q4_K(_Int4Blocks):
     def check_parts(self, parts: dict[str, Tensor]) -> str | None:
         return super().check_parts(parts) or _check_dmin(parts, self.block_bytes)
 
-    def int4_parts(self, parts: dict[str, Tensor]) -> dict[str, Tensor]:
-        b = _blocks(parts["qweight"], self.block_bytes)  # [R, nb, 144]
-        codes = _nibbles(b[..., 16:], 32).reshape(b.shape[0], -1)  # [R, in]
+    def scales(self, b: Tensor) -> tuple[Tensor, Tensor]:
         sc, mn = _k_scales(b[..., 4:16])  # [R, nb, 8]
-        scale = (_f16(b[..., 0:2]) * sc.float()).flatten(1)  # [R, in / 32]
-        return {"qweight": _pairs(codes), "scale": scale, "zero": -(_f16(b[..., 2:4]) * mn.float()).flatten(1)}
+        return (_f16(b[..., 0:2]) * sc.float()).flatten(1), -(_f16(b[..., 2:4]) * mn.float()).flatten(1)
 
 
 def _check_dmin(parts: dict[str, Tensor], block_bytes: int) -> str | None:
