@@ -68,6 +68,8 @@ def test_block_formats_decode_as_llama_cpp(name, rows, blocks, seed):
     ref = quants.dequantize(raw, GGMLQuantizationType[fmt.gguf_type])
     ours = dequantize({"qweight": torch.from_numpy(raw)}, fmt, (rows, blocks * fmt.block))
     assert np.array_equal(ours.numpy(), ref)
+    for dtype in (torch.bfloat16, torch.float16):  # straight into a 16-bit slot: the same values, rounded once
+        assert torch.equal(dequantize({"qweight": torch.from_numpy(raw)}, fmt, ours.shape, dtype), ours.to(dtype))
     if hasattr(fmt, "int4_parts"):  # q4_0 / q4_k as int4 group 32: the same weights
         parts = fmt.int4_parts({"qweight": torch.from_numpy(raw)})
         assert torch.equal(dequantize(parts, Int4(32), (rows, blocks * fmt.block)), ours)

@@ -75,6 +75,12 @@ class WeightFormat:
         """Write the weight into `dest` [..., padded in] (float32, contiguous, rows of whole groups) in place."""
         raise NotImplementedError
 
+    def dequantize_direct(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> bool:
+        """Write the weight into `dest` (any float dtype: the compute dtype) without a float32 destination, the
+        arithmetic in float32 and one rounding, where the format can; False: it cannot (the caller goes through
+        float32, `dequantize_into`)."""
+        return False
+
     def check_parts(self, parts: dict[str, torch.Tensor]) -> str | None:
         """What is wrong with a weight's stored components (a damaged file), or None: the base checks that every
         floating component (scale, zero point) is finite and that scales are >= 0; a format adds its own rules.
@@ -172,6 +178,8 @@ def dequantize_into(dest: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Wei
     width = fmt.padded_width(dest.shape[-1])  # a row with its group padding
     if dest.dtype == torch.float32 and dest.is_contiguous() and width == dest.shape[-1]:
         return fmt.dequantize_rows(dest, parts)
+    if fmt.dequantize_direct(dest, parts):
+        return dest
     rows = dest.reshape(-1, dest.shape[-1]) if dest.is_contiguous() else None  # [R, in] view
     if rows is None or dest.device.type != "cpu":  # one temporary (CUDA: the block loop would launch per block)
         full = torch.empty(*dest.shape[:-1], width, dtype=torch.float32, device=dest.device)
