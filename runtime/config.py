@@ -91,9 +91,10 @@ class EngineConfig:
         ffn then runs one group after another, so the ring holds a group, not a layer (smaller by up to E / g).
     packed_weights: a compressed target's weights (int8, int4, a GGUF's q4_0 / q4_k): "auto" keeps them packed
         where the layers multiply by them faster than they can be dequantized (bfloat16 compute on a CPU with
-        native bfloat16 GEMMs, runtime/models/packed.py), in the ring slots and resident alike (a resident part
-        then takes its packed bytes of the budget); "on" does so on any CPU; "slots" packs only the streamed
-        weights (resident parts dequantized at load); "off" always dequantizes.
+        native bfloat16 GEMMs, runtime/models/packed.py), in the ring slots and, under a device_memory budget, for
+        resident parts too (which then take their packed bytes of the budget); "on" does both on any CPU, budget
+        or not; "slots" packs only the streamed weights (resident parts dequantized at load); "off" always
+        dequantizes.
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
     kv_block_size: offloaded: the target's KV caches hold blocks of this many positions from one pool of the
         attention worker, sized by the placement (runtime/kv_blocks.py): a row holds the blocks its tokens use, not
@@ -246,8 +247,13 @@ class EngineConfig:
 
     @property
     def packed_resident(self) -> bool:
-        """Resident compressed weights stay packed too (`packed_weights` "auto" / "on"; runtime/models/weights.py)."""
-        return self.packed_slots and self.packed_weights != "slots"
+        """Resident compressed weights stay packed too (runtime/models/weights.py): "on"; "auto" where packed slots
+        are on and a device_memory budget is set (packed, a resident part takes a quarter to a half of the budget,
+        but from ~16 rows the kernels multiply slower than a 16-bit GEMM: docs/perf int4_kernel; with all the
+        memory there is, the engine keeps its resident weights dequantized)."""
+        if self.packed_weights == "auto":
+            return self.packed_slots and self.device_memory is not None
+        return self.packed_weights == "on"
 
     def _check_drafter(self) -> None:
         """The drafter is registered and has what its class needs (a checkpoint, a budget)."""

@@ -93,7 +93,7 @@ def main() -> int:
     ap.add_argument("--target", default="dense", help="dense | moefied | a checkpoint directory")
     ap.add_argument("--budget", default="4.5GiB")
     ap.add_argument("--dtype", default="float32", help="compute dtype: float32 | bfloat16 | float16")
-    ap.add_argument("--regime", default=None, choices=["tight", "moe", "dense"],
+    ap.add_argument("--regime", default=None, choices=["tight", "roomy", "moe", "dense"],
                     help="names the summary's ratios (default: moe for the moefied target, else dense)")
     ap.add_argument("--packed-weights", default="auto", choices=["auto", "on", "off"],
                     help="int8 weights kept packed in the slots (runtime/models/packed.py)")

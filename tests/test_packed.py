@@ -318,6 +318,16 @@ def test_resident_parts_stay_packed(tiny_models, int4, target, single_thread):
     assert outs["on"] == outs["slots"]
 
 
+def test_resident_parts_pack_by_default_only_under_a_budget():
+    from specoffload.runtime.models.linear import packed_kernel
+
+    roomy = EngineConfig(target="x", dtype="bfloat16")
+    tight = replace(roomy, device_memory="1GiB")
+    assert not roomy.packed_resident and tight.packed_resident == packed_kernel(torch.bfloat16, torch.device("cpu"))
+    assert replace(roomy, packed_weights="on").packed_resident and not replace(tight, packed_weights="slots") \
+        .packed_resident and replace(tight, packed_weights="slots").packed_slots
+
+
 def test_the_profiler_times_the_streamed_ffn_as_the_slots_hold_it(int4, single_thread):
     """With packed slots the profiler's streamed FFN is the slot's (int4 codes for the kernel); without, none (the
     loader's dequantized weights are what a slot holds)."""
