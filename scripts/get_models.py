@@ -606,6 +606,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=DTYPES, default=DTYPE, help=f"checkpoint dtype (default {DTYPE})")
     ap.add_argument("--no-check", action="store_true", help="skip the generation and vocabulary checks")
     ap.add_argument("--print-path", choices=sorted(SPECS), help="print one model's directory and exit (no download)")
+    ap.add_argument("--fetch-gguf", choices=sorted(SPECS),
+                    help="fetch (or reuse) one model's verified GGUF, print its path and exit (no conversion): the "
+                         "engine runs it as stored")
     ap.add_argument("--skip-hash-check", action="store_true",
                     help=f"do not check the converted checkpoints' SHA-256 (faster; also {SKIP_HASH_ENV}=1)")
     ap.add_argument("--moe", type=_moe_kinds, default=[], metavar="upcycle,moefy",
@@ -616,6 +619,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--moe builds from the target; drop --only draft")
     if args.print_path:
         print(model_dir(args.print_path, args.cache, verify=False))
+        return 0
+    if args.fetch_gguf:
+        try:
+            cache = Path(args.cache).expanduser() if args.cache else default_cache()
+            gguf = fetch_gguf(SPECS[args.fetch_gguf], cache)
+        except GetModelsError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(gguf)
         return 0
     only = [args.only] if args.only else ["target", "draft"]
     started = time.time()
