@@ -2,7 +2,8 @@
 
 Reads a JSON request on stdin: {"model": GGUF path, "prompts": [[ids]], "new_tokens": N, "threads": T,
 "n_ctx": C}; each prompt is evaluated from an empty context (one sequence at a time: llama-cpp-python's high-level
-API), then N greedy tokens (the argmax of the last logits; EOS not special), each evaluated in turn. Writes
+API), then N greedy tokens (the argmax of the last token's logits, read from the context as llama.cpp's own
+greedy sampler does; EOS not special), each evaluated in turn. Writes
 {"tokens": [[ids]], "prefill_s": [...], "decode_s": [...], "version": ...} to stdout.
 """
 
@@ -26,7 +27,8 @@ def main() -> None:
         t1 = time.perf_counter()
         new = []
         for i in range(req["new_tokens"]):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))  # the last token's
+            tok = int(np.argmax(logits))
             new.append(tok)
             if i + 1 < req["new_tokens"]:
                 llm.eval([tok])
