@@ -10,7 +10,6 @@ and offloaded at the smallest budget (contiguous and block KV); speculation on a
 from __future__ import annotations
 
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +33,12 @@ from specoffload.runtime.models.packed import int4_kernel_ok
 from specoffload.runtime.offline.manifest import checkpoint_identity
 from specoffload.runtime.offload.embedding import EmbeddingRows
 from specoffload.runtime.sampling import SamplingParams
-from tests.conftest import OFFLOAD_PROMPTS
+from tests.conftest import offload_greedy, tight_config
 from tests.test_engine import PROMPTS, hf_greedy
 from tests.test_models import TOL, hf_logits, ragged_batch, rel_err
 
 GGML = sorted(n for n, f in FORMATS.items() if not f.writable)
 MODELS = ["qwen2_256", "qwen3_moe_256"]
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -73,6 +71,16 @@ def test_block_formats_decode_as_llama_cpp(name, rows, blocks, seed):
     if hasattr(fmt, "int4_parts"):  # q4_0 / q4_k as int4 group 32: the same weights
         parts = fmt.int4_parts({"qweight": torch.from_numpy(raw)})
         assert torch.equal(dequantize(parts, Int4(32), (rows, blocks * fmt.block)), ours)
+
+
+@pytest.mark.parametrize(("name", "at"), [("q8_0", 0), ("q4_k", 0), ("q4_k", 2), ("q5_k", 2), ("q6_k", 208)])
+def test_a_damaged_block_scale_is_found(name, at):
+    fmt = weight_format(name)
+    raw = random_blocks(name, 2, 2, 1)
+    assert fmt.check_parts({"qweight": torch.from_numpy(raw)}) is None
+    blocks = raw.reshape(2, 2, fmt.block_bytes)
+    blocks[1, 1, at : at + 2] = np.array([np.nan], np.float16).view(np.uint8)
+    assert "NaN" in fmt.check_parts({"qweight": torch.from_numpy(raw)})
 
 
 @pytest.mark.skipif(not int4_kernel_ok(), reason="this torch has no CPU int4 kernel")
@@ -120,27 +128,13 @@ def test_logits_and_greedy_match_transformers(ggufs, name):
     engine.close()
 
 
-def _tight(target: Path, **kw) -> EngineConfig:
-    config = EngineConfig(**(dict(target=target, max_batch_size=3, max_seq_len=48, num_draft_tokens=3,
-                                  device_memory="1GiB", num_buffers=1) | kw))
-    probe = Engine(config)
-    budget = probe.minimum_device_memory()
-    probe.close()
-    return replace(config, device_memory=budget)
-
-
-def _greedy(config: EngineConfig) -> tuple[list[list[int]], Engine]:
-    engine = Engine(config)
-    return [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)], engine
-
-
 @pytest.mark.parametrize("kv", [{}, {"kv_block_size": 4}], ids=["contiguous", "block-kv"])
 @pytest.mark.parametrize("name", MODELS)
 def test_offloaded_reads_the_gguf_in_place(ggufs, name, kv):
     companion, _, file = ggufs[name]
-    resident, engine = _greedy(EngineConfig(target=companion, max_batch_size=3, dtype="float32"))
+    resident, engine = offload_greedy(EngineConfig(target=companion, max_batch_size=3, dtype="float32"))
     engine.close()
-    out, engine = _greedy(_tight(companion, dtype="float32", **kv))
+    out, engine = offload_greedy(tight_config(companion, dtype="float32", **kv))
     assert engine.placement.streamed_layers and engine.last_stats.bytes_read > 0
     assert out == resident
     engine.close()
@@ -149,9 +143,9 @@ def test_offloaded_reads_the_gguf_in_place(ggufs, name, kv):
 @pytest.mark.parametrize("drafter", [{"drafter": "lowbit"}, {"draft": "self"}], ids=["lowbit", "self"])
 def test_speculation_on_a_gguf_target_is_lossless(ggufs, drafter):
     companion = ggufs["qwen3_moe_256"][0]
-    plain, engine = _greedy(_tight(companion, dtype="float32", num_draft_tokens=0))
+    plain, engine = offload_greedy(tight_config(companion, dtype="float32", num_draft_tokens=0))
     engine.close()
-    out, engine = _greedy(_tight(companion, dtype="float32", **drafter))
+    out, engine = offload_greedy(tight_config(companion, dtype="float32", **drafter))
     assert engine.last_stats.num_drafted > 0
     assert out == plain
     engine.close()
@@ -162,9 +156,9 @@ def test_bfloat16_streams_q4_blocks_packed(ggufs):
     """In bfloat16 the q4_0 / q4_k weights a slot streams stay packed for the int4 kernel (the others are decoded
     into the slot); the run's tokens are the float32 run's on most positions (the kernel's bfloat16 scales)."""
     companion = ggufs["qwen2_256"][0]
-    reference, engine = _greedy(_tight(companion, dtype="float32"))
+    reference, engine = offload_greedy(tight_config(companion, dtype="float32"))
     engine.close()
-    out, engine = _greedy(_tight(companion, dtype="bfloat16", packed_weights="slots"))
+    out, engine = offload_greedy(tight_config(companion, dtype="bfloat16", packed_weights="slots"))
     streamer = engine.workers.prefetch.streamer
     keys = [k for k in engine.workers.prefetch.model.loader.parts() if engine.placement.is_streamed(k)]
     fields = [f for key in keys for f in streamer.layout(key).fields]

@@ -4,7 +4,7 @@
 A row of `in` inputs is `in / block` blocks of `block_bytes` bytes each, stored as one uint8 component
 `qweight [..., in / block * block_bytes]` exactly as in the file (the streamer reads the GGUF's tensor data in place,
 runtime/models/gguf.py). Dequantization is llama.cpp's (ggml-quants.c `dequantize_row_*`, which the gguf package
-implements in numpy: tests/test_ggml_formats.py checks these against it bit for bit), in float32:
+implements in numpy: tests/test_gguf.py checks these against it bit for bit), in float32:
 
     q8_0   34 B / 32:   d f16, q int8[32]                              w = d * q
     q4_0   18 B / 32:   d f16, 32 nibbles (j low, j + 16 high)          w = d * (q - 8)
@@ -128,16 +128,20 @@ class GGMLFormat(WeightFormat):
         low [R, nb, G, 1] float32 or None) with w = q * scale - low per group of g inputs (llama.cpp's terms)."""
         raise NotImplementedError
 
+    #: byte offsets of each block's float16 scales (q4_k / q5_k: d and dmin; mxfp4: none, its e8m0 exponent is
+    #: always a finite power of two)
+    scales_at: ClassVar[tuple[int, ...]] = (0,)
+
     def check_parts(self, parts: dict[str, Tensor]) -> str | None:
-        """Every block's float16 scale (the first two bytes, where the format has one there) finite."""
+        """Every block's float16 scales (`scales_at`) finite."""
         q = parts.get("qweight")
-        if q is None or self.scale_at is None or not q.numel():
+        if q is None or not q.numel():
             return None
         b = _blocks(q, self.block_bytes)
-        d = _f16(b[..., self.scale_at : self.scale_at + 2])
-        return None if bool(torch.isfinite(d).all()) else "a block scale holds NaN or infinity"
-
-    scale_at: ClassVar[int | None] = 0  # byte offset of a float16 scale in each block (None: none to check)
+        for at in self.scales_at:
+            if not bool(torch.isfinite(_f16(b[..., at : at + 2])).all()):
+                return f"a block scale (bytes {at}..{at + 1} of each block) holds NaN or infinity"
+        return None
 
 
 @register_format
@@ -164,7 +168,8 @@ class _Int4Blocks(GGMLFormat):
         raise NotImplementedError
 
     def int4_parts(self, parts: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The weight as "int4" group-32 components (codes [..., in / 2] even input low; scale and min float32)."""
+        """The weight as "int4" group-32 components (codes [..., in / 2] even input low; scale and min float32): the
+        reference `fill_packed`'s direct repacking is tested against (through int4's own packing)."""
         b = _blocks(parts["qweight"], self.block_bytes)  # [R, nb, block_bytes]
         codes = _nibbles(b[..., self.qs_at :], self.run).reshape(b.shape[0], -1)  # [R, in]
         scale, low = self.scales(b)
@@ -232,10 +237,16 @@ class Q5_0(GGMLFormat):
         return q[..., None, :], _f16(b[..., :2])[..., None], None
 
 
+def _k_steps(b: Tensor) -> tuple[Tensor, Tensor]:
+    """q4_k / q5_k blocks [R, nb, bytes] -> (d * sc_j, dmin * m_j) float32 [R, nb, 8], per sub-block j of 32."""
+    sc, mn = _k_scales(b[..., 4:16])
+    return _f16(b[..., 0:2]) * sc.float(), _f16(b[..., 2:4]) * mn.float()
+
+
 def _k_codes(b: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q4_k / q5_k: w = (d * sc_j) * q - (dmin * m_j) per sub-block j of 32; q [R, nb, 8, 32]."""
-    sc, mn = _k_scales(b[..., 4:16])
-    return q, (_f16(b[..., 0:2]) * sc.float())[..., None], (_f16(b[..., 2:4]) * mn.float())[..., None]
+    scale, low = _k_steps(b)
+    return q, scale[..., None], low[..., None]
 
 
 @register_format
@@ -244,44 +255,33 @@ class Q4_K(_Int4Blocks):
     name, default_group, block, block_bytes, gguf_type = "q4_k", QK_K, QK_K, 144, "Q4_K"
     qs_at, run, chunks = 16, 32, 4
 
+    scales_at = (0, 2)
+
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         return _k_codes(b, _nibbles(b[..., 16:], 32).flatten(-3, -2))
 
-    def check_parts(self, parts: dict[str, Tensor]) -> str | None:
-        return super().check_parts(parts) or _check_dmin(parts, self.block_bytes)
-
     def scales(self, b: Tensor) -> tuple[Tensor, Tensor]:
-        sc, mn = _k_scales(b[..., 4:16])  # [R, nb, 8]
-        return (_f16(b[..., 0:2]) * sc.float()).flatten(1), -(_f16(b[..., 2:4]) * mn.float()).flatten(1)
-
-
-def _check_dmin(parts: dict[str, Tensor], block_bytes: int) -> str | None:
-    q = parts.get("qweight")
-    if q is None or not q.numel():
-        return None
-    dmin = _f16(_blocks(q, block_bytes)[..., 2:4])
-    return None if bool(torch.isfinite(dmin).all()) else "a block's min scale holds NaN or infinity"
+        scale, low = _k_steps(b)  # [R, nb, 8]
+        return scale.flatten(1), -low.flatten(1)
 
 
 @register_format
 @dataclass(frozen=True)
 class Q5_K(GGMLFormat):
     name, default_group, block, block_bytes, gguf_type = "q5_k", QK_K, QK_K, 176, "Q5_K"
+    scales_at = (0, 2)
 
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         low = _nibbles(b[..., 48:], 32).flatten(-3, -2)  # [R, nb, 8, 32]
         high = (b[..., None, 16:48] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [R, nb, 8, 32]
         return _k_codes(b, low | (high << 4))
 
-    def check_parts(self, parts: dict[str, Tensor]) -> str | None:
-        return super().check_parts(parts) or _check_dmin(parts, self.block_bytes)
-
 
 @register_format
 @dataclass(frozen=True)
 class Q6_K(GGMLFormat):
     name, default_group, block, block_bytes, gguf_type = "q6_k", QK_K, QK_K, 210, "Q6_K"
-    scale_at = 208
+    scales_at = (208,)
 
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         low = _nibbles(b[..., :128], 64).reshape(*b.shape[:2], 8, 32)  # [R, nb, 8, 32]
@@ -299,7 +299,7 @@ _E2M1_X2 = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
 @dataclass(frozen=True)
 class MXFP4(GGMLFormat):
     name, default_group, block, block_bytes, gguf_type = "mxfp4", 32, 32, 17, "MXFP4"
-    scale_at = None  # (an e8m0 exponent: every byte is a finite power of two)
+    scales_at = ()
 
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         e = b[..., :1].to(torch.int32)  # [R, nb, 1]
