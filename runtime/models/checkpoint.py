@@ -204,13 +204,9 @@ class Checkpoint:
         A compressed weight is dequantized (into `dtype`; float32 if None)."""
         entry = self._entry(name)
         if name in self._quant:
-            ref = self.quantized(name, index)
-            assert ref is not None
-            parts = {c.suffix: self.get(f"{name}.{c.suffix}", None, device, index) for c in ref.components}
-            self._check_parts(name, ref.spec, parts)
-            shape = self.shape_of(name, index)
-            dest = torch.empty(shape, dtype=dtype or torch.float32, device=device)
-            return dequantize_into(dest, parts, ref.spec)
+            spec = self._qspec[name]
+            dest = torch.empty(self.shape_of(name, index), dtype=dtype or torch.float32, device=device)
+            return dequantize_into(dest, self.stored_parts(name, index, device), spec)
         if self.gguf is not None:
             tensor = self._read_raw(name, entry, index)
             return tensor.to(device=device, dtype=dtype or tensor.dtype)
@@ -224,6 +220,17 @@ class Checkpoint:
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read tensor {name!r} from {entry.file}: {exc}") from exc
         return tensor.to(device=device, dtype=dtype or tensor.dtype)
+
+    def stored_parts(self, name: str, index: int | None = None,
+                     device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """A compressed weight's components (of its row `index` if given) as stored, checked by its format
+        (`WeightFormat.check_parts`: a damaged one fails naming tensor and file): suffix -> tensor."""
+        ref = self.quantized(name, index)
+        if ref is None:
+            raise CheckpointError(f"tensor {name!r} of {self.path} is not compressed: read it with `get`")
+        parts = {c.suffix: self.get(f"{name}.{c.suffix}", None, device, index) for c in ref.components}
+        self._check_parts(name, ref.spec, parts)
+        return parts
 
     def entry(self, name: str) -> _Entry:
         """The validated header entry of a tensor (file, safetensors dtype string, shape, byte range)."""

@@ -283,8 +283,7 @@ class WeightLoader:
             quant = ckpt.quantized(ref.name, ref.index) if packs else None
             shape = ckpt.shape_of(ref.name, ref.index)
             if quant is not None and stays_packed(quant, shape):
-                parts = {c.suffix: ckpt.get(f"{ref.name}.{c.suffix}", None, "cpu", ref.index) for c in quant.components}
-                out[field] = quant.spec.packed_copy(parts, shape, self.dtype)
+                out[field] = quant.spec.packed_copy(ckpt.stored_parts(ref.name, ref.index), shape, self.dtype)
             else:
                 out[field] = ckpt.get(ref.name, self.dtype, self.device, ref.index)
         return out

@@ -158,8 +158,7 @@ def lowbit_part(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> Weight
             continue
         stored = ckpt.quantized(ref.name, ref.index)
         if stored is not None and stored.spec == fmt:
-            components = {c.suffix: ckpt.get(f"{ref.name}.{c.suffix}", None, "cpu", ref.index)
-                          for c in stored.components}
+            components = ckpt.stored_parts(ref.name, ref.index)
         else:
             components = quantize(ckpt.get(ref.name, torch.float32, "cpu", ref.index), fmt)
         shape = ckpt.shape_of(ref.name, ref.index)
