@@ -26,6 +26,33 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 OFFLOAD_PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(7)]
 
 
+def tight_config(target: str | Path, **kw):  # noqa: ANN003, ANN201
+    """An offloaded EngineConfig of `target` at the smallest budget that places its plan (batch 3, k 3, one ring
+    slot, so the tiny models stream their FFN parts); `kw` overrides any field."""
+    from dataclasses import replace
+
+    from specoffload.runtime.config import EngineConfig
+    from specoffload.runtime.engine import Engine
+
+    config = EngineConfig(**(dict(target=target, max_batch_size=3, max_seq_len=48, num_draft_tokens=3,
+                                  device_memory="1GiB", num_buffers=1) | kw))
+    probe = Engine(config)
+    budget = probe.minimum_device_memory()
+    probe.close()
+    return replace(config, device_memory=budget)
+
+
+def offload_greedy(config):  # noqa: ANN001, ANN201
+    """Greedy tokens of OFFLOAD_PROMPTS (10 new tokens, EOS ignored, as `resident_greedy`) and the engine, which
+    the caller closes."""
+    from specoffload.runtime.engine import Engine
+    from specoffload.runtime.sampling import SamplingParams
+
+    engine = Engine(config)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    return [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)], engine
+
+
 @pytest.fixture(scope="session")
 def resident_greedy(tiny_models):  # noqa: ANN001, ANN201
     """name -> greedy tokens of OFFLOAD_PROMPTS (10 new tokens, EOS ignored) from the resident Engine (batch 3)."""

@@ -8,8 +8,6 @@ separate draft, are lossless.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from specoffload.runtime.config import EngineConfig
@@ -17,30 +15,13 @@ from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.errors import UnsupportedModelError
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.sampling import SamplingParams
-from tests.conftest import OFFLOAD_PROMPTS
+from tests.conftest import offload_greedy, tight_config
 from tests.test_engine import PROMPTS, hf_greedy
 
 FAMILIES = ["qwen3", "qwen3_moe", "olmoe", "gpt_oss"]
 MOES = ["qwen3_moe", "qwen3_moe_fused", "olmoe", "gpt_oss"]
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)  # as conftest's resident_greedy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def _tight(tiny_models, target: str, **kw) -> EngineConfig:
-    """The smallest budget that places the plan, one ring slot (so the tiny models stream their FFN parts)."""
-    config = EngineConfig(**(dict(target=tiny_models[target], max_batch_size=3, max_seq_len=48, num_draft_tokens=3,
-                                  device_memory="1GiB", num_buffers=1) | kw))
-    probe = Engine(config)
-    budget = probe.minimum_device_memory()
-    probe.close()
-    return replace(config, device_memory=budget)
-
-
-def _run(config: EngineConfig) -> tuple[list[list[int]], Engine]:
-    """Greedy tokens of OFFLOAD_PROMPTS and the engine (the caller closes it)."""
-    engine = Engine(config)
-    return [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)], engine
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -53,7 +34,7 @@ def test_resident_greedy_matches_transformers(tiny_models, family):
 @pytest.mark.parametrize("kv", [{}, {"kv_block_size": 4}], ids=["contiguous", "block-kv"])
 @pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe_fused"])
 def test_offloaded_at_the_minimum_budget_matches_resident(tiny_models, resident_greedy, family, kv):
-    out, engine = _run(_tight(tiny_models, family, **kv))
+    out, engine = offload_greedy(tight_config(tiny_models[family], **kv))
     assert engine.placement.streamed_layers, "the smallest budget must stream something"
     assert engine.last_stats.bytes_read > 0
     assert out == resident_greedy(family)
@@ -62,8 +43,9 @@ def test_offloaded_at_the_minimum_budget_matches_resident(tiny_models, resident_
 
 @pytest.mark.parametrize("target", MOES)
 def test_self_draft_is_lossless(tiny_models, resident_greedy, target):
-    config = _tight(tiny_models, target, draft="self", drafter_options={"resident_experts": 4, "migrate_interval": 2})
-    out, engine = _run(config)
+    config = tight_config(tiny_models[target], draft="self",
+                          drafter_options={"resident_experts": 4, "migrate_interval": 2})
+    out, engine = offload_greedy(config)
     assert out == resident_greedy(target)
     assert engine.last_stats.num_drafted > 0 and engine.last_stats.expert_picks > 0
     engine.close()
@@ -71,7 +53,7 @@ def test_self_draft_is_lossless(tiny_models, resident_greedy, target):
 
 @pytest.mark.parametrize("target", [*FAMILIES, "qwen3_moe_fused"])
 def test_lowbit_self_draft_is_lossless(tiny_models, resident_greedy, target):
-    out, engine = _run(_tight(tiny_models, target, drafter="lowbit"))
+    out, engine = offload_greedy(tight_config(tiny_models[target], drafter="lowbit"))
     assert out == resident_greedy(target)
     stats = engine.last_stats
     assert engine.workers.drafter.copies > 0 and 0 < stats.num_accepted <= stats.num_drafted
@@ -82,7 +64,7 @@ def test_lowbit_self_draft_is_lossless(tiny_models, resident_greedy, target):
 def test_dense_qwen3_drafts_for_the_moes(tiny_models, resident_greedy, target):
     config = EngineConfig(target=tiny_models[target], draft=tiny_models["qwen3"], max_batch_size=3, max_seq_len=48,
                           num_draft_tokens=3)
-    out, engine = _run(config)
+    out, engine = offload_greedy(config)
     assert out == resident_greedy(target) and engine.last_stats.num_drafted > 0
     engine.close()
 
