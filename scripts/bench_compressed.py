@@ -169,10 +169,10 @@ def main() -> int:
             summary[f"{packed}_packed_over_dequantized_{regime}"] = round(
                 results[packed]["tok_s_median"] / results[unpacked]["tok_s_median"], 3)
     for n, a in accuracy.items():
-        n = "gguf_q4km" if n == "gguf" else n
-        summary[f"{n}_top1_agreement"] = a["top1_agreement"]
-        summary[f"{n}_mean_kl"] = round(a["mean_kl"], 5)
-        summary[f"{n}_greedy32_identical"] = f"{a['greedy_identical']}/{a['greedy_prompts']}"
+        key = "gguf_q4km" if n == "gguf" else n
+        summary[f"{key}_top1_agreement"] = a["top1_agreement"]
+        summary[f"{key}_mean_kl"] = round(a["mean_kl"], 5)
+        summary[f"{key}_greedy32_identical"] = f"{a['greedy_identical']}/{a['greedy_prompts']}"
     print("\n| variant | batch | tok/s (median, min-max) | bytes/pass | load s/pass | of it decompress "
           "| compute s/pass |")
     print("|---|---:|---:|---:|---:|---:|---:|")
