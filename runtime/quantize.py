@@ -27,7 +27,7 @@ from .models.checkpoint import INDEX_FILE, Checkpoint
 from .models.config import ModelConfig
 from .models.errors import CheckpointError
 from .models.quantized import QUANT_FILE, QuantManifest
-from .models.weights import WeightLoader
+from .models.weights import ATTENTION_MATRICES, WeightLoader
 
 _DTYPE_NAME = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int8: "I8",
                torch.uint8: "U8"}  # fmt: skip
@@ -49,7 +49,7 @@ def compressed_names(checkpoint: Checkpoint, config: ModelConfig, attention: boo
         elif key.kind == "router":
             chosen = [r for f, r in refs.items() if f.startswith("shared_") and f.endswith("_proj")]
         elif key.kind == "attention" and attention:
-            chosen = [refs[x] for x in "qkvo"]
+            chosen = [r for f, r in refs.items() if f in ATTENTION_MATRICES]
         else:
             chosen = []
         names.update((r.name, None) for r in chosen)

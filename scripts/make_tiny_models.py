@@ -15,6 +15,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     GenerationConfig,
     GptOssConfig,
     GptOssForCausalLM,
@@ -168,6 +172,31 @@ def _gpt_oss() -> PretrainedConfig:
                         num_experts_per_tok=2, sliding_window=4, rope_parameters=rope, swiglu_limit=1.0)
 
 
+#: multi-head latent attention at tiny size: latent 32, rotary 8, 16 + 16 query-key / value dims per head
+_MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+
+def _deepseek_v2() -> PretrainedConfig:
+    """DeepSeek-V2(-Lite)-like: q in one projection, layer 0 dense, 8 experts of width 24 in 2 groups (top 2 within
+    the group of the best expert), a shared expert, routed weights scaled 1.5, YaRN RoPE with mscale (so a scaled
+    softmax)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 256}
+    return DeepseekV2Config(**_COMMON | {"num_key_value_heads": 4}, **_MLA, q_lora_rank=None, intermediate_size=96,
+                            moe_intermediate_size=24, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                            n_shared_experts=1, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=2,
+                            topk_group=1, routed_scaling_factor=1.5, rope_parameters=rope)
+
+
+def _deepseek_v3() -> PretrainedConfig:
+    """DeepSeek-V3-like: q through a rank-24 latent, layer 0 dense, 8 experts of width 24 in 4 groups, sigmoid scores
+    with a correction bias, renormalised, scaled 2.5, a shared expert, interleaved RoPE."""
+    return DeepseekV3Config(**_COMMON | {"num_key_value_heads": 4}, **_MLA, q_lora_rank=24, intermediate_size=96,
+                            moe_intermediate_size=24, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                            n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                            routed_scaling_factor=2.5, norm_topk_prob=True)
+
+
 _MODEL_CLASS: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
@@ -178,6 +207,8 @@ _MODEL_CLASS: dict[str, type[PreTrainedModel]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 # name -> (config factory, seed, save options)
@@ -200,6 +231,8 @@ TINY_MODELS: dict[str, tuple[Callable[[], PretrainedConfig], int, dict]] = {
     "gpt_oss": (_gpt_oss, 12, {}),
     "qwen2_256": (_qwen2_256, 13, {}),  # the GGUF tests' models (tests/test_gguf.py)
     "qwen3_moe_256": (_qwen3_moe_256, 14, {}),
+    "deepseek_v2": (_deepseek_v2, 15, {}),
+    "deepseek_v3": (_deepseek_v3, 16, {}),
 }
 
 #: extra names for the same checkpoint (tests elsewhere ask for "draft")
@@ -218,6 +251,9 @@ def build(name: str, out_dir: Path) -> Path:
                 param.normal_(0.0, 0.02)
             elif pname.endswith(".sinks"):  # gpt-oss's sink logits: large enough to take a visible share
                 param.normal_(0.0, 1.0)
+        for bname, buffer in model.named_buffers():  # DeepSeek-V3's routing bias: nonzero, so that it counts
+            if bname.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.5)
     path = Path(out_dir) / name
     shutil.rmtree(path, ignore_errors=True)
     model.save_pretrained(path, **save_options)

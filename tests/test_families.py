@@ -1,4 +1,5 @@
-"""The families added for issue 41 (Qwen3, Qwen3-MoE, OLMoE, gpt-oss) through the whole engine: the correctness table.
+"""The families added for issue 41 (Qwen3, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2 / V3) through the whole engine: the
+correctness table.
 
 Layer-level agreement with transformers (fp32 logits within 1e-4) is in test_models.py. Here each family runs
 through the Engine: resident greedy equals transformers' greedy; offloaded at the smallest budget (contiguous and
@@ -18,8 +19,8 @@ from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import offload_greedy, tight_config
 from tests.test_engine import PROMPTS, hf_greedy
 
-FAMILIES = ["qwen3", "qwen3_moe", "olmoe", "gpt_oss"]
-MOES = ["qwen3_moe", "qwen3_moe_fused", "olmoe", "gpt_oss"]
+FAMILIES = ["qwen3", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
+MOES = ["qwen3_moe", "qwen3_moe_fused", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -60,7 +61,7 @@ def test_lowbit_self_draft_is_lossless(tiny_models, resident_greedy, target):
     engine.close()
 
 
-@pytest.mark.parametrize("target", ["qwen3_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("target", ["qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"])
 def test_dense_qwen3_drafts_for_the_moes(tiny_models, resident_greedy, target):
     config = EngineConfig(target=tiny_models[target], draft=tiny_models["qwen3"], max_batch_size=3, max_seq_len=48,
                           num_draft_tokens=3)
@@ -76,8 +77,8 @@ def test_an_unsupported_family_is_refused_naming_the_supported_ones(tiny_models,
     path = tmp_path / "other"
     shutil.copytree(tiny_models["qwen3"], path)
     raw = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(raw | {"architectures": ["DeepseekV2ForCausalLM"]}))
-    with pytest.raises(UnsupportedModelError, match="DeepseekV2ForCausalLM.*supported: .*GptOssForCausalLM"):
+    (path / "config.json").write_text(json.dumps(raw | {"architectures": ["Glm4MoeForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match="Glm4MoeForCausalLM.*supported: .*DeepseekV3ForCausalLM"):
         Transformer(path)
 
 
@@ -102,3 +103,83 @@ def test_gpt_oss_lowbit_copies_its_transposed_experts(tiny_models, fmt):
     want, got = layers.expert_mlp(model.config, x, stored), layers.expert_mlp(model.config, x, copy)
     assert float((got - want).abs().max() / want.abs().max()) < (0.02 if fmt == "int8" else 0.2)
     assert not torch.equal(got, want)  # a copy, not the stored weights
+
+
+def test_mla_caches_the_latent_and_rotary_key_as_transformers_does(tiny_models):
+    """DeepSeek's KV cache holds one row per token and layer, the normalised latent c_kv and the rotated shared key
+    (kv_lora_rank + qk_rope_head_dim values for all heads), equal to what transformers' own cache holds."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models["deepseek_v3"]
+    model = Transformer(path)
+    cfg = model.config
+    rank, rot = cfg.kv_lora_rank, cfg.head_dim
+    ids = torch.tensor([[5, 9, 33, 70, 11, 4]])
+    cache = model.new_cache(1, 8)
+    model.forward(ids, cache)
+    assert cache.k.shape[2:] == (1, 8, (rank + rot) // 2) == cache.v.shape[2:]
+    shape = model.loader.shape("x")
+    assert shape.kv_bytes_per_token == cfg.num_layers * (rank + rot) * 4  # float32: one row, nothing twice
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids, use_cache=True).past_key_values
+    for layer in range(cfg.num_layers):
+        keys, values = cache.keys_values(layer, ids.shape[1])  # [1, 1, T, half] each
+        row = torch.cat([keys, values], dim=-1)[0, 0]  # [T, L + r]
+        torch.testing.assert_close(row[:, :rank], ref.layers[layer].keys[0, 0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(row[:, rank:], ref.layers[layer].values[0, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_deepseek_v3_next_token_layers_are_ignored_and_others_refused(tiny_models, tmp_path):
+    """DeepSeek-V3 checkpoints carry multi-token-prediction layers after the last decoder layer: not part of the
+    model (transformers skips them too); the same extra layer on DeepSeek-V2 is a config / weights mismatch."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specoffload.runtime.models.errors import CheckpointError
+
+    for family, accepted in (("deepseek_v3", True), ("deepseek_v2", False)):
+        path = tmp_path / family
+        shutil.copytree(tiny_models[family], path)
+        tensors = load_file(path / "model.safetensors")
+        tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        if accepted:
+            Transformer(path)
+        else:
+            with pytest.raises(CheckpointError, match="model.layers.3.eh_proj.weight"):
+                Transformer(path)
+
+
+def test_deepseek_attention_quantized_keeps_kv_b_and_streams_losslessly(tiny_models, tmp_path):
+    """`quantize --attention` compresses MLA's projections (q_a, q_b, kv_a, o) but not kv_b, which the attention
+    multiplies per head; the compressed checkpoint runs offloaded exactly as it runs resident."""
+    import torch
+
+    from specoffload.runtime.formats import weight_format
+    from specoffload.runtime.models.checkpoint import Checkpoint
+    from specoffload.runtime.quantize import quantize_checkpoint
+
+    out = tmp_path / "q"
+    quantize_checkpoint(tiny_models["deepseek_v3"], out, weight_format("int8"), attention=True)
+    ckpt = Checkpoint(out)
+    attn = "model.layers.1.self_attn"
+    assert all(ckpt.quantized(f"{attn}.{x}_proj.weight") is not None for x in ("q_a", "q_b", "o"))
+    assert ckpt.quantized(f"{attn}.kv_a_proj_with_mqa.weight") is not None
+    assert ckpt.quantized(f"{attn}.kv_b_proj.weight") is None
+    ids = torch.tensor([[5, 9, 33, 70]])
+    ours = Transformer(out).forward(ids, Transformer(out).new_cache(1, 8))
+    base = Transformer(tiny_models["deepseek_v3"])
+    ref = base.forward(ids, base.new_cache(1, 8))
+    assert 0 < float((ours - ref).abs().max() / ref.abs().max()) < 0.05
+    resident = Engine(EngineConfig(target=out, max_batch_size=3))
+    want = [r.token_ids for r in resident.generate([[1, 5, 9], [1, 6, 9, 35]],
+                                                   SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))]
+    offloaded = Engine(tight_config(out))
+    got = [r.token_ids for r in offloaded.generate([[1, 5, 9], [1, 6, 9, 35]],
+                                                   SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))]
+    assert offloaded.placement.streamed_layers and got == want
+    offloaded.close()

@@ -33,6 +33,8 @@ ALL_MODELS = [
     "qwen3_moe_fused",
     "olmoe",
     "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
 ]
 TOL = 1e-4
 

@@ -6,6 +6,7 @@ Layer convention used everywhere in `runtime.models`: layers are numbered 0..num
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+
+#: families with multi-head latent attention (DeepSeek-V2 / V3): `ModelConfig.mla`
+_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 #: MoE families whose router casts the top-k weights back to the compute dtype (Mixtral keeps them in float32)
 _ROUTE_WEIGHTS_IN_COMPUTE_DTYPE = ("qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
@@ -71,7 +77,10 @@ class ModelConfig:
     num_experts_per_tok: int
     norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
     route_weights_in_compute_dtype: bool  # the top-k weights are cast back to the compute dtype (not Mixtral)
-    router: str  # "softmax_topk": softmax over all experts, then top k; "topk_softmax": top k logits, softmax of those
+    router: str  # "softmax_topk": softmax over all experts, then top k; "topk_softmax": top k logits, softmax of those;
+    # "softmax_group_topk" (DeepSeek-V2's group-limited greedy): softmax, keep the `expert_groups[1]` groups of best
+    # maximum, top k within them; "sigmoid_group_topk" (DeepSeek-V3): sigmoid scores, choice by score + correction
+    # bias within the groups of best top-2 sum, weights the chosen scores (layers.route)
     swiglu_limit: float | None  # gpt-oss's clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate): clamp, and alpha
     swiglu_alpha: float
     moe_intermediate_size: int
@@ -80,6 +89,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     _hf_config: Any = field(default=None, repr=False, compare=False)
+    # --- DeepSeek-V2 / V3 (defaults: every other family) ---
+    softmax_scale: float = 0.0  # attention's score scale; 0 = head_dim ** -0.5 (MLA: qk head dim, times YaRN mscale^2)
+    expert_groups: tuple[int, int] = (1, 1)  # (groups the experts are cut into, groups a token may route to)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights are multiplied by it (after renormalisation)
+    router_in_float32: bool = False  # router logits from float32 hidden and gate, as DeepSeek's router computes them
+    shared_expert_gated: bool = True  # the shared expert's output is scaled by sigmoid(its gate) (Qwen2-MoE)
+    # multi-head latent attention (MLA, DeepSeek-V2 / V3); kv_lora_rank 0 = standard attention. head_dim is then the
+    # rotary part of the query / key heads (qk_rope_head_dim)
+    q_lora_rank: int = 0  # 0 = q projected in one matrix; else q_a (to this rank), its RMSNorm, q_b
+    kv_lora_rank: int = 0  # width of the cached latent c_kv
+    qk_nope_head_dim: int = 0  # the query / key head's part without rotary embedding
+    v_head_dim: int = 0
+    rope_interleaved: bool = False  # the rotary dims pair as (x0, x1), (x2, x3), ... (DeepSeek) instead of halves
 
     @property
     def sliding_window(self) -> int | None:
@@ -93,7 +115,27 @@ class ModelConfig:
 
     @property
     def has_shared_expert(self) -> bool:
-        return self.family == "qwen2_moe" and self.shared_expert_intermediate_size > 0
+        return self.shared_expert_intermediate_size > 0
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention: one cached latent row per token and layer (`cache_geometry`)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def scale(self) -> float:
+        """The attention's score scale (softmax(q k^T scale))."""
+        return self.softmax_scale or self.head_dim**-0.5
+
+    @property
+    def cache_geometry(self) -> tuple[int, int]:
+        """(kv heads, head dim) of the KV cache's K and V tensors. MLA caches per token one latent row
+        [c_kv | k_rope] (kv_lora_rank + qk_rope_head_dim values, shared by every head): it is stored as the K and V
+        of a single head of half that width, its first half in K and its second in V (layers.mla_attention_forward),
+        so every cache, block pool and copy works on it unchanged and nothing is stored twice."""
+        if self.mla:
+            return 1, (self.kv_lora_rank + self.head_dim) // 2
+        return self.num_kv_heads, self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -190,9 +232,16 @@ def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) ->
         num_experts, moe_width, shared_width = hf.num_experts, hf.intermediate_size, 0
         moe_layers = frozenset(range(num_layers))
         norm_topk = bool(hf.norm_topk_prob)
+    elif family in _MLA_FAMILIES:  # layers from first_k_dense_replace on are sparse (transformers ignores freq)
+        num_experts, moe_width = hf.n_routed_experts or 0, hf.moe_intermediate_size
+        shared_width = moe_width * (hf.n_shared_experts or 0)
+        moe_layers = frozenset(range(hf.first_k_dense_replace or 0, num_layers)) if num_experts else frozenset()
+        # (transformers' DeepSeek-V2 router never renormalises, whatever norm_topk_prob says; V3's does if it says so)
+        norm_topk = family == "deepseek_v3" and bool(hf.norm_topk_prob)
     else:
         num_experts, moe_width, shared_width, moe_layers, norm_topk = 0, 0, 0, frozenset(), False
 
+    deepseek = _deepseek(family, hf, path) if family in _MLA_FAMILIES else {}
     return ModelConfig(
         path=path,
         architecture=architecture,
@@ -220,7 +269,7 @@ def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) ->
         num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,
         norm_topk_prob=norm_topk,
         route_weights_in_compute_dtype=family in _ROUTE_WEIGHTS_IN_COMPUTE_DTYPE,
-        router="topk_softmax" if family == "gpt_oss" else "softmax_topk",
+        router=deepseek.pop("router", "topk_softmax" if family == "gpt_oss" else "softmax_topk"),
         swiglu_limit=float(hf.swiglu_limit) if family == "gpt_oss" else None,
         swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)) if family == "gpt_oss" else 1.0,
         moe_intermediate_size=moe_width,
@@ -229,6 +278,40 @@ def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) ->
         eos_token_ids=_eos_ids(hf.eos_token_id, generation.get("eos_token_id")),
         bos_token_id=getattr(hf, "bos_token_id", None),
         _hf_config=hf,
+        **deepseek,
+    )
+
+
+def _deepseek(family: str, hf: Any, path: str) -> dict[str, Any]:
+    """The DeepSeek-V2 / V3 fields of `ModelConfig`, as transformers' modeling code reads the config."""
+    if getattr(hf, "attention_bias", False):
+        raise UnsupportedModelError(f"attention_bias=True is not supported for {family} ({path})")
+    rank, rope, nope = hf.kv_lora_rank, hf.qk_rope_head_dim, hf.qk_nope_head_dim
+    if (rank + rope) % 2 or not 0 < rope < rank:
+        raise UnsupportedModelError(f"kv_lora_rank {rank} + qk_rope_head_dim {rope} must be even, with the rope part "
+                                    f"narrower than the latent ({path})")
+    scale = (nope + rope) ** -0.5
+    params = hf.rope_parameters or {}
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):  # YaRN's mscale, squared
+        factor = params["factor"]
+        mscale = 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    groups = (1, 1)
+    if family == "deepseek_v3":
+        router, groups = "sigmoid_group_topk", (hf.n_group or 1, hf.topk_group or 1)
+    elif hf.topk_method == "group_limited_greedy":
+        router, groups = "softmax_group_topk", (hf.n_group or 1, hf.topk_group or 1)
+    elif hf.topk_method == "greedy":
+        router = "softmax_topk"
+    else:
+        raise UnsupportedModelError(f"topk_method {hf.topk_method!r} is not supported ({path})")
+    if hf.n_routed_experts and hf.n_routed_experts % groups[0]:
+        raise UnsupportedModelError(f"{hf.n_routed_experts} experts do not split into n_group {groups[0]} ({path})")
+    return dict(
+        router=router, softmax_scale=scale, expert_groups=groups, routed_scaling_factor=float(hf.routed_scaling_factor),
+        router_in_float32=True, shared_expert_gated=False, q_lora_rank=hf.q_lora_rank or 0, kv_lora_rank=rank,
+        qk_nope_head_dim=nope, v_head_dim=hf.v_head_dim,
+        rope_interleaved=family == "deepseek_v2" or bool(getattr(hf, "rope_interleave", True)),
     )
 
 

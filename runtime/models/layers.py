@@ -23,7 +23,15 @@ import torch.nn.functional as F
 from ..kv_cache import KVCache
 from .config import ModelConfig
 from .linear import linear
-from .weights import AttentionWeights, DenseMLPWeights, EmbeddingWeights, ExpertWeights, HeadWeights, RouterWeights
+from .weights import (
+    AttentionWeights,
+    DenseMLPWeights,
+    EmbeddingWeights,
+    ExpertWeights,
+    HeadWeights,
+    LatentAttentionWeights,
+    RouterWeights,
+)
 
 Tensor = torch.Tensor
 
@@ -175,27 +183,118 @@ def attention_forward(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     cache.write(layer, k, v)
+    out = _attend_cached(q, cache, layer, positions, cfg.window_of(layer), mask,
+                         lambda q, keys, values, m: _attend(q, keys, values, m, cfg.scale, w.sinks))  # [B, heads, T, D]
+    return _output(hidden, out.transpose(1, 2).reshape(batch, steps, heads * dim), w.o, w.o_bias, mask)
+
+
+def _attend_cached(q: Tensor, cache: KVCache, layer: int, positions: Tensor, window: int | None, mask: Tensor | None,
+                   attend: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """attend(q, keys, values, mask) over the layer's cached positions, this call's included: q [B, heads, T, Dq],
+    positions [B, T] -> [B, heads, T, Dv]. A ragged pass (mask [B, T] with padding) attends in two row groups
+    (`_split_rows`): the short rows' queries cut to their longest feed, and their keys to what those queries see."""
+    steps = q.shape[2]
     num_keys = int(cache.lengths.max()) + steps
     keys, values = cache.keys_values(layer, num_keys)  # [B, kv_heads, S, D]
-    attn_mask = attention_mask(positions, num_keys, cfg.window_of(layer))  # [B, 1, T, S]
+    attn_mask = attention_mask(positions, num_keys, window)  # [B, 1, T, S]
     groups = _split_rows(mask.sum(dim=1), steps) if mask is not None else None
     if groups is None:
-        out = _attend(q, keys, values, attn_mask, dim**-0.5, w.sinks)  # [B, heads, T, D]
-    else:  # the short rows' queries cut to their longest feed, and their keys to what those queries see
-        out = q.new_zeros(q.shape)  # [B, heads, T, D]
-        lengths = cache.device_lengths()
-        for rows, width in groups:
-            seen = int(lengths[rows].max()) + width
-            out[rows, :, :width] = _attend(
-                q[rows, :, :width], keys[rows, :, :seen], values[rows, :, :seen], attn_mask[rows, :, :width, :seen],
-                dim**-0.5, w.sinks,
-            )  # [rows, heads, width, D]
-    out = out.transpose(1, 2).reshape(batch, steps, heads * dim)  # [B, T, heads * D]
+        return attend(q, keys, values, attn_mask)
+    out = None
+    lengths = cache.device_lengths()
+    for rows, width in groups:
+        seen = int(lengths[rows].max()) + width
+        part = attend(q[rows, :, :width], keys[rows, :, :seen], values[rows, :, :seen],
+                      attn_mask[rows, :, :width, :seen])  # [rows, heads, width, Dv]
+        if out is None:
+            out = part.new_zeros((*q.shape[:3], part.shape[-1]))  # [B, heads, T, Dv]
+        out[rows, :, :width] = part
+    return out
+
+
+def _output(hidden: Tensor, out: Tensor, o: Tensor, o_bias: Tensor | None, mask: Tensor | None) -> Tensor:
+    """hidden + o(out) (+ o_bias), on the valid tokens only when mask [B, T] is given: out [B, T, heads * Dv]."""
     if mask is None:
-        return hidden + linear(out, w.o, w.o_bias)
+        return hidden + linear(out, o, o_bias)
     result = hidden.clone()
-    result[mask] = hidden[mask] + linear(out[mask], w.o, w.o_bias)  # [n valid, H]
+    result[mask] = hidden[mask] + linear(out[mask], o, o_bias)  # [n valid, H]
     return result
+
+
+def mla_attention_forward(
+    cfg: ModelConfig, w: LatentAttentionWeights, hidden: Tensor, cache: KVCache, layer: int, rope: Rope,
+    token_mask: Tensor | None = None,
+) -> Tensor:
+    """Multi-head latent attention (DeepSeek-V2 / V3) with residual: hidden [B, T, H] -> [B, T, H]; the contract of
+    `attention_forward` (cache writes, token_mask).
+
+    It caches per token the latent c_kv = RMSNorm(kv_a x)[:L] and the rotary key k_r = RoPE((kv_a x)[L:]), one row
+    [c_kv | k_r] of L + r values for all heads (`ModelConfig.cache_geometry`: first half in K, second in V), and
+    attends in the latent form (W_uk absorbed into the query, W_uv applied after the weighted sum), which equals
+    transformers' expanded form, softmax((q_n k_n + q_r k_r) scale) v with k_n = W_uk c_kv and v = W_uv c_kv per
+    head, up to the order of the sums:
+
+        q_n W_uk c_kv = (W_uk^T q_n) . c_kv,    sum_s p_s W_uv c_kv,s = W_uv (sum_s p_s c_kv,s).
+
+    So a decode step reads L + r values per cached token (not heads x (n + r + v)), and no key or value is expanded.
+    The q / kv latents' norms use eps 1e-6 as transformers' do; RoPE pairs interleaved dims for DeepSeek (rotated as
+    even / odd halves, as transformers' interleaved form does).
+    """
+    batch, steps, _ = hidden.shape
+    heads, nope, rot, rank = cfg.num_heads, cfg.qk_nope_head_dim, cfg.head_dim, cfg.kv_lora_rank
+    x = norm(cfg, hidden, w.input_norm)  # [B, T, H]
+    mask = padding_mask(token_mask, hidden.device) if steps > 1 else None  # [B, T] or None
+    if w.q is not None:
+        q = _project(x, w.q, None, mask)  # [B, T, h * (n + r)]
+    else:
+        q = linear(rms_norm(_project(x, w.q_a, None, mask), w.q_a_norm, 1e-6), w.q_b)  # [B, T, h * (n + r)]
+    q = q.reshape(batch, steps, heads, nope + rot).transpose(1, 2)  # [B, h, T, n + r]
+    latent = _project(x, w.kv_a, None, mask)  # [B, T, L + r]
+    c_kv = rms_norm(latent[..., :rank], w.kv_a_norm, 1e-6)  # [B, T, L]
+    positions = cache.device_lengths()[:, None] + torch.arange(steps, device=hidden.device)  # [B, T]
+    cos, sin = rope_cos_sin(rope, positions, x.dtype)  # [B, T, r]
+    rotate = _rope_pairs if cfg.rope_interleaved else apply_rope
+    q_rot = rotate(q[..., nope:], cos, sin)  # [B, h, T, r]
+    k_rot = rotate(latent[:, None, :, rank:], cos, sin)[:, 0]  # [B, T, r]
+    row = torch.cat([c_kv, k_rot], dim=-1)[:, None]  # [B, 1, T, L + r]
+    half = row.shape[-1] // 2
+    cache.write(layer, row[..., :half], row[..., half:])
+
+    w_uk, w_uv = w.key_value_up(heads)  # [h, n, L], [h, v, L]
+    q_nope = q[..., :nope].transpose(0, 1).reshape(heads, batch * steps, nope)  # [h, B * T, n]
+    q_latent = torch.bmm(q_nope, w_uk).view(heads, batch, steps, rank).transpose(0, 1)  # [B, h, T, L]
+    query = torch.cat([q_latent, q_rot], dim=-1)  # [B, h, T, L + r]: against the cached rows
+    out = _attend_cached(query, cache, layer, positions, cfg.window_of(layer), mask,
+                         lambda q, k, v, m: _attend_latent(q, k, v, m, cfg.scale, rank))  # [B, h, T, L]
+    out = torch.bmm(out.transpose(0, 1).reshape(heads, batch * steps, rank), w_uv.transpose(1, 2))  # [h, B*T, v]
+    out = out.view(heads, batch, steps, -1).permute(1, 2, 0, 3).reshape(batch, steps, -1)  # [B, T, h * v]
+    return _output(hidden, out, w.o, None, mask)
+
+
+def _rope_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on dims paired as (x0, x1), (x2, x3), ... (DeepSeek): x [B, heads, T, r], cos / sin [B, T, r] (halves
+    repeated, `rope_cos_sin`) -> [B, heads, T, r], laid out as the rotated evens then the rotated odds (transformers'
+    interleaved form; queries and keys alike, so their products are those of the pairs)."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :, :half], sin[:, None, :, :half]  # [B, 1, T, r / 2]
+    even, odd = x[..., 0::2], x[..., 1::2]  # [B, heads, T, r / 2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
+def _attend_latent(query: Tensor, first: Tensor, second: Tensor, mask: Tensor, scale: float, rank: int) -> Tensor:
+    """softmax(query . row scale, masked) c_kv over cached rows [c_kv | k_r] kept as two halves (first, second
+    [B, 1, S, (L + r) / 2]): query [B, h, T, L + r], mask [B, 1, T, S] bool -> [B, h, T, L]. Heads and steps are
+    folded into one batched matrix product per half, so the rows are read once for all heads."""
+    batch, heads, steps, width = query.shape
+    half = first.shape[-1]
+    q = query.reshape(batch, heads * steps, width)  # [B, h * T, L + r]
+    k1, k2 = first[:, 0], second[:, 0]  # [B, S, half]
+    scores = torch.baddbmm(torch.bmm(q[..., :half], k1.transpose(1, 2)), q[..., half:], k2.transpose(1, 2))
+    scores = scores.view(batch, heads, steps, -1) * scale  # [B, h, T, S]
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).view(batch, heads * steps, -1)
+    out = torch.cat([torch.bmm(probs, k1), torch.bmm(probs, k2[..., : rank - half])], dim=-1)  # [B, h * T, L]
+    return out.view(batch, heads, steps, rank)
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, sinks: Tensor | None) -> Tensor:
@@ -262,22 +361,51 @@ def route(cfg: ModelConfig, w: RouterWeights, hidden: Tensor,
     applies to the allowed set; with fewer than k allowed, the rest get weight 0 on an allowed expert's id).
     """
     normed = norm(cfg, hidden, w.post_norm).reshape(-1, hidden.shape[-1])  # [N, H]
-    logits = linear(normed, w.gate, w.gate_bias)  # [N, E]
+    # [N, E]; DeepSeek: float32 hidden times a float32 gate
+    logits = linear(normed.float(), w.gate.float()) if cfg.router_in_float32 else linear(normed, w.gate, w.gate_bias)
     if allowed is not None:
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    k = cfg.num_experts_per_tok
     if cfg.router == "topk_softmax":  # gpt-oss: the top k logits, then a softmax over them (in the logits' dtype)
-        top_logits, topk_ids = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)  # [N, k]
+        top_logits, topk_ids = torch.topk(logits, k, dim=-1)  # [N, k]
         topk_weights = torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
+    elif cfg.router == "sigmoid_group_topk":  # DeepSeek-V3: chosen by score + bias, weighted by the score
+        scores = logits.float().sigmoid()  # [N, E]
+        choice = scores + w.choice_bias.float() if w.choice_bias is not None else scores
+        if allowed is not None:
+            choice = choice.masked_fill(~allowed.to(logits.device), float("-inf"))
+        group_score = _grouped(choice, cfg.expert_groups[0]).topk(2, dim=-1).values.sum(dim=-1)  # [N, groups]
+        choice = _keep_groups(choice, group_score, cfg.expert_groups[1], float("-inf"))
+        topk_ids = torch.topk(choice, k, dim=-1).indices  # [N, k]
+        topk_weights = scores.gather(1, topk_ids)  # [N, k]
     else:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, E]
-        topk_weights, topk_ids = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)  # [N, k]
+        if cfg.router == "softmax_group_topk":  # DeepSeek-V2: the groups of the best maximum
+            group_score = _grouped(probs, cfg.expert_groups[0]).max(dim=-1).values  # [N, groups]
+            probs = _keep_groups(probs, group_score, cfg.expert_groups[1], 0.0)
+        topk_weights, topk_ids = torch.topk(probs, k, dim=-1)  # [N, k]
     if allowed is not None:  # fewer allowed experts than k: point the zero-weight picks at an allowed one
         topk_ids = torch.where(topk_weights > 0, topk_ids, topk_ids[:, :1])
     if cfg.norm_topk_prob:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        extra = 1e-20 if cfg.router == "sigmoid_group_topk" else 0.0  # (as transformers adds it)
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + extra)
+    if cfg.routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * cfg.routed_scaling_factor
     if cfg.route_weights_in_compute_dtype:
-        topk_weights = topk_weights.to(logits.dtype)
+        topk_weights = topk_weights.to(normed.dtype)
     return normed, topk_ids, topk_weights
+
+
+def _grouped(scores: Tensor, groups: int) -> Tensor:
+    """scores [N, E] -> [N, groups, E / groups] (experts in consecutive groups)."""
+    return scores.view(scores.shape[0], groups, -1)
+
+
+def _keep_groups(scores: Tensor, group_score: Tensor, keep: int, fill: float) -> Tensor:
+    """scores [N, E] with every expert outside the `keep` best groups (by group_score [N, groups]) set to fill."""
+    best = torch.topk(group_score, keep, dim=-1).indices  # [N, keep]
+    kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # [N, groups]
+    return scores.masked_fill(~kept[:, :, None].expand_as(_grouped(scores, kept.shape[1])).reshape(scores.shape), fill)
 
 
 def selected_experts(topk_ids: Tensor, token_mask: Tensor | None = None) -> list[int]:
@@ -349,9 +477,11 @@ def experts_forward(
 
 
 def shared_expert_forward(cfg: ModelConfig, w: RouterWeights, normed: Tensor) -> Tensor:
-    """Qwen2-MoE shared expert with its sigmoid gate: normed [N, H] -> [N, H]."""
-    if w.shared_expert is None or w.shared_expert_gate is None:
+    """The shared expert: normed [N, H] -> [N, H], times sigmoid(its gate) where it has one (Qwen2-MoE)."""
+    if w.shared_expert is None:
         raise ValueError("router weights carry no shared expert")
-    gate = torch.sigmoid(linear(normed, w.shared_expert_gate))  # [N, 1]
-    return gate * expert_mlp(cfg, normed, w.shared_expert)
+    out = expert_mlp(cfg, normed, w.shared_expert)
+    if w.shared_expert_gate is None:
+        return out
+    return torch.sigmoid(linear(normed, w.shared_expert_gate)) * out  # [N, 1] * [N, H]
 

@@ -98,12 +98,14 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 def pack_weights(weights: W) -> W:
     """Copy of a weights dataclass with every 2-D matrix (a `linear` weight) in oneDNN's blocked layout.
 
-    Only for parts whose matrices are all consumed by `linear` (not the embedding table).
+    Only for parts whose matrices are all consumed by `linear` (not the embedding table), but for those the
+    dataclass names in `raw_matrices` (multiplied otherwise: MLA's kv_b).
     """
     changes = {}
+    raw = getattr(weights, "raw_matrices", ())
     for f in dataclasses.fields(weights):
         value = getattr(weights, f.name)
-        if isinstance(value, torch.Tensor) and value.dim() == 2:
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and f.name not in raw:
             changes[f.name] = value.contiguous().to_mkldnn()
         elif dataclasses.is_dataclass(value) and not isinstance(value, (PackedInt8, PackedInt4)):  # (kernel's own)
             changes[f.name] = pack_weights(value)

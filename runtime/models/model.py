@@ -76,9 +76,8 @@ class Transformer:
 
     def new_cache(self, batch_size: int, capacity: int, growable: bool = True) -> KVCache:
         cfg = self.config
-        return KVCache(
-            cfg.num_layers, batch_size, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device, growable
-        )
+        kv_heads, head_dim = cfg.cache_geometry
+        return KVCache(cfg.num_layers, batch_size, kv_heads, head_dim, capacity, self.dtype, self.device, growable)
 
     @torch.inference_mode()
     def embed(self, input_ids: Tensor) -> Tensor:
@@ -92,7 +91,8 @@ class Transformer:
         """Attention block of `layer` (writes K/V, does not advance the cache): [B, T, H] -> [B, T, H];
         token_mask [B, T] marks valid tokens (projections on those only, layers.attention_forward)."""
         w = self._weights(PartKey("attention", layer))
-        return layers.attention_forward(self.config, w, hidden, cache, layer, self.rope, token_mask)
+        forward = layers.mla_attention_forward if self.config.mla else layers.attention_forward
+        return forward(self.config, w, hidden, cache, layer, self.rope, token_mask)
 
     @torch.inference_mode()
     def ffn(self, layer: int, hidden: Tensor, token_mask: Tensor | None = None,

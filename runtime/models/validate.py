@@ -48,9 +48,25 @@ def expected_shape(config: ModelConfig, key: PartKey, field: str) -> tuple[int, 
         "sinks": (c.num_heads,), "gate_bias": (c.num_experts,), "gate_up_t": (h, 2 * inter),
         "gate_up_bias": (2 * inter,), "down_t": (inter, h), "down_bias": (h,),
     }  # fmt: skip
+    if c.mla:  # h heads of n + r query / key dims (r = head_dim, the rotary part) and v value dims; latent L (+ r)
+        heads, qk = c.num_heads, c.qk_nope_head_dim + c.head_dim
+        shapes |= {"q": (heads * qk, h), "q_a": (c.q_lora_rank, h), "q_a_norm": (c.q_lora_rank,),
+                   "q_b": (heads * qk, c.q_lora_rank), "kv_a": (c.kv_lora_rank + c.head_dim, h),
+                   "kv_a_norm": (c.kv_lora_rank,), "o": (h, heads * c.v_head_dim),
+                   "kv_b": (heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)}
     if field == "gate":  # the router's gate is [experts, hidden]; an MLP's gate projection [inter, hidden]
         return (c.num_experts, h) if key.kind == "router" else (inter, h)
+    if field == "choice_bias":
+        return (c.num_experts,)
     return shapes[field]
+
+
+def _next_token_layer(name: str, config: ModelConfig) -> bool:
+    """A tensor of DeepSeek-V3's multi-token-prediction layers, stored after the last decoder layer (transformers
+    does not load them either)."""
+    parts = name.split(".")
+    return (config.family == "deepseek_v3" and name.startswith("model.layers.") and parts[2].isdigit()
+            and int(parts[2]) >= config.num_layers)
 
 
 def validate_checkpoint(checkpoint: Checkpoint, config: ModelConfig) -> None:
@@ -88,7 +104,8 @@ def validate_checkpoint(checkpoint: Checkpoint, config: ModelConfig) -> None:
     extra = [n for n in checkpoint.names() if n not in expected and not n.endswith(IGNORED_SUFFIXES)
              and not (n == "lm_head.weight" and config.tie_word_embeddings)
              and math.prod(checkpoint.entry(n).shape) > 0  # (empty: a part of size 0, e.g. no shared expert)
-             and not (n.endswith(".shared_expert_gate.weight") and not config.has_shared_expert)]
+             and not (n.endswith(".shared_expert_gate.weight") and not config.has_shared_expert)
+             and not _next_token_layer(n, config)]
     if extra:
         entry = checkpoint.entry(extra[0])
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""

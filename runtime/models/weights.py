@@ -15,6 +15,7 @@ dataclasses as arguments; nothing here owns compute.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -48,6 +49,31 @@ class AttentionWeights:
 
 
 @dataclass(frozen=True)
+class LatentAttentionWeights:
+    """Multi-head latent attention (DeepSeek-V2 / V3). h = heads, n / r / v = the query-key head's part without
+    rotary embedding / its rotary part (head_dim) / the value head, L = kv_lora_rank, Lq = q_lora_rank."""
+
+    input_norm: Tensor  # [hidden]
+    kv_a: Tensor  # [L + r, hidden]: the latent c_kv and the shared rotary key
+    kv_a_norm: Tensor  # [L]
+    kv_b: Tensor  # [h * (n + v), L]: per head, the latent's up-projection to its key (n rows) and value (v rows)
+    o: Tensor  # [hidden, h * v]
+    q: Tensor | None = None  # [h * (n + r), hidden] (no q_lora_rank)
+    q_a: Tensor | None = None  # [Lq, hidden]
+    q_a_norm: Tensor | None = None  # [Lq]
+    q_b: Tensor | None = None  # [h * (n + r), Lq]
+    #: not a `linear` weight: kept as a plain tensor (linear.pack_weights), viewed per head by `key_value_up`
+    raw_matrices: ClassVar[tuple[str, ...]] = ("kv_b",)
+
+    def key_value_up(self, heads: int) -> tuple[Tensor, Tensor]:
+        """kv_b per head as (W_uk [h, n, L], W_uv [h, v, L]): views, never packed (the attention multiplies queries
+        by W_uk and latents by W_uv^T, `layers.mla_attention_forward`)."""
+        w = self.kv_b.view(heads, -1, self.kv_b.shape[-1])  # [h, n + v, L]
+        nope = w.shape[1] - self.o.shape[1] // heads
+        return w[:, :nope], w[:, nope:]
+
+
+@dataclass(frozen=True)
 class ExpertWeights:
     """A gated MLP `down(act(gate x) * up x)`: a routed expert, the shared expert, or a dense MLP."""
 
@@ -69,9 +95,10 @@ class DenseMLPWeights:
 class RouterWeights:
     post_norm: Tensor  # [hidden]
     gate: Tensor  # [experts, hidden]
-    shared_expert: ExpertWeights | None = None  # Qwen2-MoE only
+    shared_expert: ExpertWeights | None = None  # Qwen2-MoE, DeepSeek
     shared_expert_gate: Tensor | None = None  # [1, hidden], Qwen2-MoE only
     gate_bias: Tensor | None = None  # [experts], gpt-oss only
+    choice_bias: Tensor | None = None  # [experts], DeepSeek-V3's e_score_correction_bias: added to choose only
 
 
 @dataclass(frozen=True)
@@ -80,8 +107,14 @@ class HeadWeights:
     lm_head: Tensor  # [vocab, hidden]; the embedding matrix when tie_word_embeddings
 
 
-Weights = EmbeddingWeights | AttentionWeights | DenseMLPWeights | RouterWeights | ExpertWeights | HeadWeights
+Weights = (EmbeddingWeights | AttentionWeights | LatentAttentionWeights | DenseMLPWeights | RouterWeights
+           | ExpertWeights | HeadWeights)
 
+
+#: an attention part's `linear` projections (standard: q, k, v, o; MLA: q or q_a / q_b, kv_a, o; its kv_b is
+#: multiplied per head, `LatentAttentionWeights.raw_matrices`): what `specoffload quantize --attention` compresses
+#: and the low-bit drafter copies
+ATTENTION_MATRICES = ("q", "k", "v", "o", "q_a", "q_b", "kv_a")
 
 #: gpt-oss stores its experts as x @ W: field -> the [out, in] matrices (views) of an expert's stored tensor; the
 #: loader's `assemble` and the low-bit drafter's copies (offload/drafters/lowbit.py) read the layout from here
@@ -146,6 +179,8 @@ class WeightLoader:
         Used for tensors read from the checkpoint (`load`) and for views into a streamed buffer, so both build
         identical objects.
         """
+        if key.kind == "attention" and self.config.mla:
+            return LatentAttentionWeights(**t)
         if key.kind in ("embedding", "attention", "head"):
             cls = {"embedding": EmbeddingWeights, "attention": AttentionWeights, "head": HeadWeights}[key.kind]
             return cls(**t)
@@ -155,7 +190,8 @@ class WeightLoader:
             shared = None
             if "shared_gate_proj" in t:
                 shared = ExpertWeights(t["shared_gate_proj"], t["shared_up_proj"], t["shared_down_proj"])
-            return RouterWeights(t["post_norm"], t["gate"], shared, t.get("shared_expert_gate"), t.get("gate_bias"))
+            return RouterWeights(t["post_norm"], t["gate"], shared, t.get("shared_expert_gate"), t.get("gate_bias"),
+                                 t.get("choice_bias"))
         if key.kind == "expert":
             for name, matrices in TRANSPOSED_EXPERT_FIELDS.items():  # gpt-oss: views of its [in, out] tensors
                 if name in t:
@@ -197,7 +233,8 @@ class WeightLoader:
         packed: streamed int8 / int4 weights stay packed in the ring slots (runtime/models/packed.py), so a part with
         such weights takes fewer bytes in a slot (`ModelShape.slotted`)."""
         cfg = self.config
-        kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        kv_heads, head_dim = cfg.cache_geometry
+        kv = 2 * cfg.num_layers * kv_heads * head_dim * self.dtype.itemsize
         keys = self.parts()
         stored = tuple((key, n) for key in keys if (n := self.stored_nbytes(key)) is not None)
         slotted = tuple((key, n) for key, _ in stored if (n := self.packed_nbytes(key)) < self.nbytes(key)) \
@@ -239,6 +276,15 @@ class WeightLoader:
             return {"norm": TensorRef("model.norm.weight"), "lm_head": TensorRef(lm_head)}
         self._check_layer(key)
         p = f"model.layers.{key.layer}"
+        if key.kind == "attention" and cfg.mla:
+            names = {"kv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
+                     "kv_b": "kv_b_proj.weight", "o": "o_proj.weight"}
+            if cfg.q_lora_rank:
+                names |= {"q_a": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight", "q_b": "q_b_proj.weight"}
+            else:
+                names["q"] = "q_proj.weight"
+            return {"input_norm": TensorRef(f"{p}.input_layernorm.weight")} | {
+                field: TensorRef(f"{p}.self_attn.{name}") for field, name in names.items()}
         if key.kind == "attention":
             refs = {"input_norm": TensorRef(f"{p}.input_layernorm.weight")}
             refs |= {x: TensorRef(f"{p}.self_attn.{x}_proj.weight") for x in "qkvo"}
@@ -264,11 +310,12 @@ class WeightLoader:
                 "gate": TensorRef(f"{moe}.gate.weight"),
             }
             if cfg.has_shared_expert:
-                refs |= {
-                    f"shared_{x}_proj": TensorRef(f"{moe}.shared_expert.{x}_proj.weight")
-                    for x in ("gate", "up", "down")
-                }
-                refs["shared_expert_gate"] = TensorRef(f"{moe}.shared_expert_gate.weight")
+                shared = f"{moe}.shared_expert" if cfg.shared_expert_gated else f"{moe}.shared_experts"
+                refs |= {f"shared_{x}_proj": TensorRef(f"{shared}.{x}_proj.weight") for x in ("gate", "up", "down")}
+                if cfg.shared_expert_gated:
+                    refs["shared_expert_gate"] = TensorRef(f"{moe}.shared_expert_gate.weight")
+            if cfg.router == "sigmoid_group_topk":
+                refs["choice_bias"] = TensorRef(f"{moe}.gate.e_score_correction_bias")
             return refs
         if key.kind == "expert":
             return self._expert_refs(moe, key.expert)

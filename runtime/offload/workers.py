@@ -303,8 +303,7 @@ def kv_pool(model: Transformer, plan: WeightPlan) -> BlockPool | None:
     if not plan.kv_block_size or not plan.kv_blocks:
         return None
     cfg = model.config
-    return BlockPool(cfg.num_layers, plan.kv_blocks, plan.kv_block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype,
-                     model.device)
+    return BlockPool(cfg.num_layers, plan.kv_blocks, plan.kv_block_size, *cfg.cache_geometry, model.dtype, model.device)
 
 
 class VerifierWorker:

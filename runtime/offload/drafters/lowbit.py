@@ -35,7 +35,7 @@ from ...errors import ConfigError
 from ...formats import WeightFormat, dequantize, quantize, weight_format
 from ...kv_cache import KVCache
 from ...models.model import Transformer
-from ...models.weights import TRANSPOSED_EXPERT_FIELDS, WeightLoader, Weights
+from ...models.weights import ATTENTION_MATRICES, TRANSPOSED_EXPERT_FIELDS, WeightLoader, Weights
 from ..wire import wire
 from . import DrafterTraits, DraftFootprint, TargetShare, option, register_drafter
 from .shared_kv import SharedKV
@@ -50,7 +50,7 @@ Tensor = torch.Tensor
 #: the experts, and the shared expert's gate stay as stored: they are small; a fused expert's gate_up is copied as
 #: its gate and up halves); the embedding is never copied
 COPIED_FIELDS = {
-    "attention": ("q", "k", "v", "o"),
+    "attention": ATTENTION_MATRICES,
     "dense_mlp": ("gate", "up", "down"),
     "router": ("shared_gate_proj", "shared_up_proj", "shared_down_proj"),
     "expert": ("gate", "up", "down", "gate_up", "gate_up_t", "down_t"),
