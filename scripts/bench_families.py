@@ -3,8 +3,13 @@
 Random-weight checkpoints at the layer shapes of released models, a few layers each, written once (by `write_shape`,
 into ~/.cache/specoffload/shapes/, bfloat16, HF's per-expert tensor names, shards of <= 2 GB):
 
-    qwen3_30b_a3b   Qwen3-MoE: hidden 2048, 32 heads / 4 KV heads of 128, 128 experts of 768, top 8, vocab 151936
-    olmoe_1b_7b     OLMoE: hidden 2048, 16 heads of 128, 64 experts of 1024, top 8, vocab 50304
+    qwen3_30b_a3b      Qwen3-MoE: hidden 2048, 32 heads / 4 KV heads of 128, 128 experts of 768, top 8, vocab 151936
+    olmoe_1b_7b        OLMoE: hidden 2048, 16 heads of 128, 64 experts of 1024, top 8, vocab 50304
+    deepseek_v2_lite   DeepSeek-V2-Lite: hidden 2048, 16 heads of latent attention (latent 512 + rotary 64; 128 + 64
+                       query-key and 128 value dims a head), layer 0 dense (10944), 64 experts of 1408, top 6, two
+                       shared, YaRN, vocab 102400
+    gpt_oss_20b        gpt-oss-20b: hidden 2880, 64 heads / 8 KV heads of 64, sinks, window 128 on alternate layers,
+                       32 experts of 2880 (stored fused, transposed), top 4, vocab 201088
     coarse_8x       the qwen3_30b_a3b layer's expert bytes as 8 experts of 12288 (a Mixtral-like layer), top 2
 
 Measured, in one run:
@@ -39,10 +44,30 @@ SHARD_BYTES = 2 << 30
 REPS = 3
 
 
+FAMILIES = ("qwen3_30b_a3b", "olmoe_1b_7b", "deepseek_v2_lite", "gpt_oss_20b")
+
+
 def _configs(layers: int) -> dict:
-    from transformers import OlmoeConfig, Qwen3MoeConfig
+    from transformers import DeepseekV2Config, GptOssConfig, OlmoeConfig, Qwen3MoeConfig
 
     return {
+        "deepseek_v2_lite": DeepseekV2Config(
+            vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+            num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+            num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+            routed_scaling_factor=1.0, max_position_embeddings=163840, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                             "original_max_position_embeddings": 4096},
+            bos_token_id=100000, eos_token_id=100001),
+        "gpt_oss_20b": GptOssConfig(
+            vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=layers,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+            sliding_window=128, max_position_embeddings=131072, tie_word_embeddings=False, swiglu_limit=7.0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+            bos_token_id=199998, eos_token_id=200002, pad_token_id=199999),
         "qwen3_30b_a3b": Qwen3MoeConfig(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
             num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
@@ -68,8 +93,11 @@ def _tensors(config) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     out = []
+    fused = config.model_type == "gpt_oss"  # stored fused and transposed, as its release is
     for name, t in model.state_dict().items():
-        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H] -> per expert gate_proj, up_proj [I, H]
+        if fused:
+            out.append((name, tuple(t.shape)))
+        elif name.endswith("experts.gate_up_proj"):  # [E, 2I, H] -> per expert gate_proj, up_proj [I, H]
             base, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
             for e in range(t.shape[0]):
                 out += [(f"{base}{e}.gate_proj.weight", (inter, t.shape[2])),
@@ -240,13 +268,13 @@ def main() -> None:
     args = parser.parse_args()
     meta = run_meta("bfloat16")
     layers, reps = (1, 1) if args.quick else (args.layers, REPS)
-    paths = {name: write_shape(name, layers) for name in ("qwen3_30b_a3b", "olmoe_1b_7b")}
+    paths = {name: write_shape(name, layers) for name in FAMILIES}
     paths["coarse_8x"] = write_shape("coarse_8x", 1)  # the read test reads layer 0 only
     reads = read_rates(paths["qwen3_30b_a3b"], paths["coarse_8x"], 3 if args.quick else 7)
     print(f"read GB/s: 128 experts {reads['many_all']['median']:.2f}, 8 experts {reads['few_all']['median']:.2f}, "
           f"the {reads['subset_experts']} experts of 8 tokens {reads['many_subset_8_tokens']['median']:.2f}")
     engines = {}
-    for name in ("qwen3_30b_a3b", "olmoe_1b_7b"):
+    for name in FAMILIES:
         print(name, flush=True)
         engines[name] = engine_rates(paths[name], args.rows, 16, args.new_tokens, reps)
     summary = {"many_expert_read_rate_ratio": round(reads["many_all"]["median"] / reads["few_all"]["median"], 3),

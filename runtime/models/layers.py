@@ -1,7 +1,8 @@
 """Functional compute of one decoder layer's parts. Weights come in as arguments; nothing here owns state.
 
-Numerics follow transformers' modeling code (Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE/gpt-oss,
-v5) step by step, so fp32 results agree to rounding: RMSNorm in float32 then cast back before the weight multiply
+Numerics follow transformers' modeling code (Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE/gpt-oss/
+DeepSeek-V2/V3, v5) step by step, so fp32 results agree to rounding (DeepSeek's latent attention is computed in its
+absorbed form, `mla_attention_forward`): RMSNorm in float32 then cast back before the weight multiply
 (gpt-oss: after it; also the q/k norms: Qwen3 per head, OLMoE over the whole projection, before RoPE); RoPE cos/sin
 in float32 times the rope type's attention scaling; router softmax in float32 (gpt-oss: the top-k logits, then
 their softmax in the compute dtype); Mixtral keeps the top-k weights in float32, the others cast them back to the
