@@ -26,13 +26,20 @@ _LAYER = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }  # fmt: skip
 #: the GGUF architecture of a transformers model_type
-ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+#: group-32 types only, for models whose rows are not multiples of the k-quants' 256 (the tiny llama's 64 / 128)
+SMALL_ROW_TYPES = {
+    "token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight": ["Q8_0", "Q4_0"],
+    "attn_k.weight": ["Q5_0", "Q8_0"], "attn_v.weight": ["Q4_0", "Q5_0"], "attn_output.weight": ["Q8_0", "MXFP4"],
+    "ffn_gate.weight": ["Q4_0", "Q8_0"], "ffn_up.weight": ["Q5_0", "Q4_0"], "ffn_down.weight": ["Q8_0", "Q5_0"],
+}  # fmt: skip
 #: GGML type of each weight, by the end of its llama.cpp name, cycling where a list (layer by layer): every readable
 #: type appears, and each layer differs
 DEFAULT_TYPES = {
@@ -121,20 +128,40 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{_LAYER[rest]}"
 
 
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """q / k rows (or biases) as llama.cpp's converter stores a llama's: within each head the two halves interleaved
+    (row 2i <- i, row 2i + 1 <- i + D / 2), for its interleaved RoPE."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def write_gguf(hf_dir: Path, out: Path, ref_dir: Path, types: dict | None = None) -> Path:
-    """Write `hf_dir` (qwen2 / qwen3 / qwen3_moe, per-expert or fused experts) as the GGUF `out` and its dequantized
-    weights as the checkpoint `ref_dir` (config and generation config copied); returns `out`."""
+    """Write `hf_dir` (llama / qwen2 / qwen3 / qwen3_moe, per-expert or fused experts) as the GGUF `out` and its
+    dequantized weights as the checkpoint `ref_dir` (config and generation config copied); returns `out`. A llama's
+    q / k rows are permuted as llama.cpp's converter does, and its llama3 RoPE written as llama.cpp's
+    `rope_freqs.weight` (frequency divisors); the reference holds them as transformers does."""
     import gguf
 
-    types = DEFAULT_TYPES | (types or {})
     config = json.loads((hf_dir / "config.json").read_text())
     arch = ARCH[config["model_type"]]
+    types = (SMALL_ROW_TYPES if config["hidden_size"] % 256 else DEFAULT_TYPES) | (types or {})
     state = {k: v.float() for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    permuted: dict[str, int] = {}  # GGUF name -> heads its rows were permuted by
     tensors: dict[str, np.ndarray] = {}
     for name, w in state.items():  # experts fused into [experts, out, in] per matrix, as llama.cpp stores them
         if ".mlp.experts." in name:
             continue
-        tensors[_gguf_name(name)] = w.numpy()
+        gname = _gguf_name(name)
+        kind = gname.split(".")[2] if gname.startswith("blk.") else ""
+        if arch == "llama" and kind in heads:
+            permuted[gname] = heads[kind]
+            tensors[gname] = _permute(w.numpy(), heads[kind])
+        else:
+            tensors[gname] = w.numpy()
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}.mlp.experts"
         if f"{p}.0.gate_proj.weight" in state:
@@ -157,6 +184,15 @@ def write_gguf(hf_dir: Path, out: Path, ref_dir: Path, types: dict | None = None
     writer.add_key_length(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     writer.add_value_length(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     writer.add_rope_freq_base(config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    if config.get("rope_parameters", {}).get("rope_type", "default") != "default":  # llama3: its divisors
+        from specoffload.runtime.models.config import ModelConfig
+
+        scaled, _ = ModelConfig.from_dir(hf_dir).rope_inv_freq()
+        base = config["rope_parameters"]["rope_theta"]
+        plain = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype(np.float32))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
@@ -182,6 +218,8 @@ def write_gguf(hf_dir: Path, out: Path, ref_dir: Path, types: dict | None = None
             data = encode(w, kind)
             writer.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
             ref = gguf.quants.dequantize(data, qtype).reshape(w.shape)
+        if gname in permuted:
+            ref = _unpermute(np.asarray(ref), permuted[gname])
         reference[gname] = torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,8 +1,9 @@
 """GGUF files run as stored (runtime/models/gguf.py, runtime/formats/ggml.py).
 
 The block formats decode exactly as llama.cpp's reference (the gguf package's numpy implementation), bit for bit;
-q4_0 / q4_k packed for the int4 kernel multiply as their dequantized weights do. Tiny Qwen2 and Qwen3-MoE
-checkpoints written as GGUF files of every readable type (scripts/make_tiny_gguf.py) run through the engine and
+q4_0 / q4_k packed for the int4 kernel multiply as their dequantized weights do. Tiny Qwen2, Qwen3-MoE and Llama
+(q / k rows permuted as llama.cpp's converter does, llama3 RoPE as its rope_freqs divisors) checkpoints written as
+GGUF files of every readable type (scripts/make_tiny_gguf.py) run through the engine and
 match transformers on the weights their blocks decode to (fp32 logits within 1e-4, greedy tokens identical), resident
 and offloaded at the smallest budget (contiguous and block KV); speculation on a GGUF target is lossless.
 """
@@ -38,7 +39,7 @@ from tests.test_engine import PROMPTS, hf_greedy
 from tests.test_models import TOL, hf_logits, ragged_batch, rel_err
 
 GGML = sorted(n for n, f in FORMATS.items() if not f.writable)
-MODELS = ["qwen2_256", "qwen3_moe_256"]
+MODELS = ["qwen2_256", "qwen3_moe_256", "llama"]
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -216,8 +217,8 @@ def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, str]]) ->
 
 def test_unreadable_ggufs_fail_in_one_line(ggufs, tmp_path):
     w = np.zeros((4, 256), np.float32)
-    with pytest.raises(UnsupportedModelError, match="architecture 'llama'.*permuted"):
-        resolve_model(_write(tmp_path / "l.gguf", "llama", {"token_embd.weight": (w, "F32")}), tmp_path)
+    with pytest.raises(UnsupportedModelError, match="architecture 'gemma3'.*supported: llama, qwen2"):
+        resolve_model(_write(tmp_path / "l.gguf", "gemma3", {"token_embd.weight": (w, "F32")}), tmp_path)
     q2 = np.zeros((4, GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K][1]), np.uint8)
     with pytest.raises(UnsupportedModelError, match="up_proj.weight. is Q2_K"):
         resolve_model(_write(tmp_path / "q2.gguf", "qwen2", {"blk.0.ffn_up.weight": (q2, "Q2_K")}), tmp_path)

@@ -95,3 +95,12 @@ def test_rewriting_the_perf_readme_sections_with_their_own_bodies_changes_nothin
     assert {"generate", "offload", "transport", "ray_backend", "planner_validation"} <= names
     for name, body in sections:
         assert replace_section(text, name, body) == text
+
+
+def test_the_perf_index_is_the_one_the_jsons_give():
+    """docs/perf/README.md opens with the table scripts/perf_index.py writes from docs/perf/*.json: rerun it after a
+    benchmark writes its JSON."""
+    from scripts.perf_index import render
+
+    readme = (ROOT / "docs" / "perf" / "README.md").read_text()
+    assert render(readme) == readme, "docs/perf/README.md's index is stale: python -m scripts.perf_index"

@@ -152,8 +152,15 @@ class ModelConfig:
             base = self._hf_config.rope_parameters["rope_theta"]
             dim = self.head_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [head_dim // 2]
-            return inv_freq, 1.0
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self._hf_config, None)
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self._hf_config, None)
+        factors = getattr(self._hf_config, "rope_freq_factors", None)  # a GGUF's rope_freqs (runtime/models/gguf.py)
+        if factors is not None:
+            if len(factors) != inv_freq.shape[0]:
+                raise CheckpointError(f"{self.path}: {len(factors)} rope_freq_factors for {inv_freq.shape[0]} RoPE "
+                                      "frequencies")
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)  # llama.cpp: theta / freq_factor
         return inv_freq.float(), float(scaling)
 
     @classmethod
@@ -264,6 +271,8 @@ def _build(path: str, architecture: str, hf: Any, generation: dict[str, Any]) ->
         attention_sinks=family == "gpt_oss",
         norm_scale_in_float32=family == "gpt_oss",
         rope_type=rope_type,
+        # a llama GGUF's q / k rows (runtime/models/gguf.py); DeepSeek's (`_deepseek`)
+        rope_interleaved=deepseek.pop("rope_interleaved", bool(getattr(hf, "rope_interleave", False))),
         layer_windows=_layer_windows(family, hf, num_layers),
         num_experts=num_experts,
         num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if num_experts else 0,

@@ -14,8 +14,12 @@ so config, tokenizer, sampling defaults and everything else read a checkpoint di
 - names are mapped from llama.cpp's (`blk.N.ffn_gate_exps.weight`, ...) to Hugging Face's; an MoE layer's experts
   stay fused, `[experts, out, in]` (`mlp.experts.gate_proj` / `up_proj` / `down_proj`), one row per expert.
 
-Architectures: qwen2, qwen2moe, qwen3, qwen3moe (their q / k rows are stored as transformers holds them). llama and
-the others are refused in one line: llama.cpp stores a llama's q / k rows permuted for its interleaved RoPE.
+Architectures: llama (Llama, Mistral and their fine-tunes), qwen2, qwen2moe, qwen3, qwen3moe; the others are refused
+in one line. llama.cpp stores a llama's q / k rows permuted for its interleaved RoPE (pairs (x0, x1), (x2, x3), ...
+rotate together): the weights are used as stored and the attention rotates pairs (`rope_interleave` in the companion
+config, runtime/models/layers.py `_rope_pairs`), whose output is transformers' rotate-half layout exactly. Llama 3's
+frequency factors (the `rope_freqs.weight` tensor) divide the RoPE frequencies as llama.cpp applies them
+(`rope_freq_factors` in the companion config).
 Every tensor is checked at open time (known type, whole blocks per row, byte range inside the file, shape as the
 name implies), so a damaged file fails with the tensor named.
 """
@@ -40,8 +44,13 @@ GGUF_POINTER = "gguf.json"  # in a companion directory: which GGUF it stands for
 POINTER_FORMAT = "specoffload.gguf"
 POINTER_VERSION = 1
 #: GGUF general.architecture -> the transformers architecture it becomes (runtime/models/config.py runs these)
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+#: architectures whose q / k rows llama.cpp's converter permutes for its interleaved RoPE (module docstring)
+_INTERLEAVED_ROPE = ("llama",)
+#: llama.cpp's per-frequency RoPE divisors (Llama 3): a [head_dim / 2] float32 tensor, read into the config
+ROPE_FREQS = "rope_freqs.weight"
+MAX_ROPE_FREQS = 1 << 12
 #: plain (unquantized) GGML types -> safetensors dtype strings
 PLAIN_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}
 #: GGML block types -> the format that reads them (runtime/formats/ggml.py)
@@ -54,7 +63,7 @@ _LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
@@ -202,6 +211,12 @@ def _write_companion(gguf: Path, table: GGUFTable, out: Path) -> None:
         if f"{arch}.{key}" in table.metadata and hasattr(config, field):
             setattr(config, field, int(table.metadata[f"{arch}.{key}"]))  # type: ignore[call-overload]
     config.architectures = [ARCHITECTURES[arch]]
+    if arch in _INTERLEAVED_ROPE:
+        config.rope_interleave = True
+    if arch == "llama":  # (transformers' reader leaves attention_bias unset; a llama with q/k/v/o biases has them)
+        config.attention_bias = "model.layers.0.self_attn.q_proj.bias" in table.tensors
+    if table.rope_freqs is not None:
+        config.rope_freq_factors = table.rope_freqs
     config.tie_word_embeddings = "lm_head.weight" not in table.tensors
     config.dtype = "bfloat16"
     config.save_pretrained(str(out))
@@ -240,16 +255,16 @@ class GGUFTable:
     vocabulary); a companion directory keeps the table in its `gguf.json` (`to_json` / `from_json`)."""
 
     def __init__(self, file: Path, architecture: str, tensors: list[GGUFTensor],
-                 metadata: dict[str, object] | None = None) -> None:
+                 metadata: dict[str, object] | None = None, rope_freqs: list[float] | None = None) -> None:
         self.file = Path(file)
         #: the file's scalar metadata (`read` only: a table from `gguf.json` has none)
         self.metadata = metadata or {}
+        #: the values of its `rope_freqs.weight` (`read` only), None without one
+        self.rope_freqs = rope_freqs
         if architecture not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"GGUF architecture {architecture!r} of {self.file} is not supported; supported: "
-                f"{', '.join(ARCHITECTURES)}"
-                + (" (llama.cpp stores a llama's q / k rows permuted for its own RoPE)" if architecture == "llama"
-                   else ""))
+                f"{', '.join(ARCHITECTURES)}")
         self.architecture = architecture
         if len(tensors) > MAX_TENSORS:
             raise CheckpointError(f"{self.file} lists {len(tensors)} tensors (> {MAX_TENSORS})")
@@ -287,8 +302,17 @@ class GGUFTable:
         arch = str(field.contents()) if field is not None else "(none)"
         if arch not in ARCHITECTURES:
             cls(file, arch, [])  # raises: unsupported
-        tensors = []
+        tensors, rope_freqs = [], None
         for t in reader.tensors:
+            if str(t.name) == ROPE_FREQS:
+                if t.tensor_type.name != "F32" or not 0 < t.n_elements <= MAX_ROPE_FREQS:
+                    raise CheckpointError(f"corrupt GGUF {file}: {ROPE_FREQS} is {t.tensor_type.name} of "
+                                          f"{t.n_elements} values (expected F32, one per RoPE frequency)")
+                rope_freqs = [float(x) for x in t.data.reshape(-1)]
+                if not all(math.isfinite(x) and x > 0 for x in rope_freqs):
+                    raise CheckpointError(f"corrupt GGUF {file}: {ROPE_FREQS} holds a value that is not a positive "
+                                          "finite number")
+                continue
             name = hf_name(str(t.name))
             if name is None:
                 raise UnsupportedModelError(f"GGUF tensor {t.name!r} of {file} has no counterpart in this engine's "
@@ -297,7 +321,7 @@ class GGUFTable:
             tensors.append(GGUFTensor(name, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes)))
         metadata = {k: f.contents() for k, f in reader.fields.items() if len(f.types) == 1 and f.types[0].name not in
                     ("ARRAY", "STRING") or k in ("tokenizer.ggml.model", "general.name")}
-        return cls(file, arch, tensors, metadata)
+        return cls(file, arch, tensors, metadata, rope_freqs)
 
     def to_json(self) -> dict[str, object]:
         return {"architecture": self.architecture,

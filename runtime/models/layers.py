@@ -181,7 +181,8 @@ def attention_forward(
 
     positions = cache.device_lengths()[:, None] + torch.arange(steps, device=hidden.device)  # [B, T]
     cos, sin = rope_cos_sin(rope, positions, x.dtype)  # [B, T, D]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rotate = _rope_pairs if cfg.rope_interleaved else apply_rope  # (pairs: a llama GGUF's q / k rows as stored)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
 
     cache.write(layer, k, v)
     out = _attend_cached(q, cache, layer, positions, cfg.window_of(layer), mask,
