@@ -14,6 +14,12 @@ tokenizer) and given to each as token ids:
 - ours on the same GGUF run as stored (runtime/models/gguf.py), bfloat16, at each `--batches` batch, with its
   q4 weights packed for torch's int4 kernel (`packed_weights` "on") and dequantized at load ("off").
 The summary's `ours_over_llamacpp_resident(_decode)` is ours at its best batch over llama.cpp at its best.
+
+`--budget` runs the memory-budget case instead (`budget_case`, JSON `<out>_budget`): llama.cpp (batched, weights
+mmap'd as stored) and ours (streaming, `--ours-device-memory`) each in a subprocess inside a fresh memory cgroup of
+`--memory-limit` bytes (cgroup v1, as root), the model's pages dropped from the page cache first, on a qwen3moe GGUF
+at Qwen3-30B-A3B's layer shapes (`write_shape_gguf`: random Q4_K_M-typed blocks, `--layers` layers, written once).
+Caveat (docs/perf `peers`): a random model repeats one token, so its routing does not vary as a trained one's.
 Per system: tokens/s with prefill counted (new tokens over the whole generate) and decode only (the tokens after
 the first over the time after the first: llama.cpp's own split; ours from a second call with one new token,
 T(N) - T(1)). Repetitions alternate systems. Greedy agreement with llama.cpp is reported (bfloat16 against
@@ -100,6 +106,204 @@ def transformers_run(checkpoint: Path, prompts: list[list[int]], new_tokens: int
             "first_token_s": first, "tokens": tokens}
 
 
+SHAPES = Path.home() / ".cache" / "specoffload" / "shapes"
+CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller (this machine's; v2 would be memory.max)
+#: the layer shapes of Qwen3-30B-A3B (scripts/bench_families.py): hidden 2048, 32 heads / 4 KV heads of 128,
+#: 128 experts of 768, top 8, vocab 151936 (Qwen2.5's tokenizer: the same 151936 ids)
+QWEN3_30B = {"hidden": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128, "top_k": 8,
+             "expert_width": 768, "vocab": 151936}
+
+
+def _random_blocks(rng, rows: int, cols: int, kind: str):  # noqa: ANN001, ANN202
+    """rows x cols weights of GGML type `kind` (Q4_K / Q6_K) as random blocks with small finite float16 scales."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    group, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    raw = rng.integers(0, 256, size=(rows, cols // group, size), dtype=np.uint8)
+    for at, scale in {"Q4_K": ((0, 2e-4), (2, 2e-4)), "Q6_K": ((208, 1e-5),)}[kind]:
+        d = np.abs(rng.normal(0, scale, size=raw.shape[:2])).astype(np.float16)
+        raw[..., at:at + 2] = d[..., None].view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def write_shape_gguf(layers: int, tokenizer_from: Path, out: Path) -> Path:
+    """A qwen3moe GGUF at Qwen3-30B-A3B's layer shapes with `layers` layers, written once: random blocks typed as a
+    Q4_K_M file types them (Q4_K; Q6_K for attn_v, every other layer's ffn_down and the head; norms and routers
+    F32), the tokenizer metadata of `tokenizer_from` (the same 151936-token vocabulary). Both engines run it as
+    stored (random weights: the tokens are meaningless, the work is a real model's)."""
+    import gguf
+    import numpy as np
+
+    if out.is_file():
+        return out
+    c, rng = QWEN3_30B, np.random.default_rng(0)
+    h, q, kv = c["hidden"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
+    tmp = out.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "qwen3moe")
+    for add, value in ((w.add_block_count, layers), (w.add_context_length, 40960), (w.add_embedding_length, h),
+                       (w.add_feed_forward_length, 6144), (w.add_head_count, c["heads"]),
+                       (w.add_head_count_kv, c["kv_heads"]), (w.add_key_length, c["head_dim"]),
+                       (w.add_value_length, c["head_dim"]), (w.add_rope_freq_base, 1e6),
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_expert_count, c["experts"]),
+                       (w.add_expert_used_count, c["top_k"]), (w.add_expert_feed_forward_length, c["expert_width"])):
+        add(value)
+    reader = gguf.GGUFReader(str(tokenizer_from))
+    f = reader.fields
+    w.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
+    w.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
+    w.add_token_list(f["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(f["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    w.add_eos_token_id(f["tokenizer.ggml.eos_token_id"].contents())
+    w.add_bos_token_id(f["tokenizer.ggml.bos_token_id"].contents())
+    w.add_pad_token_id(f["tokenizer.ggml.padding_token_id"].contents())
+    w.add_add_bos_token(False)
+
+    def blocks(name: str, rows: int, cols: int, kind: str, experts: int = 0) -> None:
+        data = _random_blocks(rng, rows * max(experts, 1), cols, kind)
+        if experts:
+            data = data.reshape(experts, rows, -1)
+        w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    def floats(name: str, *shape: int, ones: bool = False) -> None:
+        w.add_tensor(name, np.ones(shape, np.float32) if ones else rng.normal(0, 0.02, shape).astype(np.float32))
+
+    blocks("token_embd.weight", c["vocab"], h, "Q4_K")
+    for i in range(layers):
+        b = f"blk.{i}."
+        floats(b + "attn_norm.weight", h, ones=True)
+        blocks(b + "attn_q.weight", q, h, "Q4_K")
+        blocks(b + "attn_k.weight", kv, h, "Q4_K")
+        blocks(b + "attn_v.weight", kv, h, "Q6_K")
+        blocks(b + "attn_output.weight", h, q, "Q4_K")
+        floats(b + "attn_q_norm.weight", c["head_dim"], ones=True)
+        floats(b + "attn_k_norm.weight", c["head_dim"], ones=True)
+        floats(b + "ffn_norm.weight", h, ones=True)
+        floats(b + "ffn_gate_inp.weight", c["experts"], h)
+        blocks(b + "ffn_gate_exps.weight", c["expert_width"], h, "Q4_K", c["experts"])
+        blocks(b + "ffn_up_exps.weight", c["expert_width"], h, "Q4_K", c["experts"])
+        blocks(b + "ffn_down_exps.weight", h, c["expert_width"], "Q6_K" if i % 2 else "Q4_K", c["experts"])
+    floats("output_norm.weight", h, ones=True)
+    blocks("output.weight", c["vocab"], h, "Q6_K")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(out)
+    return out
+
+
+def _drop_cached(path: Path) -> None:
+    """Evict `path`'s pages from the page cache (clean pages: POSIX_FADV_DONTNEED), so that a run under a memory
+    limit cannot use pages another process's cgroup paid for."""
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def limited(argv: list[str], request: dict, limit: int, model: Path) -> dict:
+    """Run `argv` (a runner reading `request` as JSON on stdin) in a fresh memory cgroup of `limit` bytes, the
+    model's pages dropped from the page cache first; its JSON output, plus the cgroup's peak memory and wall time."""
+    import os
+    import time
+
+    group = CGROUP / f"specoffload-peers-{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        _drop_cached(model)
+        wrapper = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
+        start = time.perf_counter()
+        done = subprocess.run(wrapper, input=json.dumps(request), capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{argv[1]} under a {limit / 2**30:.2f} GiB limit exited {done.returncode} "
+                               f"(137: killed for memory): {done.stderr[-2000:]}")
+        out = json.loads(done.stdout)
+        out["peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
+        out["wall_s"] = wall
+        return out
+    finally:
+        for _ in range(50):  # the cgroup empties once its last process is reaped
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> int:
+    """llama.cpp (mmap) and ours (streaming) under one memory limit on a model larger than it (module docstring)."""
+    from specoffload.planner.units import parse_bytes
+    from specoffload.runtime.models.gguf import resolve_model
+    from specoffload.runtime.prompts import humaneval_prompts
+    from specoffload.runtime.tokenizer import load_tokenizer
+
+    meta = run_meta("bfloat16")
+    limit = parse_bytes(args.memory_limit)
+    gguf = write_shape_gguf(args.layers, tokenizer_from, SHAPES / f"qwen3_30b_a3b-{args.layers}l-q4km.gguf")
+    target = resolve_model(gguf)  # the companion (config, tokenizer) made here, outside the limit
+    tok = load_tokenizer(target)
+    prompts = [tok.encode(p) for p in humaneval_prompts(args.prompts)]
+    n_ctx = max(map(len, prompts)) + args.new_tokens + 8
+    device_memory = parse_bytes(args.ours_device_memory)
+    peers = ROOT / "scripts" / "peers"
+    systems = {
+        f"llama.cpp b{args.budget_batch}": lambda: _llamacpp_result(limited(
+            [python, str(peers / "llamacpp_runner.py")],
+            {"model": str(gguf), "prompts": prompts, "new_tokens": args.new_tokens, "threads": args.threads,
+             "n_ctx": n_ctx, "batch": args.budget_batch, "repack": False}, limit, gguf), len(prompts),
+            args.new_tokens),
+        f"ours b{args.budget_batch}": lambda: _ours_result(limited(
+            [sys.executable, str(peers / "ours_runner.py")],
+            {"model": str(target), "prompts": prompts, "new_tokens": args.new_tokens, "batch": args.budget_batch,
+             "device_memory": device_memory, "packed_weights": "auto"}, limit, gguf), len(prompts), args.new_tokens),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    for rep in range(args.reps):
+        for name, run in systems.items():
+            r = run()
+            runs[name].append(r)
+            print(f"rep {rep} {name}: {r['tok_s']:.2f} tok/s (decode {r['decode_tok_s']:.2f}), peak "
+                  f"{r['peak_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+    results = {}
+    for name, rs in runs.items():
+        med, lo, hi = median_spread(r["tok_s"] for r in rs)
+        dmed, dlo, dhi = median_spread(r["decode_tok_s"] for r in rs)
+        results[name] = {"tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi, "decode_tok_s_median": dmed,
+                         "decode_tok_s_min": dlo, "decode_tok_s_max": dhi,
+                         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rs]}
+    ours_name, llama_name = f"ours b{args.budget_batch}", f"llama.cpp b{args.budget_batch}"
+    summary = {"memory_limit_bytes": limit, "model_bytes": gguf.stat().st_size, "ours_device_memory": device_memory,
+               "ours_over_llamacpp_budget": round(results[ours_name]["tok_s_median"]
+                                                  / results[llama_name]["tok_s_median"], 3),
+               "ours_over_llamacpp_budget_decode": round(results[ours_name]["decode_tok_s_median"]
+                                                         / results[llama_name]["decode_tok_s_median"], 3)}
+    print(summary)
+    name = f"scratch/{args.out}_budget_quick.json" if args.quick else f"{args.out}_budget.json"
+    path = write_json(PERF / name, {"summary": summary, **meta, "end": utc_now(),
+                                    "args": vars(args) | {"gguf": str(gguf)}, "results": results})
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _llamacpp_result(out: dict, prompts: int, new_tokens: int) -> dict:
+    prefill, decode = sum(out["prefill_s"]), sum(out["decode_s"])
+    return out | {"tok_s": prompts * new_tokens / (prefill + decode),
+                  "decode_tok_s": prompts * (new_tokens - 1) / decode}
+
+
+def _ours_result(out: dict, prompts: int, new_tokens: int) -> dict:
+    total, first = out["total_s"], out["first_token_s"]
+    return out | {"tok_s": prompts * new_tokens / total,
+                  "decode_tok_s": prompts * (new_tokens - 1) / max(total - first, 1e-9)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None, help="default: the target's Q4_K_M (scripts/get_models.py)")
@@ -112,6 +316,13 @@ def main() -> int:
                     help="transformers (bfloat16, the fp16 conversion); '' for none")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 prompts, 8 new tokens, 1 rep (scratch/)")
+    ap.add_argument("--budget", action="store_true",
+                    help="the memory-budget case instead: both engines in a memory cgroup of --memory-limit on a "
+                         "Qwen3-30B-A3B-shaped Q4_K_M GGUF of --layers layers (larger than the limit)")
+    ap.add_argument("--memory-limit", default="3GiB")
+    ap.add_argument("--ours-device-memory", default="1.75GiB", help="ours' --device-memory under the limit")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--budget-batch", type=int, default=8)
     ap.add_argument("--out", default="peers")
     args = ap.parse_args()
     if args.quick:
@@ -124,6 +335,8 @@ def main() -> int:
     from specoffload.runtime.prompts import humaneval_prompts
     from specoffload.runtime.tokenizer import load_tokenizer
 
+    if args.budget:
+        return budget_case(args, python, fetch_gguf(SPECS["target"], default_cache()))
     gguf = args.gguf or fetch_gguf(SPECS["target"], default_cache())
     target = resolve_model(gguf)
     tok = load_tokenizer(target)

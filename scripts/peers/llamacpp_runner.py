@@ -1,12 +1,14 @@
 """Run llama.cpp (llama-cpp-python) on token-id prompts, in the peer's own venv (scripts/setup_llamacpp.sh).
 
 Reads a JSON request on stdin: {"model": GGUF path, "prompts": [[ids]], "new_tokens": N, "threads": T,
-"n_ctx": C, "batch": B}. B = 1: each prompt is evaluated from an empty context (one sequence at a time:
+"n_ctx": C, "batch": B, "repack": R}. B = 1: each prompt is evaluated from an empty context (one sequence at a time:
 llama-cpp-python's high-level API), then N greedy tokens (the argmax of the last token's logits, read from the
 context as llama.cpp's own greedy sampler does; EOS not special), each evaluated in turn. B > 1: llama.cpp's
 low-level batch API, as its `batched` example does: the prompts in waves of B sequences, each wave's prompts
 decoded in one batch (a sequence id each, logits at each prompt's last token), then N - 1 steps of one batch of B
-tokens (one per sequence, at its own position). Writes {"tokens": [[ids]], "prefill_s": [...], "decode_s": [...],
+tokens (one per sequence, at its own position); R false (B > 1 only) keeps the weights mmap'd as stored instead of
+repacked into llama.cpp's faster CPU layouts in heap memory (its `--no-repack`: how it runs a model larger than
+RAM). Writes {"tokens": [[ids]], "prefill_s": [...], "decode_s": [...],
 "version": ...} to stdout (one prefill / decode time per prompt, or per wave).
 """
 
@@ -23,7 +25,9 @@ def batched(req: dict) -> dict:
     L = llama_cpp
     width = req["batch"]
     L.llama_backend_init()
-    model = L.llama_model_load_from_file(req["model"].encode(), L.llama_model_default_params())
+    mparams = L.llama_model_default_params()
+    mparams.use_extra_bufts = req.get("repack", True)  # False: the weights stay mmap'd as stored (`--no-repack`)
+    model = L.llama_model_load_from_file(req["model"].encode(), mparams)
     longest = max(map(len, req["prompts"]))
     cparams = L.llama_context_default_params()
     cparams.n_ctx = width * req["n_ctx"]
