@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from scripts.common import PERF, utc_now, write_json
+from scripts.common import PERF, run_meta, utc_now, write_json
 from scripts.get_models import model_dir
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.corpora import dataset_prompts
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prompts, args.new_tokens, args.dtypes = 2, 16, "float32"
     torch.set_num_threads(2)
+    meta = run_meta(args.dtypes)
     target, draft = model_dir("target"), model_dir("draft")
     prompts = humaneval_prompts(args.prompts)
     try:
@@ -86,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         firsts = [d for d in r["first_difference"] if d is not None]
         print(f"| {r['dtype']} | {r['drafter']} | {r['rows_differing']}/{r['rows']} | {firsts or '-'} | {acc} |")
-    write_json(PERF / f"{args.out}.json", {"summary": summary, "rows": rows, "meta": {
-        "date": utc_now(), "target": target.name, "draft": draft.name, "new_tokens": args.new_tokens,
-        "torch": torch.__version__, "threads": 2, "quick": args.quick}})
+    out = PERF / ("scratch/" if args.quick else "") / f"{args.out}.json"
+    write_json(out, {"summary": summary, **meta, "end": utc_now(), "rows": rows, "target": target.name,
+                     "draft": draft.name, "new_tokens": args.new_tokens, "threads": 2, "quick": args.quick})
     return 0
 
 
