@@ -14,8 +14,9 @@ checkpoints with packed slots off, in the same run (`int4_packed_over_dequantize
 the bound no format can beat (`io_over_compute_fp16`). The summary's ratios are named by `--regime` (the issue's
 `int8_over_fp16_tight` at the smallest budget where fp16 runs a batch of 8; `_moe` / `_dense` roomy; default: by
 target). `--dtype` is the compute dtype (bfloat16 where the CPU has native 16-bit GEMMs, runtime/models/linear.py).
-The variant "gguf" runs the Q4_K_M GGUF the dense target was converted from, as stored (runtime/models/gguf.py;
-`--gguf FILE`, default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary.
+The variant "int4k" is int4 g64 with its codes stored in the CPU kernel's layout (read into the slots as stored,
+`int4k_over_int4_*`). The variant "gguf" runs the Q4_K_M GGUF the dense target was converted from, as stored
+(runtime/models/gguf.py; `--gguf FILE`, default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary.
 Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens;
 --quick: 4 windows, 4 prompts). JSON under docs/perf/ with a top-level "summary" holding the ratios the issue names.
 """
@@ -41,7 +42,7 @@ from specoffload.runtime.sampling import SamplingParams
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 VARIANTS = {"fp16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
             "int8a": weight_format("int8"), "int4u": weight_format("int4", 64), "int8u": weight_format("int8"),
-            "gguf": None}
+            "int4k": weight_format("int4k", 64), "gguf": None}
 #: variants run with their weights dequantized into the slots (packed_weights "off"): the loader path the packed
 #: kernels replace, on the same checkpoint as the variant without the "u"
 UNPACKED = {"int4u", "int8u"}
@@ -153,7 +154,7 @@ def main() -> int:
     if fp16:
         io = statistics.median(r["io_over_compute"] or 0.0 for r in fp16["runs"])
         summary["io_over_compute_fp16"] = round(io, 3)
-        for n in ("int8", "int4", "int8a"):
+        for n in ("int8", "int4", "int4k", "int8a"):
             if n in results:
                 summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
         for n in UNPACKED & set(results):
@@ -162,8 +163,12 @@ def main() -> int:
             summary[f"gguf_q4km_over_fp16_{regime}"] = round(results["gguf"]["tok_s_median"] / fp16["tok_s_median"], 3)
             summary["bytes_per_pass_ratio_gguf_q4km"] = round(results["gguf"]["bytes_per_pass"]
                                                               / fp16["bytes_per_pass"], 3)
-        if "int4" in results and fp16["bytes_per_pass"]:
-            summary["bytes_per_pass_ratio_int4"] = round(results["int4"]["bytes_per_pass"] / fp16["bytes_per_pass"], 3)
+        for n in ("int4", "int4k"):
+            if n in results and fp16["bytes_per_pass"]:
+                summary[f"bytes_per_pass_ratio_{n}"] = round(results[n]["bytes_per_pass"] / fp16["bytes_per_pass"], 3)
+    if "int4" in results and "int4k" in results:  # codes stored in the kernel's layout against permuted per load
+        summary[f"int4k_over_int4_{regime}"] = round(results["int4k"]["tok_s_median"] / results["int4"]["tok_s_median"],
+                                                     3)
     for packed, unpacked in (("int4", "int4u"), ("int8", "int8u")):
         if packed in results and unpacked in results:  # the packed kernels against the dequantizing loader
             summary[f"{packed}_packed_over_dequantized_{regime}"] = round(

@@ -345,3 +345,57 @@ def test_the_profiler_times_the_streamed_ffn_as_the_slots_hold_it(int4, single_t
     streamer.close()
     assert _streamed_mlp(EngineConfig(target=int4("llama"), packed_weights="off"), target,
                          PartKey("dense_mlp", 0)) == (None, None)
+
+
+@pytest.fixture(scope="module")
+def int4k(tiny_models, tmp_path_factory):
+    return _quantized(tiny_models, tmp_path_factory, weight_format("int4k", 32))
+
+
+@pytest.mark.parametrize("source", ["disk", "ram"])
+def test_int4k_codes_go_into_the_slot_as_stored(int4, int4k, source, single_thread, monkeypatch):
+    """An int4k checkpoint's codes are read into the slot as they are (no permutation on the load path: the
+    converter is made to fail), and the packed weights are the int4 checkpoint's, byte for byte."""
+    from specoffload.runtime.formats import int4 as int4_module
+
+    plain, kernel = Transformer(int4("mixtral")), Transformer(int4k("mixtral"))
+    keys = [k for k in kernel.loader.parts() if k.kind in ("dense_mlp", "expert")][:4]
+    slot_bytes = WeightStreamer(kernel.loader, 1, 1, "disk", "cpu", packed=True).nbytes(keys)
+    assert slot_bytes == WeightStreamer(plain.loader, 1, 1, "disk", "cpu", packed=True).nbytes(keys)
+    with WeightStreamer(plain.loader, slot_bytes, 1, source, "cpu", parts=keys, packed=True) as s:
+        want = s.load(0, keys)
+        want = {k: {n: (getattr(w, n).codes.clone(), getattr(w, n).scales_zeros.clone()) for n in ("gate", "up",
+                                                                                                   "down")}
+                for k, w in want.items()}
+    monkeypatch.setattr(int4_module, "kernel_layout", lambda *a, **k: pytest.fail("codes permuted on load"))
+    with WeightStreamer(kernel.loader, slot_bytes, 2, source, "cpu", parts=keys, packed=True) as s:
+        for slot in (0, 1, 0):
+            got = s.load(slot, keys)
+            for key in keys:
+                for name, (codes, sz) in want[key].items():
+                    w = getattr(got[key], name)
+                    assert isinstance(w, PackedInt4) and torch.equal(w.codes, codes) and torch.equal(
+                        w.scales_zeros, sz), (key, name)
+
+
+@pytest.mark.parametrize("target", ["llama", "mixtral"])
+def test_an_int4k_target_gives_the_int4_targets_tokens(int4, int4k, target, single_thread):
+    """Offloaded at its minimum budget with packed slots, resident with packed parts, and resident dequantized:
+    the int4k target's greedy tokens are the int4 target's (float32)."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+
+    def tokens(ckpt, **over):
+        least = over.pop("device_memory", None) == "min"
+        config = EngineConfig(target=ckpt, max_batch_size=3, max_seq_len=48, num_draft_tokens=0,
+                              device_memory="1GiB" if least or over else None, **over)
+        if least:
+            config = replace(config, device_memory=Engine(config).minimum_device_memory())
+        engine = Engine(config)
+        try:
+            return [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)]
+        finally:
+            engine.close()
+
+    want = tokens(int4(target))
+    for over in ({"device_memory": "min", "packed_weights": "slots"}, {"packed_weights": "on"}, {}):
+        assert tokens(int4k(target), **dict(over)) == want, over

@@ -137,3 +137,30 @@ def test_bad_specs_are_refused() -> None:
     assert weight_format("int4") == weight_format("int4", 64)
     with pytest.raises(ValueError, match="non-finite"):
         quantize(torch.tensor([[1.0, math.inf]]), weight_format("int8"))
+
+
+@settings(max_examples=80, deadline=None)
+@given(w=weights(), group=st.sampled_from([32, 64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_int4k_is_int4_with_its_codes_in_the_kernels_layout(w: torch.Tensor, group: int, dtype: torch.dtype) -> None:
+    """int4k stores int4's scale and min as they are and its codes permuted per matrix into the CPU kernel's layout
+    (outputs padded to whole blocks of 64 with code 0): its weight is int4's bit for bit, in any compute dtype."""
+    from specoffload.runtime.models.packed import INT4_BLOCK, kernel_layout
+
+    plain, kernel = weight_format("int4", group), weight_format("int4k", group)
+    a, b = quantize(w, plain), quantize(w, kernel)
+    assert torch.equal(a["scale"], b["scale"]) and torch.equal(a["zero"], b["zero"])
+    *lead, out, half = a["qweight"].shape
+    out_p = -(-out // INT4_BLOCK) * INT4_BLOCK
+    assert {s: (storage_dtype(d), shape) for s, (d, shape) in kernel.components(tuple(w.shape)).items()} == {
+        s: (t.dtype, tuple(t.shape)) for s, t in b.items()}
+    assert b["qweight"].shape == (*lead, out_p, half)
+    first = torch.cat([a["qweight"].reshape(-1, out, half)[0], a["qweight"].new_zeros(out_p - out, half)])
+    assert torch.equal(b["qweight"].reshape(-1, out_p, half)[0], kernel_layout(first))
+    shape = tuple(w.shape)
+    assert torch.equal(dequantize(b, kernel, shape, dtype), dequantize(a, plain, shape, dtype))
+
+
+def test_int4k_takes_only_the_kernels_groups():
+    with pytest.raises(ValueError, match="int4k's group"):
+        weight_format("int4k", 16)
+    assert weight_format("int4k") == weight_format("int4k", 64) and weight_format("int4k").label == "int4kg64"

@@ -27,7 +27,7 @@ from tests.conftest import OFFLOAD_PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 # group 32: the tiny models' FFN widths are 96, 128, 32 and 48 (the last pads its second group)
-SPECS = {"int8": weight_format("int8"), "int4": weight_format("int4", 32)}
+SPECS = {"int8": weight_format("int8"), "int4": weight_format("int4", 32), "int4k": weight_format("int4k", 32)}
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +121,8 @@ def test_reader_refuses_a_damaged_layout_with_one_line(quantized, tmp_path, monk
 
 
 @pytest.mark.parametrize("source", ["disk", "ram"])
-@pytest.mark.parametrize("model, scheme", [("qwen2_moe", "int4"), ("mixtral_fused", "int8"), ("llama", "int4")])
+@pytest.mark.parametrize("model, scheme", [("qwen2_moe", "int4"), ("mixtral_fused", "int8"), ("llama", "int4"),
+                                           ("qwen2_moe", "int4k"), ("mixtral_fused", "int4k")])
 def test_streamer_decompresses_into_the_slot_exactly_as_the_resident_loader(quantized, source, model, scheme,
                                                                            single_thread):
     target = Transformer(quantized(model, scheme))

@@ -94,8 +94,12 @@ class Int4(WeightFormat):
         if codes.shape[0] < out_p:
             codes = torch.cat([codes, codes.new_zeros(out_p - codes.shape[0], codes.shape[1])])
         kernel_layout(codes, out=view.codes)
+        self.fill_scales(view, parts)
+
+    def fill_scales(self, view: PackedInt4, parts: dict[str, torch.Tensor]) -> None:
+        """Per group (scale, min + 8 * scale) in the compute dtype into the packed weight (padded outputs: 0, 0)."""
         scale, low = parts["scale"].float(), parts["zero"].float()  # [out, groups]
-        n = scale.shape[0]
+        n, out_p = scale.shape[0], view.codes.shape[0]
         if n < out_p:
             view.scales_zeros[:, n:].zero_()
         view.scales_zeros[:, :n, 0].copy_(scale.T)

@@ -193,6 +193,11 @@ class PackedInt4:
     def numel(self) -> int:
         return self.out * self.inputs
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The codes as a checkpoint in the kernel's layout stores them (format int4k): where a disk read puts them."""
+        return self.codes
+
     def chunk(self, chunks: int, dim: int = 0) -> list[PackedInt4]:
         """Split along the output channels (a fused gate_up weight) in whole kernel blocks, unpadded."""
         out_p = self.codes.shape[0]

@@ -1,0 +1,85 @@
+""""int4k": int4 (int4.py: the same codes, scale and min, rounded the same way) with its codes stored in the layout
+torch's CPU int4 kernel reads (runtime/models/packed.py `kernel_layout`).
+
+A streamed int4 matrix that stays packed has its codes permuted into the kernel's layout on every load: a pass over
+the codes per weight per pass (~5 ms for a [8960, 1536] weight on 2 cores, ~0.4 s of a pass of the 1.5B model
+streamed at a tight budget). Stored already permuted, the codes go from the file straight into their place in the
+ring slot (`codes_in_slot`, as int8's do) and a load converts only the scale and min (an eighth of the bytes at
+group 64) into the kernel's (scale, min + 8 * scale) pairs.
+
+Stored: W.qweight U8 [..., out_p, in_p / 2] (int4's codes in `kernel_layout` per matrix; out_p: the outputs padded
+to whole kernel blocks of 64 with code 0), W.scale F16 [..., out, groups] and W.zero F16 [..., out, groups] as int4
+stores them. The group is one the kernel takes (32, 64, 128 or 256). Dequantization inverts the permutation
+(`stored_layout`, plain bit operations on any device) and applies int4's arithmetic, so the weight is the int4
+weight bit for bit; where this torch's kernel does not read the layout (`int4_kernel_ok` false) the weight is
+dequantized into its slot as int4's is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.packed import INT4_BLOCK, INT4_GROUPS, kernel_layout, stored_layout
+from . import dequantize_into, register_format
+from .int4 import DEFAULT_GROUP, Int4
+
+
+@register_format
+@dataclass(frozen=True)
+class Int4Kernel(Int4):
+    """int4 with its codes in the CPU kernel's layout (module docstring)."""
+
+    name = "int4k"
+    default_group = DEFAULT_GROUP
+    codes_in_slot = True
+
+    def __post_init__(self) -> None:
+        if self.group not in INT4_GROUPS:
+            raise ValueError(f"int4k's group is one the int4 kernel takes, {INT4_GROUPS}; got {self.group}")
+
+    def components(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        comps = super().components(shape)
+        _, codes_shape = comps["qweight"]  # [..., out, in_p / 2]
+        comps["qweight"] = ("U8", (*shape[:-2], _padded_outputs(shape[-2]), codes_shape[-1]))
+        return comps
+
+    def quantize_rows(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """int4's components, the codes permuted into the kernel's layout (outputs padded with code 0)."""
+        parts = super().quantize_rows(x)
+        codes = parts["qweight"]  # [..., out, in_p / 2]
+        out, half = codes.shape[-2:]
+        pad = _padded_outputs(out) - out
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-2], pad, half)], dim=-2)
+        parts["qweight"] = kernel_layout(codes.reshape(-1, half).contiguous()).view(codes.shape)
+        return parts
+
+    def int4_parts(self, parts: dict[str, torch.Tensor], out: int) -> dict[str, torch.Tensor]:
+        """The components as int4 stores them (codes [..., out, in_p / 2], input 2i in the low nibble) for a weight
+        of `out` outputs."""
+        codes = parts["qweight"]  # [..., out_p, in_p / 2], whole blocks of INT4_BLOCK per matrix
+        half = codes.shape[-1]
+        pairs = stored_layout(codes.reshape(-1, half).contiguous()).view(codes.shape)
+        return {**parts, "qweight": pairs[..., :out, :]}
+
+    def dequantize_rows(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return super().dequantize_rows(dest, self.int4_parts(parts, dest.shape[-2]))
+
+    def dequantize_direct(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> bool:
+        """Always: the stored rows are not the weight's rows (blocks of 64 outputs interleaved), so the codes are
+        put back in int4's order for the whole weight, then int4's `dequantize_into` (its blocks, its arithmetic)."""
+        dequantize_into(dest, self.int4_parts(parts, dest.shape[-2]), Int4(self.group))
+        return True
+
+    def fill_packed(self, view: object, parts: dict[str, torch.Tensor], codes_there: bool = False) -> None:
+        """The stored codes copied into the slot as they are (unless the disk read put them there), then int4's
+        per-group (scale, min + 8 * scale) in the compute dtype."""
+        if not codes_there:
+            view.codes.copy_(parts["qweight"])  # type: ignore[attr-defined]
+        self.fill_scales(view, parts)
+
+
+def _padded_outputs(out: int) -> int:
+    return -(-out // INT4_BLOCK) * INT4_BLOCK
