@@ -1,4 +1,5 @@
-"""`specoffload quantize`: write a compressed copy of a checkpoint (int8 per output channel, or int4 per group).
+"""`specoffload quantize`: write a compressed copy of a checkpoint (int8 per output channel, or int4 / int4k per
+group).
 
 The streamed parts' matrices are compressed (runtime/formats/): every dense MLP, routed expert and shared expert,
 plus, with `--attention`, the attention projections. Everything else (embedding, norms, routers, the head) is
@@ -196,8 +197,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an int8 or int4 copy of a checkpoint for streaming")
     p.add_argument("--model", required=True, type=Path, help="source checkpoint directory (HF safetensors)")
     p.add_argument("--to", required=True, choices=sorted(n for n, f in FORMATS.items() if f.writable),
-                   help="int8: per output channel (near-lossless); int4: per group of --group inputs (4.5 bits)")
-    p.add_argument("--group", type=int, default=None, help="int4: inputs per scale and min (default 64)")
+                   help="int8: per output channel (near-lossless); int4: per group of --group inputs (4.5 bits); "
+                        "int4k: int4 with its codes stored as torch's CPU int4 kernel reads them (the fastest to "
+                        "stream on a CPU: no per-load permutation)")
+    p.add_argument("--group", type=int, default=None,
+                   help="int4 / int4k: inputs per scale and min (default 64; int4k: 32, 64, 128 or 256)")
     p.add_argument("--attention", action="store_true",
                    help="also compress the attention projections (default: only the FFN / experts)")
     p.add_argument("-o", "--output", type=Path, default=None, help="output directory (default: MODEL-int8 / -int4)")

@@ -85,10 +85,12 @@ def test_a_damaged_block_scale_is_found(name, at):
 
 
 @pytest.mark.skipif(not int4_kernel_ok(), reason="this torch has no CPU int4 kernel")
-@pytest.mark.parametrize("name", ["q4_0", "q4_k"])
-def test_packed_q4_multiplies_as_its_dequantized_weight(name):
+@pytest.mark.parametrize(("name", "shape"), [("q4_0", (100, 512)), ("q4_0", (70, 96)), ("q4_k", (100, 512)),
+                                             ("q4_k", (64, 768))])
+def test_packed_q4_multiplies_as_its_dequantized_weight(name, shape):
+    """Outputs padded to whole kernel blocks of 64 (100, 70); rows of whole words (the codes combined four bytes at
+    a time) and of an odd number of 18-byte q4_0 blocks (byte by byte)."""
     fmt = weight_format(name)
-    shape = (100, 512)  # (outputs padded to two kernel blocks of 64)
     raw = torch.from_numpy(random_blocks(name, shape[0], shape[1] // fmt.block, 3))
     assert fmt.stays_packed(shape)
     w = fmt.packed_copy({"qweight": raw}, shape, torch.bfloat16)

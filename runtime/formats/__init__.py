@@ -7,6 +7,7 @@
                    with the slot bytes, the view and the fill of such a weight
     int8.py        "int8": symmetric per output channel
     int4.py        "int4": asymmetric per group of inputs
+    int4k.py       "int4k": int4 with its codes stored in the CPU int4 kernel's layout (read into a slot as stored)
     ggml.py        llama.cpp's block types as a GGUF file stores them (q8_0, q4_0, q5_0, q4_k, q5_k, q6_k, mxfp4): read
                    in place, not written
 

@@ -60,13 +60,18 @@ def _nibbles(qs: Tensor, run: int) -> Tensor:
     return torch.cat((b & 0xF, b >> 4), dim=-2)  # [..., n, 2, run]
 
 
-def _k_scales(scales: Tensor) -> tuple[Tensor, Tensor]:
-    """q4_k / q5_k's 12 scale bytes [R, nb, 12] -> (sc, m) [R, nb, 8] uint8 (ggml's get_scale_min_k4)."""
-    s = scales.unflatten(-1, (3, 4))  # [R, nb, 3, 4]
-    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
-    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
-    return sc, mn
+#: nibble masks of a byte lane, as int32 words (four bytes at once; the high one is 0xF0F0F0F0 as a signed int32)
+LOW_NIBBLES, HIGH_NIBBLES = 0x0F0F0F0F, -0x0F0F0F10
+
+
+def _words(x: Tensor) -> Tensor:
+    """uint8 [..., n] -> the same bytes as int32 [..., n / 4] (a copy where x is not contiguous or not aligned).
+    Bitwise operations on words whose masks keep every result inside its byte lane act on four bytes at once: on
+    two cores ~4x faster than torch's uint8 kernels on the strided views of a block layout."""
+    aligned = x.storage_offset() % 4 == 0 and all(st % 4 == 0 for st in x.stride()[:-1])
+    if not (aligned and x.is_contiguous()):
+        x = torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)  # (fresh strides: contiguous ones)
+    return x.view(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -186,23 +191,34 @@ class _Int4Blocks(GGMLFormat):
 
     def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
         """The codes straight from the blocks into the kernel's layout (runtime/models/packed.py `kernel_layout`:
-        per block of 64 outputs and per input e, the byte code(channel j, e) | code(channel 32 + j, e) << 4), two
-        passes over the codes; per group (scale, min + 8 * scale) in the compute dtype (padded outputs: 0, 0)."""
+        per block of 64 outputs and per input e, the byte code(channel j, e) | code(channel 32 + j, e) << 4): the
+        two nibble planes of channel pairs (j, 32 + j) combined on whole rows as words (`_words`), then each plane
+        moved to its place in one strided copy; per group (scale, min + 8 * scale) in the compute dtype (padded
+        outputs: 0, 0)."""
         assert isinstance(view, PackedInt4) and not codes_there
-        b = _blocks(parts["qweight"], self.block_bytes)  # [n, nb, block_bytes]
-        n, nb = b.shape[:2]
-        out_p = view.codes.shape[0]
-        padded = torch.cat([b, b.new_zeros(out_p - n, nb, self.block_bytes)]) if n < out_p else b
-        a = padded[..., self.qs_at :].unflatten(-1, (self.chunks, self.run)).unflatten(0, (out_p // 64, 2, 32))
-        first, second = a[:, 0], a[:, 1]  # [blocks, 32 channels j, nb, chunks, run]: channels j and 32 + j
+        q = parts["qweight"]  # [n, nb * block_bytes]
+        n, nb, out_p = q.shape[0], q.shape[1] // self.block_bytes, view.codes.shape[0]
+        rows = torch.cat([q, q.new_zeros(out_p - n, q.shape[1])]) if n < out_p else q  # [out_p, row bytes]
+        if rows.shape[1] % 4 == 0:
+            x, low_mask, high_mask = _words(rows), LOW_NIBBLES, HIGH_NIBBLES
+        else:  # (rows of an odd number of 18-byte q4_0 blocks: byte by byte)
+            x, low_mask, high_mask = rows, 0x0F, 0xF0
+        pairs = x.view(out_p // 64, 2, 32, -1)  # [blocks, channel half, j, row]
+        first, second = pairs[:, 0], pairs[:, 1]
+        low = first & low_mask  # low nibbles: code(j) | code(32 + j) << 4
+        part = torch.bitwise_left_shift(second, 4)
+        low |= part.bitwise_and_(high_mask)
+        high = torch.bitwise_right_shift(first, 4).bitwise_and_(low_mask)  # high nibbles
+        high |= torch.bitwise_and(second, high_mask, out=part)
         d = view.codes.view(out_p // 64, nb, self.chunks, 2, self.run, 32)  # [blocks, nb, chunks, nibble, run, j]
-        torch.bitwise_or(first & 0xF, second << 4, out=d[:, :, :, 0].permute(0, 4, 1, 2, 3))
-        torch.bitwise_or(first >> 4, second & 0xF0, out=d[:, :, :, 1].permute(0, 4, 1, 2, 3))
-        scale, low = self.scales(b)  # [n, in / 32]
+        for nibble, plane in enumerate((low, high)):
+            src = plane.view(torch.uint8).view(out_p // 64, 32, nb, self.block_bytes)[..., self.qs_at :]
+            d[:, :, :, nibble].copy_(src.unflatten(-1, (self.chunks, self.run)).permute(0, 2, 3, 4, 1))
+        scale, low_value = self.scales(_blocks(q, self.block_bytes))  # [n, in / 32]
         if n < out_p:
             view.scales_zeros[:, n:].zero_()
         view.scales_zeros[:, :n, 0].copy_(scale.T)
-        view.scales_zeros[:, :n, 1].copy_((low + 8 * scale).T)
+        view.scales_zeros[:, :n, 1].copy_(low_value.add_(scale, alpha=8).T)  # min + 8 * scale
 
 
 def _pairs(codes: Tensor) -> Tensor:
@@ -238,9 +254,17 @@ class Q5_0(GGMLFormat):
 
 
 def _k_steps(b: Tensor) -> tuple[Tensor, Tensor]:
-    """q4_k / q5_k blocks [R, nb, bytes] -> (d * sc_j, dmin * m_j) float32 [R, nb, 8], per sub-block j of 32."""
-    sc, mn = _k_scales(b[..., 4:16])
-    return _f16(b[..., 0:2]) * sc.float(), _f16(b[..., 2:4]) * mn.float()
+    """q4_k / q5_k blocks [R, nb, bytes] -> (d * sc_j, dmin * m_j) float32 [R, nb, 8], per sub-block j of 32.
+
+    The 12 scale bytes are three words D, M, MD (ggml's get_scale_min_k4): sc = (D & 63 | (MD & 15) | (D >> 2 & 48))
+    and m = (M & 63 | (MD >> 4) | (M >> 2 & 48)) per byte lane, lanes 0..3 then 4..7."""
+    head = b[..., :16].contiguous()  # [R, nb, 16]: d, dmin (float16), the 12 scale bytes
+    w = head.view(torch.int32)  # [R, nb, 4]
+    d, m, md = w[..., 1:2], w[..., 2:3], w[..., 3:4]
+    sc = torch.cat((d & 0x3F3F3F3F, (md & LOW_NIBBLES) | ((d >> 2) & 0x30303030)), dim=-1)  # [R, nb, 2] words
+    mn = torch.cat((m & 0x3F3F3F3F, ((md >> 4) & LOW_NIBBLES) | ((m >> 2) & 0x30303030)), dim=-1)
+    dd = head.view(torch.float16)[..., :2].float()  # [R, nb, 2]: d, dmin
+    return dd[..., :1] * sc.view(torch.uint8).float(), dd[..., 1:2] * mn.view(torch.uint8).float()
 
 
 def _k_codes(b: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -284,11 +308,24 @@ class Q6_K(GGMLFormat):
     scales_at = (208,)
 
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        low = _nibbles(b[..., :128], 64).reshape(*b.shape[:2], 8, 32)  # [R, nb, 8, 32]
-        qh = b[..., 128:192].unflatten(-1, (2, 1, 32)) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-        low |= (qh & 3).reshape(*b.shape[:2], 8, 32) << 4  # the 6-bit codes, 0 .. 63
-        q = low.view(torch.int8).sub_(32).view(*b.shape[:2], 16, 16)
-        return q, (_f16(b[..., 208:210]) * b[..., 192:208].view(torch.int8).float())[..., None], None
+        """Per half of 128 codes: 64 ql bytes (low nibbles: codes 0..63, high: 64..127) and 32 qh bytes (bits 2r,
+        2r + 1: the 5th and 6th bit of run r of 32 codes), as words (`_words`)."""
+        r, nb = b.shape[:2]
+        ql = _words(b[..., :128]).view(r, nb, 2, 16)
+        qh = _words(b[..., 128:192]).view(r, nb, 2, 8)
+        q = torch.empty(r, nb, 2, 4, 8, dtype=torch.int32)  # [R, nb, half, run, 32 codes]
+        nibbles = q.view(r, nb, 2, 2, 16)
+        torch.bitwise_and(ql, LOW_NIBBLES, out=nibbles[:, :, :, 0])
+        torch.bitwise_right_shift(ql, 4, out=nibbles[:, :, :, 1]).bitwise_and_(LOW_NIBBLES)
+        bits = torch.empty_like(qh)
+        for run, shift in enumerate((4, 2, 0, -2)):  # qh bits 2 run, 2 run + 1 -> bits 4, 5 of the code
+            if shift >= 0:
+                torch.bitwise_left_shift(qh, shift, out=bits)
+            else:
+                torch.bitwise_right_shift(qh, -shift, out=bits)
+            q[:, :, :, run].bitwise_or_(bits.bitwise_and_(0x30303030))
+        codes = q.view(torch.int8).sub_(32).view(r, nb, 16, 16)  # the 6-bit codes, 0 .. 63, minus 32
+        return codes, (_f16(b[..., 208:210]) * b[..., 192:208].view(torch.int8).float())[..., None], None
 
 
 #: MXFP4's e2m1 values, doubled (the exponent below halves them: ggml's kvalues_mxfp4)
