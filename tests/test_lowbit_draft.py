@@ -132,11 +132,12 @@ def test_a_copy_multiplies_as_its_dequantized_weights(tiny_models, fmt):
         assert not torch.allclose(reference, x_in @ w.T, rtol=1e-6, atol=1e-7)  # a copy, not the weight
 
 
-def test_a_checkpoint_stored_in_the_copy_format_is_taken_as_stored(tiny_models, tmp_path):
-    """No second rounding: from an int4 g64 checkpoint the copy holds the stored codes (its weights equal the
-    checkpoint's dequantized ones exactly), and from a float checkpoint it quantizes (not equal to the float)."""
-    out = tmp_path / "int4"
-    quantize_checkpoint(tiny_models["mixtral_fused"], out, weight_format("int4", 64))
+@pytest.mark.parametrize("stored_as", ["int4", "int4k"])
+def test_a_checkpoint_stored_in_the_copy_format_is_taken_as_stored(tiny_models, tmp_path, stored_as):
+    """No second rounding: from an int4 g64 checkpoint (or int4k g64: the same codes in the kernel's layout) the
+    copy holds the stored codes (its weights equal the checkpoint's dequantized ones exactly)."""
+    out = tmp_path / stored_as
+    quantize_checkpoint(tiny_models["mixtral_fused"], out, weight_format(stored_as, 64))
     stored = Transformer(out)
     copy = lowbit_part(stored.loader, PartKey("expert", 0, 1), weight_format("int4", 64))
     exact = stored.loader.load(PartKey("expert", 0, 1))  # the checkpoint's own dequantization

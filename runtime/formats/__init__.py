@@ -123,6 +123,12 @@ class WeightFormat:
         self.fill_packed(view, parts)
         return view
 
+    def components_as(self, fmt: WeightFormat, parts: dict[str, torch.Tensor],
+                      shape: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
+        """A weight of `shape` stored in this format as `fmt`'s components holding the same weight (no rounding),
+        or None where that takes requantizing; default: the parts themselves when `fmt` is this format."""
+        return parts if fmt == self else None
+
     def padded_width(self, inputs: int) -> int:
         """The row width the stored codes cover (inputs padded to whole groups)."""
         return self.groups(inputs) * self.group if self.group else inputs

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.packed import INT4_BLOCK, INT4_GROUPS, kernel_layout, stored_layout
-from . import dequantize_into, register_format
+from . import WeightFormat, dequantize_into, register_format
 from .int4 import DEFAULT_GROUP, Int4
 
 
@@ -63,6 +63,13 @@ class Int4Kernel(Int4):
         half = codes.shape[-1]
         pairs = stored_layout(codes.reshape(-1, half).contiguous()).view(codes.shape)
         return {**parts, "qweight": pairs[..., :out, :]}
+
+    def components_as(self, fmt: WeightFormat, parts: dict[str, torch.Tensor],
+                      shape: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
+        """Also int4's of the same group: the same codes in int4's order."""
+        if fmt == Int4(self.group):
+            return self.int4_parts(parts, shape[-2])
+        return super().components_as(fmt, parts, shape)
 
     def dequantize_rows(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         return super().dequantize_rows(dest, self.int4_parts(parts, dest.shape[-2]))

@@ -157,11 +157,12 @@ def lowbit_part(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> Weight
                 fields[field] = _copy(fmt, quantize(m, fmt), tuple(m.shape), dtype, device)
             continue
         stored = ckpt.quantized(ref.name, ref.index)
-        if stored is not None and stored.spec == fmt:
-            components = ckpt.stored_parts(ref.name, ref.index)
-        else:
-            components = quantize(ckpt.get(ref.name, torch.float32, "cpu", ref.index), fmt)
         shape = ckpt.shape_of(ref.name, ref.index)
+        components = None
+        if stored is not None:  # the stored codes where they are `fmt`'s (int4k's are int4's, permuted)
+            components = stored.spec.components_as(fmt, ckpt.stored_parts(ref.name, ref.index), shape)
+        if components is None:
+            components = quantize(ckpt.get(ref.name, torch.float32, "cpu", ref.index), fmt)
         if name == "gate_up":  # [2 * intermediate, hidden]: rows are output channels, so each component halves
             halves = [{s: c.chunk(2, dim=0)[i].contiguous() for s, c in components.items()} for i in range(2)]
             half = (shape[0] // 2, shape[1])
