@@ -2,7 +2,8 @@
 group).
 
 The streamed parts' matrices are compressed (runtime/formats/): every dense MLP, routed expert and shared expert,
-plus, with `--attention`, the attention projections. Everything else (embedding, norms, routers, the head) is
+plus, with `--attention`, the attention projections, and with `--head` an untied LM head (at a tight budget the
+head is the largest single part: 0.47 GB of the 1.5B in 16 bits). Everything else (embedding, norms, routers) is
 copied as stored. The output mirrors the source's files (same shard names, an index if the source has one), each
 compressed weight's components written next to each other so that one read fetches them, plus
 `quantization.json` (models/quantized.py) and `provenance.json` (the source's hashes and provenance, the scheme,
@@ -35,9 +36,14 @@ _DTYPE_NAME = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32
 _TORCH = {v: k for k, v in _DTYPE_NAME.items()}
 
 
-def compressed_names(checkpoint: Checkpoint, config: ModelConfig, attention: bool = False) -> list[str]:
+def compressed_names(checkpoint: Checkpoint, config: ModelConfig, attention: bool = False,
+                     head: bool = False) -> list[str]:
     """The matrices `quantize` compresses: those of the streamed FFN parts (dense MLPs, routed experts, shared
-    experts), and with `attention` the attention projections; never norms, routers, embedding or head."""
+    experts), with `attention` the attention projections, with `head` the LM head (untied only: a tied head is the
+    embedding, whose rows are read one token at a time); never norms, routers or the embedding."""
+    if head and config.tie_word_embeddings:
+        raise CheckpointError(f"{config.path}: the LM head is the embedding (tie_word_embeddings), so --head would "
+                              "compress the embedding too; run without --head")
     if config.family == "gpt_oss":  # its experts are stored transposed ([in, out]) with biases beside them
         raise CheckpointError(f"{config.path}: compressing gpt-oss checkpoints is not supported yet (their experts are "
                               "stored as [in, out] matrices); run it in its own dtype")
@@ -51,6 +57,8 @@ def compressed_names(checkpoint: Checkpoint, config: ModelConfig, attention: boo
             chosen = [r for f, r in refs.items() if f.startswith("shared_") and f.endswith("_proj")]
         elif key.kind == "attention" and attention:
             chosen = [r for f, r in refs.items() if f in ATTENTION_MATRICES]
+        elif key.kind == "head" and head:
+            chosen = [refs["lm_head"]]
         else:
             chosen = []
         names.update((r.name, None) for r in chosen)
@@ -58,7 +66,7 @@ def compressed_names(checkpoint: Checkpoint, config: ModelConfig, attention: boo
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, spec: WeightFormat, attention: bool = False,
-                        log: Callable[[str], None] | None = None) -> dict[str, object]:
+                        log: Callable[[str], None] | None = None, head: bool = False) -> dict[str, object]:
     """Write the compressed checkpoint of `src` to `out` (a new directory); return its provenance record."""
     src, out = Path(src), Path(out)
     config = ModelConfig.from_dir(src)
@@ -70,7 +78,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: WeightFormat, at
         raise CheckpointError(f"{src} is already compressed ({ckpt.quantization.spec.name}); quantize the original")
     if out.exists():
         raise FileExistsError(f"output {out} exists; remove it or choose another -o")
-    chosen = set(compressed_names(ckpt, config, attention))
+    chosen = set(compressed_names(ckpt, config, attention, head))
     for name in chosen:
         dtype = ckpt.torch_dtype(name)
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -113,7 +121,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, spec: WeightFormat, at
             "tool": "specoffload quantize",
             "scheme": spec.name,
             "group_size": spec.group,
-            "compressed": "ffn+attention" if attention else "ffn",
+            "compressed": "+".join(["ffn"] + ["attention"] * attention + ["head"] * head),
             "compressed_tensors": len(chosen),
             "source": source_record(src),
             "bytes": {"source": original, "stored": stored},
@@ -204,6 +212,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="int4 / int4k: inputs per scale and min (default 64; int4k: 32, 64, 128 or 256)")
     p.add_argument("--attention", action="store_true",
                    help="also compress the attention projections (default: only the FFN / experts)")
+    p.add_argument("--head", action="store_true",
+                   help="also compress the LM head (untied heads only; the largest part at a tight budget)")
     p.add_argument("-o", "--output", type=Path, default=None, help="output directory (default: MODEL-int8 / -int4)")
 
 
@@ -212,7 +222,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     model = args.model.expanduser()
     suffix = spec.label
     out = args.output or model.with_name(f"{model.name}-{suffix}")
-    record = quantize_checkpoint(model, out, spec, attention=args.attention, log=log)
+    record = quantize_checkpoint(model, out, spec, attention=args.attention, log=log, head=args.head)
     sizes = record["bytes"]
     assert isinstance(sizes, dict)
     log(f"{out}: {record['compressed_tensors']} tensors as {spec.label}; checkpoint {sizes['source'] / 2**20:.0f} "

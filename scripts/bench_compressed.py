@@ -15,8 +15,9 @@ the bound no format can beat (`io_over_compute_fp16`). The summary's ratios are 
 `int8_over_fp16_tight` at the smallest budget where fp16 runs a batch of 8; `_moe` / `_dense` roomy; default: by
 target). `--dtype` is the compute dtype (bfloat16 where the CPU has native 16-bit GEMMs, runtime/models/linear.py).
 The variant "int4k" is int4 g64 with its codes stored in the CPU kernel's layout (read into the slots as stored,
-`int4k_over_int4_*`). The variant "gguf" runs the Q4_K_M GGUF the dense target was converted from, as stored
-(runtime/models/gguf.py; `--gguf FILE`, default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary.
+`int4k_over_int4_*`); "int4kh" compresses the LM head too (`quantize --head`, `int4kh_over_int4k_*`). The variant
+"gguf" runs the Q4_K_M GGUF the dense target was converted from, as stored (runtime/models/gguf.py; `--gguf FILE`,
+default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary.
 Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens;
 --quick: 4 windows, 4 prompts). JSON under docs/perf/ with a top-level "summary" holding the ratios the issue names.
 """
@@ -42,12 +43,14 @@ from specoffload.runtime.sampling import SamplingParams
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 VARIANTS = {"fp16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
             "int8a": weight_format("int8"), "int4u": weight_format("int4", 64), "int8u": weight_format("int8"),
-            "int4k": weight_format("int4k", 64), "gguf": None}
+            "int4k": weight_format("int4k", 64), "int4kh": weight_format("int4k", 64), "gguf": None}
 #: variants run with their weights dequantized into the slots (packed_weights "off"): the loader path the packed
 #: kernels replace, on the same checkpoint as the variant without the "u"
 UNPACKED = {"int4u", "int8u"}
 #: variants that compress the attention projections too (`specoffload quantize --attention`)
 WITH_ATTENTION = {"int8a"}
+#: variants that compress the LM head too (`specoffload quantize --head`)
+WITH_HEAD = {"int4kh"}
 
 
 def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path | None,
@@ -61,11 +64,11 @@ def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path 
         return resolve_model(gguf or fetch_gguf(SPECS["target"], default_cache()))
     if spec is None:
         return source
-    suffix = spec.label + ("-attn" if name in WITH_ATTENTION else "")
+    suffix = spec.label + ("-attn" if name in WITH_ATTENTION else "") + ("-head" if name in WITH_HEAD else "")
     out = (where or source.parent) / f"{source.name}-{suffix}"
     if not out.exists():
         print(f"quantizing {source.name} -> {out}", file=sys.stderr)
-        quantize_checkpoint(source, out, spec, attention=name in WITH_ATTENTION)
+        quantize_checkpoint(source, out, spec, attention=name in WITH_ATTENTION, head=name in WITH_HEAD)
     return out
 
 
@@ -154,7 +157,7 @@ def main() -> int:
     if fp16:
         io = statistics.median(r["io_over_compute"] or 0.0 for r in fp16["runs"])
         summary["io_over_compute_fp16"] = round(io, 3)
-        for n in ("int8", "int4", "int4k", "int8a"):
+        for n in ("int8", "int4", "int4k", "int4kh", "int8a"):
             if n in results:
                 summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
         for n in UNPACKED & set(results):
@@ -166,6 +169,9 @@ def main() -> int:
         for n in ("int4", "int4k"):
             if n in results and fp16["bytes_per_pass"]:
                 summary[f"bytes_per_pass_ratio_{n}"] = round(results[n]["bytes_per_pass"] / fp16["bytes_per_pass"], 3)
+    if "int4k" in results and "int4kh" in results:  # the head compressed too: more of the budget for layers
+        summary[f"int4kh_over_int4k_{regime}"] = round(results["int4kh"]["tok_s_median"]
+                                                       / results["int4k"]["tok_s_median"], 3)
     if "int4" in results and "int4k" in results:  # codes stored in the kernel's layout against permuted per load
         summary[f"int4k_over_int4_{regime}"] = round(results["int4k"]["tok_s_median"] / results["int4"]["tok_s_median"],
                                                      3)

@@ -278,3 +278,37 @@ def test_a_format_declared_in_a_test_file_quantizes_streams_and_loads(tiny_model
         assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)] == resident
     finally:
         FORMATS.pop("test-int8rows", None)
+
+
+def test_the_untied_head_is_compressed_on_request_and_runs_packed(tiny_models, tmp_path, single_thread):
+    """`quantize --head`: the LM head stored as int4k beside the FFN; resident (dequantized, or packed under a budget)
+    and streamed at the minimum budget give the same greedy tokens (float32), the packed head is the kernel's weight,
+    and it takes fewer bytes of the budget than the 16-bit head. A tied head (the embedding) is refused in one line."""
+    from specoffload.runtime.models.packed import PackedInt4
+
+    out = tmp_path / "head"
+    assert main(["quantize", "--model", str(tiny_models["llama"]), "--to", "int4k", "--group", "32", "--head",
+                 "-o", str(out)]) == 0
+    record = json.loads((out / "provenance.json").read_text())
+    assert record["compressed"] == "ffn+head"
+    ckpt = Checkpoint(out)
+    assert ckpt.quantized("lm_head.weight") is not None and ckpt.quantized("model.embed_tokens.weight") is None
+    base = dict(target=out, max_batch_size=3, max_seq_len=48)
+    resident = _greedy(EngineConfig(**base))
+    engine = Engine(EngineConfig(**base, device_memory="1GiB", packed_weights="on"))
+    assert isinstance(engine.pipeline.workers.verifier.model.resident[PartKey("head")].lm_head, PackedInt4)
+    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)] == resident
+    packed_bytes = engine.placement.device_bytes()
+    engine.close()
+    plain = Engine(EngineConfig(**(base | {"target": tiny_models["llama"]}), device_memory="1GiB",
+                                packed_weights="on"))
+    assert packed_bytes < plain.placement.device_bytes()
+    plain.close()
+    config = EngineConfig(**base, device_memory="1GiB", packed_weights="slots")
+    engine = Engine(replace(config, device_memory=Engine(config).minimum_device_memory()))
+    assert engine.placement.is_streamed(PartKey("head"))
+    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)] == resident
+    engine.close()
+    assert main(["quantize", "--model", str(tiny_models["llama_tied"]), "--to", "int4k", "--head",
+                 "-o", str(tmp_path / "tied")]) == 2
+    assert not (tmp_path / "tied").exists()
