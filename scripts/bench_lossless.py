@@ -26,6 +26,7 @@ from scripts.get_models import model_dir
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.corpora import dataset_prompts
 from specoffload.runtime.engine import Engine
+from specoffload.runtime.errors import ConfigError
 from specoffload.runtime.prompts import humaneval_prompts
 from specoffload.runtime.sampling import SamplingParams
 
@@ -65,14 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the corpus is optional: say so and go on with code only
         print(f"aclsum unavailable ({exc}); HumanEval only", file=sys.stderr)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    rows, summary = [], {}
+    configs = {}  # every configuration checked before the first (minutes-long) run: a bad one fails at once
     for dtype in args.dtypes.split(","):
         base = dict(target=target, dtype=dtype, max_batch_size=len(prompts), max_seq_len=2048)
-        ref, wall, _ = _run(EngineConfig(**base), prompts, params)
-        print(f"{dtype} no draft: {wall:.0f} s", flush=True)
+        configs[dtype, None] = EngineConfig(**base)
         for drafter in args.drafters.split(","):
             extra = dict(draft=draft) if drafter == "model" else dict(drafter=drafter)
-            out, wall, info = _run(EngineConfig(**base, **extra, num_draft_tokens=args.k), prompts, params)
+            try:
+                configs[dtype, drafter] = EngineConfig(**base, **extra, num_draft_tokens=args.k)
+            except ConfigError as exc:
+                ap.error(f"--drafters {drafter}: {exc} (this benchmark runs the resident engine)")
+    rows, summary = [], {}
+    for dtype in args.dtypes.split(","):
+        ref, wall, _ = _run(configs[dtype, None], prompts, params)
+        print(f"{dtype} no draft: {wall:.0f} s", flush=True)
+        for drafter in args.drafters.split(","):
+            out, wall, info = _run(configs[dtype, drafter], prompts, params)
             diffs = [_first_diff(a, b) for a, b in zip(ref, out)]
             differing = sum(d is not None for d in diffs)
             rows.append({"dtype": dtype, "drafter": drafter, "k": args.k, "rows": len(prompts),
