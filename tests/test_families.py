@@ -127,8 +127,10 @@ def test_mla_caches_the_latent_and_rotary_key_as_transformers_does(tiny_models):
     for layer in range(cfg.num_layers):
         keys, values = cache.keys_values(layer, ids.shape[1])  # [1, 1, T, half] each
         row = torch.cat([keys, values], dim=-1)[0, 0]  # [T, L + r]
-        torch.testing.assert_close(row[:, :rank], ref.layers[layer].keys[0, 0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(row[:, rank:], ref.layers[layer].values[0, 0], rtol=1e-5, atol=1e-6)
+        theirs = ref.layers[layer]
+        for got, want in ((row[:, :rank], theirs.keys[0, 0]), (row[:, rank:], theirs.values[0, 0])):
+            # float32 to 1e-4 of the tensor's scale (another CPU sums the projections in another order)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 def test_deepseek_v3_next_token_layers_are_ignored_and_others_refused(tiny_models, tmp_path):
