@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.packed import INT4_BLOCK, INT4_GROUPS, kernel_layout, stored_layout
+from ..models.packed import INT4_GROUPS, int4_padded, kernel_layout, stored_layout
 from . import WeightFormat, dequantize_into, register_format
 from .int4 import DEFAULT_GROUP, Int4
 
@@ -42,7 +42,8 @@ class Int4Kernel(Int4):
     def components(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
         comps = super().components(shape)
         _, codes_shape = comps["qweight"]  # [..., out, in_p / 2]
-        comps["qweight"] = ("U8", (*shape[:-2], _padded_outputs(shape[-2]), codes_shape[-1]))
+        out_p, _ = int4_padded(tuple(shape[-2:]), self.group)
+        comps["qweight"] = ("U8", (*shape[:-2], out_p, codes_shape[-1]))
         return comps
 
     def quantize_rows(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -50,7 +51,7 @@ class Int4Kernel(Int4):
         parts = super().quantize_rows(x)
         codes = parts["qweight"]  # [..., out, in_p / 2]
         out, half = codes.shape[-2:]
-        pad = _padded_outputs(out) - out
+        pad = int4_padded((out, x.shape[-1]), self.group)[0] - out
         if pad:
             codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-2], pad, half)], dim=-2)
         parts["qweight"] = kernel_layout(codes.reshape(-1, half).contiguous()).view(codes.shape)
@@ -86,7 +87,3 @@ class Int4Kernel(Int4):
         if not codes_there:
             view.codes.copy_(parts["qweight"])  # type: ignore[attr-defined]
         self.fill_scales(view, parts)
-
-
-def _padded_outputs(out: int) -> int:
-    return -(-out // INT4_BLOCK) * INT4_BLOCK

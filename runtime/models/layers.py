@@ -407,7 +407,7 @@ def _keep_groups(scores: Tensor, group_score: Tensor, keep: int, fill: float) ->
     """scores [N, E] with every expert outside the `keep` best groups (by group_score [N, groups]) set to fill."""
     best = torch.topk(group_score, keep, dim=-1).indices  # [N, keep]
     kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # [N, groups]
-    return scores.masked_fill(~kept[:, :, None].expand_as(_grouped(scores, kept.shape[1])).reshape(scores.shape), fill)
+    return _grouped(scores, kept.shape[1]).masked_fill(~kept[:, :, None], fill).view_as(scores)
 
 
 def selected_experts(topk_ids: Tensor, token_mask: Tensor | None = None) -> list[int]:
