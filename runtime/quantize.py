@@ -1,5 +1,5 @@
-"""`specoffload quantize`: write a compressed copy of a checkpoint (int8 per output channel, or int4 / int4k per
-group).
+"""`specoffload quantize`: write a compressed copy of a checkpoint (int8 per output channel, or int8g / int4 / int4k
+per group of inputs).
 
 The streamed parts' matrices are compressed (runtime/formats/): every dense MLP, routed expert and shared expert,
 plus, with `--attention`, the attention projections, and with `--head` an untied LM head (at a tight budget the
@@ -205,11 +205,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an int8 or int4 copy of a checkpoint for streaming")
     p.add_argument("--model", required=True, type=Path, help="source checkpoint directory (HF safetensors)")
     p.add_argument("--to", required=True, choices=sorted(n for n, f in FORMATS.items() if f.writable),
-                   help="int8: per output channel (near-lossless); int4: per group of --group inputs (4.5 bits); "
-                        "int4k: int4 with its codes stored as torch's CPU int4 kernel reads them (the fastest to "
-                        "stream on a CPU: no per-load permutation)")
+                   help="int8: per output channel; int8g: int8 per group of --group inputs (8.5 bits at 32, "
+                        "llama.cpp's Q8_0; multiplied by the int4 kernel as two halves); int4: per group of --group "
+                        "inputs (4.5 bits); int4k: int4 with its codes stored as torch's CPU int4 kernel reads them "
+                        "(the fastest to stream on a CPU: no per-load permutation)")
     p.add_argument("--group", type=int, default=None,
-                   help="int4 / int4k: inputs per scale and min (default 64; int4k: 32, 64, 128 or 256)")
+                   help="int8g / int4 / int4k: inputs per scale (default: int8g 32, int4 / int4k 64; int8g and int4k "
+                        "take 32, 64, 128 or 256)")
     p.add_argument("--attention", action="store_true",
                    help="also compress the attention projections (default: only the FFN / experts)")
     p.add_argument("--head", action="store_true",

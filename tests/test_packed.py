@@ -1,6 +1,6 @@
-"""Packed int8 slots (runtime/models/packed.py): int8 weights kept as codes in the ring slots and multiplied by
-torch's weight-only int8 kernel give the compressed target's values, row by row, and speculation on such a target
-stays lossless."""
+"""Packed slots (runtime/models/packed.py): int8, int4 and int8g weights kept as codes in the ring slots and
+multiplied by torch's weight-only kernels give the compressed target's values, row by row, and speculation on such
+a target stays lossless."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.models.packed import (
     INT4_BLOCK,
     INT4_MAX_ROWS,
+    INT8G_MAX_ROWS,
     PACKED_MAX_ROWS,
     PackedInt4,
     PackedInt8,
+    PackedInt8Split,
     kernel_layout,
     packable,
     stored_layout,
@@ -399,3 +401,92 @@ def test_an_int4k_target_gives_the_int4_targets_tokens(int4, int4k, target, sing
     want = tokens(int4(target))
     for over in ({"device_memory": "min", "packed_weights": "slots"}, {"packed_weights": "on"}, {}):
         assert tokens(int4k(target), **dict(over)) == want, over
+
+
+# --- int8 per group (the int4 kernel over H | L) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, INT8G_MAX_ROWS, INT8G_MAX_ROWS + 3])
+@pytest.mark.parametrize(("n", "k", "group"), [(128, 192, 64), (96, 100, 32)])
+def test_packed_int8g_linear_is_the_product_with_its_weight(dtype, rows, n, k, group):
+    """Both regimes (the int4 kernel over [x, x] and the halves H | L up to INT8G_MAX_ROWS rows, dequantize + GEMM
+    above) multiply by q * scale, the format's weight up to the compute dtype's rounding of the scales; padded
+    outputs and inputs are cut off again."""
+    fmt = weight_format("int8g", group)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(rows)) * 0.05
+    parts = fmt.quantize_rows(w)
+    stored = dequantize(parts, fmt, (n, k))  # float32
+    region = torch.full((fmt.packed_nbytes((n, k), dtype, 64),), 0xAB, dtype=torch.uint8)  # (stale bytes)
+    view = fmt.packed_view(region, (n, k), dtype, 64)
+    fmt.fill_packed(view, parts)
+    assert isinstance(view, PackedInt8Split) and view.shape == (n, k) and view.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(view.dequantize(), stored)
+    else:  # the scale rounded to bfloat16, then q * scale rounded once
+        assert torch.allclose(view.dequantize().float(), stored, rtol=2 ** -7, atol=0)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = linear(x[None], view)[0]  # [rows, n]
+    want = x.float() @ view.dequantize().float().T
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert torch.allclose(got.float(), want, atol=(1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max())
+    if n % 128 == 0:
+        gate, up = view.chunk(2)
+        assert isinstance(gate, PackedInt8Split)
+        assert torch.equal(torch.cat([gate.dequantize(), up.dequantize()]), view.dequantize())
+
+
+@pytest.fixture(scope="module")
+def int8g(tiny_models, tmp_path_factory):
+    return _quantized(tiny_models, tmp_path_factory, weight_format("int8g", 32))
+
+
+@pytest.mark.parametrize("target", ["llama", "mixtral"])
+def test_an_int8g_target_streams_packed_and_speculates_losslessly(tiny_models, int8g, target, single_thread):
+    """An int8g target offloaded at its minimum budget with packed slots (smaller than dequantized ones): a draft
+    changes no token, and in float32 the tokens are those of the same checkpoint resident, dequantized."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    base = EngineConfig(target=int8g(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
+                        packed_weights="slots", num_draft_tokens=0)
+    lo = Engine(base).minimum_device_memory()
+    assert lo < Engine(replace(base, packed_weights="off")).minimum_device_memory()
+    resident = Engine(replace(base, device_memory=None, packed_weights="off"))
+    want = [r.token_ids for r in resident.generate(OFFLOAD_PROMPTS, params)]
+    resident.close()
+    engine = Engine(replace(base, device_memory=lo))
+    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == want
+    streamer = engine.pipeline.workers.prefetch.streamer
+    first = PartKey("expert", 0, 0) if target == "mixtral" else PartKey("dense_mlp", 0)
+    assert any(f.packed for f in streamer.layout(first).fields)
+    engine.close()
+    config = replace(base, draft=tiny_models["qwen2_draft"], num_draft_tokens=3)
+    engine = Engine(replace(config, device_memory=Engine(config).minimum_device_memory()))
+    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == want
+    engine.close()
+
+
+@pytest.mark.parametrize("source", ["disk", "ram"])
+def test_int8g_codes_go_into_the_slot_as_stored(int8g, source, single_thread, monkeypatch):
+    """The stored codes are the slot's bytes (nothing re-lays them out on the load path: the layout functions are
+    made to fail), with H's scales (16 scale, 0) and L's (scale, 8 scale) beside them."""
+    from specoffload.runtime.formats import int8g as int8g_module
+
+    target = Transformer(int8g("mixtral"))
+    keys = [k for k in target.loader.parts() if k.kind in ("dense_mlp", "expert")][:4]
+    slot_bytes = WeightStreamer(target.loader, 1, 1, "disk", "cpu", packed=True).nbytes(keys)
+    for name in ("split_layout", "split_codes"):
+        monkeypatch.setattr(int8g_module, name, lambda *a, **k: pytest.fail("codes re-laid out on load"))
+    ckpt = target.loader.checkpoint
+    with WeightStreamer(target.loader, slot_bytes, 2, source, "cpu", parts=keys, packed=True) as s:
+        for slot in (0, 1, 0):
+            got = s.load(slot, keys)
+            for key in keys:
+                refs = target.loader.refs(key)
+                for name in ("gate", "up", "down"):
+                    w, ref = getattr(got[key], name), refs[name]
+                    parts = ckpt.stored_parts(ref.name, ref.index)
+                    assert isinstance(w, PackedInt8Split) and torch.equal(w.codes, parts["qweight"]), (key, name)
+                    scale = parts["scale"].float().T  # [groups, out]
+                    groups, out = scale.shape
+                    assert torch.equal(w.scales_zeros[:groups, :out, 0], 16 * scale)
+                    assert torch.equal(w.scales_zeros[groups:, :out, 1], 8 * scale)

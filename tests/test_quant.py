@@ -22,7 +22,8 @@ from specoffload.runtime.formats import (
 from specoffload.runtime.formats.int4 import INT4_LEVELS
 
 SPECS = st.one_of(st.just(weight_format("int8")),
-                  st.sampled_from([2, 4, 8, 32, 64]).map(lambda g: weight_format("int4", g)))
+                  st.sampled_from([2, 4, 8, 32, 64]).map(lambda g: weight_format("int4", g)),
+                  st.sampled_from([32, 64]).map(lambda g: weight_format("int8g", g)))
 
 
 @st.composite
@@ -44,7 +45,7 @@ def weights(draw: st.DrawFn) -> torch.Tensor:
 
 
 def _step(parts: dict[str, torch.Tensor], spec: WeightFormat, inputs: int) -> torch.Tensor:
-    """Each element's quantization step (int8: its row's scale; int4: its group's), [..., in]."""
+    """Each element's quantization step (int8: its row's scale; int4, int8g: its group's), [..., in]."""
     scale = parts["scale"].float()
     if spec.name == "int8":
         return scale.expand(*scale.shape[:-1], inputs)
@@ -79,6 +80,13 @@ def test_stored_layout_matches_the_spec_and_round_trips_exactly(w: torch.Tensor,
     if spec.name == "int8":
         q = parts["qweight"]
         assert q.abs().max() <= 127
+        return
+    if spec.name == "int8g":  # the nearest codes for the stored scales, |q| <= 127
+        q = spec.codes(parts, w.shape[-2])[..., : w.shape[-1]].float()  # [..., in]
+        step = _step(parts, spec, w.shape[-1])
+        x = w.float()
+        assert torch.equal(q, torch.where(step > 0, (x / torch.where(step > 0, step, 1.0)).round().clamp(-127, 127),
+                                          0.0))
         return
     # the packing is exact: unpacking the nibbles (even input in the low nibble) gives codes that re-pack to it
     packed = parts["qweight"]
@@ -132,7 +140,7 @@ def test_bad_specs_are_refused() -> None:
         weight_format("int3")
     with pytest.raises(ValueError, match="even group"):
         weight_format("int4", 63)
-    with pytest.raises(ValueError, match="int4 only"):
+    with pytest.raises(ValueError, match="int8g is int8 per group"):
         weight_format("int8", 64)
     assert weight_format("int4") == weight_format("int4", 64)
     with pytest.raises(ValueError, match="non-finite"):
@@ -164,3 +172,27 @@ def test_int4k_takes_only_the_kernels_groups():
     with pytest.raises(ValueError, match="int4k's group"):
         weight_format("int4k", 16)
     assert weight_format("int4k") == weight_format("int4k", 64) and weight_format("int4k").label == "int4kg64"
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.integers(1, 3), pairs=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_int8g_split_layout_is_the_int4_kernels_h_then_l_and_inverts(blocks: int, pairs: int, seed: int) -> None:
+    """`split_layout` writes q + 128 = 16 h + l as aten's own int4 packing of the codes [H | L] (every int8 code,
+    -128 included), and `split_codes` undoes it."""
+    from specoffload.runtime.models.packed import INT4_BLOCK, split_codes, split_layout
+
+    n, k = INT4_BLOCK * blocks, 2 * pairs
+    q = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    u = q + 128
+    codes = torch.cat([u >> 4, u & 15], dim=1)  # [N, 2K]: H, then L
+    packed = split_layout(q.to(torch.int8))
+    assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
+    assert torch.equal(split_codes(packed), q.to(torch.int8))
+
+
+def test_int8g_takes_only_the_kernels_groups_and_is_8_5_bits_at_32():
+    with pytest.raises(ValueError, match="int8g's group"):
+        weight_format("int8g", 16)
+    assert weight_format("int8g") == weight_format("int8g", 32) and weight_format("int8g").label == "int8g32"
+    assert weight_format("int8g", 32).bits_per_weight((8960, 1536)) == pytest.approx(8.5)
+    assert weight_format("int8g", 64).bits_per_weight((8960, 1536)) == pytest.approx(8.25)

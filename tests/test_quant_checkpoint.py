@@ -27,7 +27,8 @@ from tests.conftest import OFFLOAD_PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 # group 32: the tiny models' FFN widths are 96, 128, 32 and 48 (the last pads its second group)
-SPECS = {"int8": weight_format("int8"), "int4": weight_format("int4", 32), "int4k": weight_format("int4k", 32)}
+SPECS = {"int8": weight_format("int8"), "int4": weight_format("int4", 32), "int4k": weight_format("int4k", 32),
+         "int8g": weight_format("int8g", 32)}
 
 
 @pytest.fixture(scope="session")
@@ -122,7 +123,8 @@ def test_reader_refuses_a_damaged_layout_with_one_line(quantized, tmp_path, monk
 
 @pytest.mark.parametrize("source", ["disk", "ram"])
 @pytest.mark.parametrize("model, scheme", [("qwen2_moe", "int4"), ("mixtral_fused", "int8"), ("llama", "int4"),
-                                           ("qwen2_moe", "int4k"), ("mixtral_fused", "int4k")])
+                                           ("qwen2_moe", "int4k"), ("mixtral_fused", "int4k"), ("qwen2_moe", "int8g"),
+                                           ("mixtral_fused", "int8g")])
 def test_streamer_decompresses_into_the_slot_exactly_as_the_resident_loader(quantized, source, model, scheme,
                                                                            single_thread):
     target = Transformer(quantized(model, scheme))
@@ -153,14 +155,15 @@ def _assert_same(a, b) -> None:
             _assert_same(x, y)
 
 
-@pytest.mark.parametrize("target, scheme", [("llama", "int4"), ("qwen2_moe", "int4"), ("mixtral_fused", "int8")])
+@pytest.mark.parametrize("target, scheme", [("llama", "int4"), ("qwen2_moe", "int4"), ("mixtral_fused", "int8"),
+                                            ("llama", "int8g")])
 def test_offloaded_compressed_target_matches_resident_and_draft_is_lossless(tiny_models, quantized, target, scheme,
                                                                              single_thread):
     ckpt = quantized(target, scheme)
     base = dict(target=ckpt, max_batch_size=3, max_seq_len=48)
     resident = _greedy(EngineConfig(**base))
     original = _greedy(EngineConfig(**(base | {"target": tiny_models[target]})))
-    assert resident != original or scheme == "int8"  # the compression is real on these tiny random models
+    assert resident != original or scheme in ("int8", "int8g")  # the compression is real on these tiny random models
     for draft in (None, tiny_models["qwen2_draft"], quantized("qwen2_draft", "int8")):
         for tier in ("disk", "ram"):
             extra = {"host_memory": "1GiB"} if tier == "ram" else {}
@@ -204,7 +207,7 @@ def test_cli_user_mistakes_are_one_line_errors(tiny_models, tmp_path, capsys):
     assert main(["quantize", "--model", str(tmp_path / "missing"), "--to", "int8", "-o", str(tmp_path / "c")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("specoffload: error: ") for line in lines)
-    assert "even group" in lines[0] and "int4 only" in lines[1]
+    assert "even group" in lines[0] and "int8g is int8 per group" in lines[1]
     assert not any(p.exists() for p in (tmp_path / "a", tmp_path / "b", tmp_path / "c"))
 
 

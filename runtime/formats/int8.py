@@ -30,7 +30,7 @@ class Int8(WeightFormat):
 
     def __post_init__(self) -> None:
         if self.group != 0:
-            raise ValueError("int8 is per output channel: it takes no group size (--group applies to int4 only)")
+            raise ValueError("int8 is per output channel: it takes no group size (int8g is int8 per group of inputs)")
 
     def components(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
         self._check_matrix(shape)

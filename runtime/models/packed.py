@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,11 @@ INT4_MAX_ROWS = 128
 #: output channels per block of the int4 kernel's layout, and the groups it takes
 INT4_BLOCK = 64
 INT4_GROUPS = (32, 64, 128, 256)
+#: rows up to which the split int8 kernel (`PackedInt8Split`: twice the int4 kernel's work) beats dequantize + GEMM
+INT8G_MAX_ROWS = 48
+#: float32 elements of the scratch a packed weight is dequantized through (4 MiB: measured fastest of 256 KiB .. 16 MiB
+#: on a [8960, 1536] weight, 2 cores)
+DEQUANT_BLOCK = 1 << 20
 
 
 def packable(shape: tuple[int, ...]) -> bool:
@@ -203,7 +208,7 @@ class PackedInt4:
         out_p = self.codes.shape[0]
         if dim != 0 or out_p != self.out or out_p % (chunks * INT4_BLOCK):
             raise ValueError(f"a packed int4 weight splits along its output channels in blocks of {INT4_BLOCK}")
-        return [PackedInt4(c, sz.contiguous(), self.group, self.out // chunks, self.inputs)
+        return [type(self)(c, sz.contiguous(), self.group, self.out // chunks, self.inputs)
                 for c, sz in zip(self.codes.chunk(chunks), self.scales_zeros.chunk(chunks, dim=1))]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -215,14 +220,101 @@ class PackedInt4:
         return y[:, : self.out] if self.out < y.shape[1] else y
 
     def dequantize(self) -> torch.Tensor:
-        """The weight [out, in] in the compute dtype: (q - 8) * scale + zero in float32, rounded once."""
-        stored = stored_layout(self.codes)  # [out_p, in_p / 2]
-        out_p, half = stored.shape
-        q = torch.stack((stored & 0xF, stored >> 4), dim=-1).view(out_p, half * 2 // self.group, self.group)
-        scale = self.scales_zeros[..., 0].float().T[..., None]  # [out_p, groups, 1]
-        zero = self.scales_zeros[..., 1].float().T[..., None]
-        w = ((q.float() - 8) * scale + zero).view(out_p, 2 * half)  # [out_p, in_p]
-        return w[: self.out, : self.inputs].to(self.dtype)
+        """The weight [out, in] in the compute dtype: (q - 8) * scale + zero in float32, rounded once (in blocks of
+        rows through a cache-sized float32 scratch, `_by_blocks`)."""
+        scale = self.scales_zeros[..., 0].float().T  # [out_p, groups]
+        zero = self.scales_zeros[..., 1].float().T
+
+        def fill(block: torch.Tensor, rows: slice) -> None:  # block [n, groups, group] float32
+            stored = stored_layout(self.codes[rows])  # [n, in_p / 2]
+            pairs = block.view(block.shape[0], -1, 2)  # [n, in_p / 2, 2]
+            pairs[..., 0].copy_(stored & 0xF)
+            pairs[..., 1].copy_(stored >> 4)
+            block.sub_(8).mul_(scale[rows, :, None]).add_(zero[rows, :, None])
+
+        return _by_blocks(fill, self.out, self.inputs, scale.shape[1], self.group, self.dtype)
+
+
+    max_rows: ClassVar[int] = INT4_MAX_ROWS  # rows up to which `packed_linear` calls the kernel
+
+
+@dataclass(frozen=True, eq=False)
+class PackedInt8Split(PackedInt4):
+    """An int8 weight W' = q * scale per group of inputs (runtime/formats/int8g.py), q in [-128, 127], held as the
+    int4 weight [H | L] over the inputs taken twice: q + 128 = 16 h + l with h, l in 0 .. 15, so
+
+        x @ W'^T = [x, x] @ [H | L]^T,  H[n, i] = (h - 8) * 16 scale + 0,  L[n, i] = (l - 8) * scale + 8 scale,
+
+    one call of the int4 kernel over 2 * in_p inputs: H's groups first (scales_zeros[:groups] = (16 scale, 0)), then
+    L's (scales_zeros[groups:] = (scale, 8 scale)). The kernel works in float32 on each half's weight (exact: h - 8
+    and l - 8 have 4 bits, the scale is one value of the compute dtype), so the product is x @ W'^T up to its
+    summation order; it costs an int4 weight of twice the inputs (docs/perf int8g_kernel), reading the codes' one
+    byte a weight. `codes` [out_p, in_p]: the nibbles of [H | L] in `kernel_layout`."""
+
+    max_rows: ClassVar[int] = INT8G_MAX_ROWS
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] @ W'^T -> [N, out] by the kernel on [x, x] (x padded with zeros to the slot's inputs)."""
+        half = self.codes.shape[1]  # in_p: the inputs of each of H and L
+        x = x.to(self.dtype)
+        x = F.pad(x, (0, half - self.inputs)) if half > self.inputs else x
+        xx = torch.cat((x, x), dim=1)  # [N, 2 in_p]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xx, self.codes, self.group, self.scales_zeros)  # [N, out_p]
+        return y[:, : self.out] if self.out < y.shape[1] else y
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in the compute dtype: q * scale in float32, rounded once (`_by_blocks`)."""
+        groups = self.scales_zeros.shape[0] // 2
+        scale = self.scales_zeros[groups:, :, 0].float().T  # [out_p, groups]
+
+        def fill(block: torch.Tensor, rows: slice) -> None:  # block [n, groups, group] float32, n whole blocks
+            n, half = block.shape[0], self.codes.shape[1] // 2
+            b = self.codes[rows].view(n // INT4_BLOCK, 2 * half, 2, INT4_BLOCK // 2)  # [blocks, pair i, p, j]
+            high, low = b[:, :half], b[:, half:]  # H's and L's bytes: inputs 2i + p of channels j and 32 + j
+            d = block.view(n // INT4_BLOCK, 2, INT4_BLOCK // 2, half, 2)  # [blocks, channel half, j, i, p]
+            d[:, 0].copy_((((high & 0xF) << 4) | (low & 0xF)).permute(0, 3, 1, 2))  # q + 128 of channels j
+            d[:, 1].copy_(((high & 0xF0) | (low >> 4)).permute(0, 3, 1, 2))  # of channels 32 + j
+            block.sub_(128).mul_(scale[rows, :, None])
+
+        return _by_blocks(fill, self.out, self.inputs, groups, self.group, self.dtype)
+
+
+def _by_blocks(fill, out: int, inputs: int, groups: int, group: int, dtype: torch.dtype) -> torch.Tensor:  # noqa: ANN001
+    """A [out, inputs] `dtype` weight written in blocks of whole kernel blocks of rows: `fill(block, rows)` writes
+    rows `rows` of the padded weight in float32 into `block` [n, groups, group] (a scratch of about DEQUANT_BLOCK
+    elements), which is then rounded into place."""
+    dest = torch.empty(out, inputs, dtype=dtype)
+    step = max(1, DEQUANT_BLOCK // (groups * group * INT4_BLOCK)) * INT4_BLOCK
+    scratch = torch.empty(step, groups, group, dtype=torch.float32)
+    for start in range(0, out, step):
+        block = scratch[: min(step, -(-(out - start) // INT4_BLOCK) * INT4_BLOCK)]  # whole kernel blocks
+        fill(block, slice(start, start + block.shape[0]))
+        stop = min(start + step, out)
+        dest[start:stop].copy_(block.view(block.shape[0], -1)[: stop - start, :inputs])
+    return dest
+
+
+def split_layout(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (N a multiple of INT4_BLOCK, K even) -> uint8 [N, K]: the nibbles h, l of q + 128 = 16 h + l
+    as the int4 codes [H | L] of 2K inputs in `kernel_layout` (`PackedInt8Split`)."""
+    u = q.view(torch.uint8) ^ 0x80  # q + 128, as a byte
+    n, k = u.shape
+    pairs = torch.empty(n, k, dtype=torch.uint8)  # [N, 2K / 2]: H's pairs, then L's; input 2i in the low nibble
+    even, odd = u[:, 0::2], u[:, 1::2]  # [N, K / 2]
+    torch.bitwise_or(even >> 4, odd & 0xF0, out=pairs[:, : k // 2])  # h(2i) | h(2i + 1) << 4
+    torch.bitwise_or(even & 0x0F, odd << 4, out=pairs[:, k // 2 :])  # l(2i) | l(2i + 1) << 4
+    return kernel_layout(pairs)
+
+
+def split_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of `split_layout`: uint8 [N, K] -> the int8 codes [N, K]."""
+    pairs = stored_layout(codes)  # [N, K]: H's pairs, then L's
+    n, k = pairs.shape
+    high, low = pairs[:, : k // 2], pairs[:, k // 2 :]  # [N, K / 2]
+    u = torch.empty(n, k, dtype=torch.uint8)
+    torch.bitwise_or(high << 4, low & 0x0F, out=u[:, 0::2])  # q(2i) + 128 = h << 4 | l
+    torch.bitwise_or(high & 0xF0, low >> 4, out=u[:, 1::2])
+    return (u ^ 0x80).view(torch.int8)
 
 
 PackedWeight = PackedInt8 | PackedInt4
@@ -230,8 +322,8 @@ PackedWeight = PackedInt8 | PackedInt4
 
 def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [N, in] @ W'^T -> [N, out] in the compute dtype."""
-    if isinstance(w, PackedInt4):
-        return w.matmul(x) if x.shape[0] <= INT4_MAX_ROWS else F.linear(x.to(w.dtype), w.dequantize())
+    if isinstance(w, PackedInt4):  # (and PackedInt8Split)
+        return w.matmul(x) if x.shape[0] <= w.max_rows else F.linear(x.to(w.dtype), w.dequantize())
     if x.shape[0] <= PACKED_MAX_ROWS and packable(tuple(w.shape)):
         return torch._weight_int8pack_mm(x.to(w.dtype).contiguous(), w.qweight, w.scale)
     return F.linear(x.to(w.dtype), w.dequantize())
