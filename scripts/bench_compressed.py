@@ -15,7 +15,10 @@ the bound no format can beat (`io_over_compute_fp16`). The summary's ratios are 
 `int8_over_fp16_tight` at the smallest budget where fp16 runs a batch of 8; `_moe` / `_dense` roomy; default: by
 target). `--dtype` is the compute dtype (bfloat16 where the CPU has native 16-bit GEMMs, runtime/models/linear.py).
 The variant "int4k" is int4 g64 with its codes stored in the CPU kernel's layout (read into the slots as stored,
-`int4k_over_int4_*`); "int4kh" compresses the LM head too (`quantize --head`, `int4kh_over_int4k_*`). The variant
+`int4k_over_int4_*`); "int4kh" compresses the LM head too (`quantize --head`, `int4kh_over_int4k_*`). "int8_g32" is
+int8 per group of 32 (format int8g), "int4_g32" int4 per group of 32 (int4k's layout). "bf16" is the source rounded
+to bfloat16 (`bf16_copy`, built once beside it): with `--dtype bfloat16` the baseline that streams 16-bit weights
+without a cast per load (`<variant>_over_bf16_*` beside `_over_fp16_*`). The variant
 "gguf" runs the Q4_K_M GGUF the dense target was converted from, as stored (runtime/models/gguf.py; `--gguf FILE`,
 default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary.
 Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens;
@@ -41,9 +44,12 @@ from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
 
 TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
-VARIANTS = {"fp16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
+VARIANTS = {"fp16": None, "bf16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
             "int8a": weight_format("int8"), "int4u": weight_format("int4", 64), "int8u": weight_format("int8"),
-            "int4k": weight_format("int4k", 64), "int4kh": weight_format("int4k", 64), "gguf": None}
+            "int4k": weight_format("int4k", 64), "int4kh": weight_format("int4k", 64), "gguf": None,
+            "int8_g32": weight_format("int8g", 32), "int4_g32": weight_format("int4k", 32)}
+#: the compressed variants the summary reports against the baselines (fp16, bf16)
+RATIOS = ("int8", "int4", "int4k", "int4kh", "int8a", "int8_g32", "int4_g32")
 #: variants run with their weights dequantized into the slots (packed_weights "off"): the loader path the packed
 #: kernels replace, on the same checkpoint as the variant without the "u"
 UNPACKED = {"int4u", "int8u"}
@@ -62,6 +68,12 @@ def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path 
         from specoffload.runtime.models.gguf import resolve_model
 
         return resolve_model(gguf or fetch_gguf(SPECS["target"], default_cache()))
+    if name == "bf16":
+        out = (where or source.parent) / f"{source.name}-bf16"
+        if not out.exists():
+            print(f"writing a bfloat16 copy of {source.name} -> {out}", file=sys.stderr)
+            bf16_copy(source, out)
+        return out
     if spec is None:
         return source
     suffix = spec.label + ("-attn" if name in WITH_ATTENTION else "") + ("-head" if name in WITH_HEAD else "")
@@ -70,6 +82,36 @@ def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path 
         print(f"quantizing {source.name} -> {out}", file=sys.stderr)
         quantize_checkpoint(source, out, spec, attention=name in WITH_ATTENTION, head=name in WITH_HEAD)
     return out
+
+
+def bf16_copy(source: Path, out: Path) -> None:
+    """`source` with its floating tensors rounded to bfloat16 (the baseline that streams 16-bit weights the bfloat16
+    compute dtype takes as stored, no cast per load), beside its config (dtype bfloat16), tokenizer and index; the
+    files written under a temporary name, renamed when whole."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in sorted(source.iterdir()):
+        if f.suffix == ".safetensors":
+            with safe_open(f, "pt") as st:
+                tensors = {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118 (safe_open has no iterator)
+            save_file({k: t.to(torch.bfloat16) if t.is_floating_point() else t for k, t in tensors.items()},
+                      tmp / f.name, metadata={"format": "pt"})
+            del tensors
+        elif f.name == "config.json":
+            config = json.loads(f.read_text())
+            config["dtype"] = config["torch_dtype"] = "bfloat16"
+            (tmp / f.name).write_text(json.dumps(config, indent=2))
+        elif f.is_file() and f.name != "provenance.json":  # (the source's hashes: not this copy's)
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(out)
 
 
 def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -107,10 +149,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", default="fp16,int8,int4",
-                    help="comma-separated: fp16, int8, int4 (group 64), int8a (int8 with the attention projections)")
+                    help="comma-separated names of VARIANTS (module docstring): fp16, bf16, int8, int8_g32, int4 "
+                         "(group 64), int4_g32, int4k, int4kh, int8a (int8 with the attention projections), gguf")
     ap.add_argument("--variants-dir", type=Path, default=None, help="where compressed copies are built / found")
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF of variant gguf (default: the target's Q4_K_M)")
     ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--accuracy-only", action="store_true", help="no speed runs (no speed rows, no speed ratios)")
     ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens, batch 4, 1 rep, quick accuracy")
     ap.add_argument("--out", default="compressed")
     args = ap.parse_args()
@@ -129,7 +173,8 @@ def main() -> int:
     batch = args.batch if args.batch == "auto" else int(args.batch)
     seq = max(len(p) for p in prompts) + args.new_tokens
     results: dict[str, dict] = {}
-    for rep in range(args.reps):  # variants interleaved per repetition: the disk's drift hits all alike
+    # variants interleaved per repetition: the disk's drift hits all alike
+    for rep in range(0 if args.accuracy_only else args.reps):
         for n in names:
             config = EngineConfig(target=dirs[n], device_memory=args.budget, weights_tier=args.weights_tier,
                                   max_batch_size=batch, num_draft_tokens=0, max_seq_len=seq, trace=True,
@@ -148,7 +193,7 @@ def main() -> int:
     if not args.no_accuracy:
         rows, greedy_prompts = held_out(source, *((4, 128, 4) if args.quick else (12, 256, 32)))
         for n in names:
-            if (VARIANTS[n] is not None or n == "gguf") and n not in UNPACKED:
+            if (VARIANTS[n] is not None or n in ("gguf", "bf16")) and n not in UNPACKED:
                 accuracy[n] = compare(source, dirs[n], rows, greedy_prompts, 32)
     fp16 = results.get("fp16")
     summary: dict[str, object] = {"target": source.name, "budget": args.budget, "dtype": args.dtype,
@@ -157,7 +202,7 @@ def main() -> int:
     if fp16:
         io = statistics.median(r["io_over_compute"] or 0.0 for r in fp16["runs"])
         summary["io_over_compute_fp16"] = round(io, 3)
-        for n in ("int8", "int4", "int4k", "int4kh", "int8a"):
+        for n in RATIOS:
             if n in results:
                 summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
         for n in UNPACKED & set(results):
@@ -169,6 +214,15 @@ def main() -> int:
         for n in ("int4", "int4k"):
             if n in results and fp16["bytes_per_pass"]:
                 summary[f"bytes_per_pass_ratio_{n}"] = round(results[n]["bytes_per_pass"] / fp16["bytes_per_pass"], 3)
+    bf16 = results.get("bf16")
+    if bf16:  # the baseline of a bfloat16 compute dtype: 16-bit weights streamed as the compute dtype takes them
+        summary["io_over_compute_bf16"] = round(statistics.median(r["io_over_compute"] or 0.0 for r in bf16["runs"]), 3)
+        for n in RATIOS + ("fp16", "gguf"):
+            if n in results:
+                key = "gguf_q4km" if n == "gguf" else n
+                summary[f"{key}_over_bf16_{regime}"] = round(results[n]["tok_s_median"] / bf16["tok_s_median"], 3)
+                summary[f"bytes_per_pass_ratio_{key}_over_bf16"] = round(results[n]["bytes_per_pass"]
+                                                                         / bf16["bytes_per_pass"], 3)
     if "int4k" in results and "int4kh" in results:  # the head compressed too: more of the budget for layers
         summary[f"int4kh_over_int4k_{regime}"] = round(results["int4kh"]["tok_s_median"]
                                                        / results["int4k"]["tok_s_median"], 3)

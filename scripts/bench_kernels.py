@@ -33,7 +33,7 @@ from specoffload.runtime.formats import weight_format
 from specoffload.runtime.models.packed import INT8G_MAX_ROWS, PackedInt4, PackedInt8, int4_kernel_ok
 
 LAYER = ((8960, 1536), (8960, 1536), (1536, 8960))  # gate, up, down of Qwen2.5-Coder-1.5B
-ROWS = (1, 8, 32, 48, 64, 128)
+ROWS = (1, 8, 32, 48, 64, 96, 128)
 REPS = 7
 FORMATS = (("bf16", None), ("int8", weight_format("int8")), ("int8g32", weight_format("int8g", 32)),
            ("int8g64", weight_format("int8g", 64)), ("int4g32", weight_format("int4k", 32)),

@@ -6,6 +6,8 @@
                    kept as its codes in a ring slot, the layer multiplying by a kernel: runtime/models/packed.py)
                    with the slot bytes, the view and the fill of such a weight
     int8.py        "int8": symmetric per output channel
+    int8g.py       "int8g": symmetric int8 per group of inputs (Q8_0's scheme at 32), its codes stored as the CPU int4
+                   kernel's two halves (one kernel call multiplies them)
     int4.py        "int4": asymmetric per group of inputs
     int4k.py       "int4k": int4 with its codes stored in the CPU int4 kernel's layout (read into a slot as stored)
     ggml.py        llama.cpp's block types as a GGUF file stores them (q8_0, q4_0, q5_0, q4_k, q5_k, q6_k, mxfp4): read

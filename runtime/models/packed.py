@@ -18,6 +18,13 @@ so the stored int4 (W' = q * scale + min, runtime/formats/int4.py) gives zero = 
 row at 0.16 ms for [8960, 1536] against 16.5 ms to dequantize plus 0.06 ms a row of bf16 GEMM, so up to
 INT4_MAX_ROWS rows it multiplies and above (a prefill) the weight is dequantized on the spot.
 
+`PackedInt8Split`: int8 codes with a scale per group of inputs (runtime/formats/int8g.py), which no torch kernel
+takes as they are, held as the int4 weight [H | L] of twice the inputs (q + 128 = 16 h + l): one call of the int4
+kernel over [x, x] is x @ W'^T, at twice an int4 weight's compute (docs/perf `kernels`: 0.55-0.62x the per-channel
+int8 kernel's rate on the Xeon with AMX, 1-128 rows), reading one byte a weight. It
+multiplies up to INT8G_MAX_ROWS rows (a layer's three FFN GEMMs: the kernel wins at 32 rows, loses at 48), and
+above that the weight is dequantized on the spot.
+
 The kernel is a row loop, so above `PACKED_MAX_ROWS` rows (prefill) the weight is dequantized on the spot and
 F.linear used. Only weights whose input width is a multiple of `PACKED_ALIGN` are packed (the kernel's limit).
 Numerics: the scale is the stored float32 scale rounded to the compute dtype (the kernel takes the activation
@@ -52,7 +59,7 @@ INT4_MAX_ROWS = 128
 INT4_BLOCK = 64
 INT4_GROUPS = (32, 64, 128, 256)
 #: rows up to which the split int8 kernel (`PackedInt8Split`: twice the int4 kernel's work) beats dequantize + GEMM
-INT8G_MAX_ROWS = 48
+INT8G_MAX_ROWS = 32
 #: float32 elements of the scratch a packed weight is dequantized through (4 MiB: measured fastest of 256 KiB .. 16 MiB
 #: on a [8960, 1536] weight, 2 cores)
 DEQUANT_BLOCK = 1 << 20
@@ -104,8 +111,14 @@ class PackedInt8:
         return [PackedInt8(q, s) for q, s in zip(self.qweight.chunk(chunks), self.scale.chunk(chunks))]
 
     def dequantize(self) -> torch.Tensor:
-        """The weight [out, in] in the compute dtype: q * scale in float32, rounded once."""
-        return (self.qweight.float() * self.scale.float()[:, None]).to(self.dtype)
+        """The weight [out, in] in the compute dtype: q * scale in float32, rounded once (`_by_blocks`)."""
+        out, inputs = self.qweight.shape
+        scale = self.scale.float()  # [out]
+
+        def fill(block: torch.Tensor, rows: slice) -> None:  # block [n, 1, in] float32
+            block.view(block.shape[0], -1).copy_(self.qweight[rows]).mul_(scale[rows, None])
+
+        return _by_blocks(fill, out, inputs, 1, inputs, self.dtype, align=1)
 
 
 def kernel_layout(qweight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,8 +233,8 @@ class PackedInt4:
         return y[:, : self.out] if self.out < y.shape[1] else y
 
     def dequantize(self) -> torch.Tensor:
-        """The weight [out, in] in the compute dtype: (q - 8) * scale + zero in float32, rounded once (in blocks of
-        rows through a cache-sized float32 scratch, `_by_blocks`)."""
+        """The weight [out, in] in the compute dtype: (q - 8) * scale + zero in float32, rounded once
+        (`_by_blocks`)."""
         scale = self.scales_zeros[..., 0].float().T  # [out_p, groups]
         zero = self.scales_zeros[..., 1].float().T
 
@@ -279,15 +292,16 @@ class PackedInt8Split(PackedInt4):
         return _by_blocks(fill, self.out, self.inputs, groups, self.group, self.dtype)
 
 
-def _by_blocks(fill, out: int, inputs: int, groups: int, group: int, dtype: torch.dtype) -> torch.Tensor:  # noqa: ANN001
-    """A [out, inputs] `dtype` weight written in blocks of whole kernel blocks of rows: `fill(block, rows)` writes
-    rows `rows` of the padded weight in float32 into `block` [n, groups, group] (a scratch of about DEQUANT_BLOCK
-    elements), which is then rounded into place."""
+def _by_blocks(fill, out: int, inputs: int, groups: int, group: int, dtype: torch.dtype,  # noqa: ANN001
+               align: int = INT4_BLOCK) -> torch.Tensor:
+    """A [out, inputs] `dtype` weight written in blocks of whole `align`s of rows (the int4 kernel's blocks):
+    `fill(block, rows)` writes rows `rows` of the padded weight in float32 into `block` [n, groups, group] (a scratch
+    of about DEQUANT_BLOCK elements), which is then rounded into place."""
     dest = torch.empty(out, inputs, dtype=dtype)
-    step = max(1, DEQUANT_BLOCK // (groups * group * INT4_BLOCK)) * INT4_BLOCK
+    step = max(1, DEQUANT_BLOCK // (groups * group * align)) * align
     scratch = torch.empty(step, groups, group, dtype=torch.float32)
     for start in range(0, out, step):
-        block = scratch[: min(step, -(-(out - start) // INT4_BLOCK) * INT4_BLOCK)]  # whole kernel blocks
+        block = scratch[: min(step, -(-(out - start) // align) * align)]  # whole aligns of rows
         fill(block, slice(start, start + block.shape[0]))
         stop = min(start + step, out)
         dest[start:stop].copy_(block.view(block.shape[0], -1)[: stop - start, :inputs])
