@@ -102,6 +102,24 @@ def test_packed_q4_multiplies_as_its_dequantized_weight(name, shape):
     assert rel_err(w.dequantize(), dense) < 1e-2
 
 
+@pytest.mark.skipif(not int4_kernel_ok(), reason="this torch has no CPU int4 kernel")
+@pytest.mark.parametrize("shape", [(100, 512), (64, 96)])
+def test_packed_q8_0_is_int8g_and_multiplies_as_its_dequantized_weight(shape):
+    """q8_0 packs as int8 per group of 32 (the block's d, its codes, -128 included): in float32 the packed weight is
+    llama.cpp's decode exactly, and the kernel's product is the product with it."""
+    fmt = weight_format("q8_0")
+    raw = torch.from_numpy(random_blocks("q8_0", shape[0], shape[1] // 32, 4))
+    raw.view(shape[0], -1, 34)[0, 0, 2] = 0x80  # code -128
+    assert fmt.stays_packed(shape)
+    dense = dequantize({"qweight": raw}, fmt, shape)  # float32
+    w = fmt.packed_copy({"qweight": raw}, shape, torch.float32)
+    assert torch.equal(w.dequantize(), dense)
+    x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(0))
+    assert rel_err(w.matmul(x), F.linear(x, dense)) < 1e-5
+    w16 = fmt.packed_copy({"qweight": raw}, shape, torch.bfloat16)
+    assert rel_err(w16.matmul(x.bfloat16()), F.linear(x.bfloat16().float(), dense)) < 2e-2  # (bf16 scales)
+
+
 @pytest.fixture(scope="module")
 def ggufs(tiny_models, tmp_path_factory):
     """name -> (companion dir, reference checkpoint of the decoded weights, the GGUF file)."""
@@ -156,8 +174,8 @@ def test_speculation_on_a_gguf_target_is_lossless(ggufs, drafter):
 
 @pytest.mark.skipif(not int4_kernel_ok(), reason="this torch has no CPU int4 kernel")
 def test_bfloat16_streams_q4_blocks_packed(ggufs):
-    """In bfloat16 the q4_0 / q4_k weights a slot streams stay packed for the int4 kernel (the others are decoded
-    into the slot); the run's tokens are the float32 run's on most positions (the kernel's bfloat16 scales)."""
+    """In bfloat16 the q4_0 / q4_k / q8_0 weights a slot streams stay packed for the int4 kernel (the others are
+    decoded into the slot); the run's tokens are the float32 run's on most positions (the kernel's bfloat16 scales)."""
     companion = ggufs["qwen2_256"][0]
     reference, engine = offload_greedy(tight_config(companion, dtype="float32"))
     engine.close()
@@ -166,8 +184,9 @@ def test_bfloat16_streams_q4_blocks_packed(ggufs):
     keys = [k for k in engine.workers.prefetch.model.loader.parts() if engine.placement.is_streamed(k)]
     fields = [f for key in keys for f in streamer.layout(key).fields]
     kinds = {f.quant.spec.name for f in fields if f.packed}
-    assert kinds and kinds <= {"q4_0", "q4_k"}
-    assert {f.quant.spec.name for f in fields if f.quant is not None and not f.packed} - {"q4_0", "q4_k"}
+    packable = {"q4_0", "q4_k", "q8_0"}
+    assert kinds and kinds <= packable
+    assert {f.quant.spec.name for f in fields if f.quant is not None and not f.packed} - packable
     same = sum(a == b for x, y in zip(out, reference) for a, b in zip(x, y))
     assert same >= 0.7 * sum(map(len, reference))
     engine.close()

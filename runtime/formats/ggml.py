@@ -19,7 +19,9 @@ q4_0 and q4_k are int4 with a scale and an offset per 32 inputs, so a streamed o
 kernel (runtime/models/packed.py `PackedInt4`, group 32): codes permuted into the kernel's layout, scale = d * sc_j
 and zero = -(dmin * m_j) + 8 * scale rounded to the compute dtype (the kernel takes the activation dtype: a
 deviation from llama.cpp's float32 products of at most half a unit in the last place of bfloat16, measured in
-docs/perf `gguf`). The others are dequantized into the slot in the compute dtype.
+docs/perf `gguf`). q8_0 is int8 with a scale per 32 inputs: it stays packed as int8g's (runtime/formats/int8g.py),
+its codes re-laid out per load as the int4 kernel's halves. The others are dequantized into the slot in the compute
+dtype.
 
 These formats are read, not written: `specoffload quantize` writes int8 / int4 (`writable` is False here).
 """
@@ -31,9 +33,10 @@ from typing import ClassVar
 
 import torch
 
-from ..models.packed import PackedInt4, int4_packable
+from ..models.packed import PackedInt4, PackedInt8Split, int4_packable, split_layout
 from . import WeightFormat, register_format
 from .int4 import Int4
+from .int8g import Int8Group
 
 Tensor = torch.Tensor
 
@@ -156,6 +159,28 @@ class Q8_0(GGMLFormat):
 
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         return b[..., None, 2:].view(torch.int8), _f16(b[..., :2])[..., None], None
+
+    def stays_packed(self, shape: tuple[int, ...]) -> bool:
+        return int4_packable(shape, 32)
+
+    def packed_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
+        return Int8Group(32).packed_nbytes(shape, dtype, align)
+
+    def packed_view(self, region: Tensor, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> object:
+        return Int8Group(32).packed_view(region, shape, dtype, align)
+
+    def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
+        """int8g's packed weight (group 32: the block's d is the group's scale, q its codes, -128 included): the
+        codes re-laid out as the int4 kernel's halves (`split_layout`, on every load: one pass over the codes), d in
+        the compute dtype."""
+        assert isinstance(view, PackedInt8Split) and not codes_there
+        b = _blocks(parts["qweight"], self.block_bytes)  # [n, nb, 34]
+        n, out_p = b.shape[0], view.codes.shape[0]
+        q = b[..., 2:].reshape(n, -1)  # [n, in] uint8: the int8 codes' bytes
+        if n < out_p:
+            q = torch.cat([q, q.new_zeros(out_p - n, q.shape[1])])
+        view.codes.copy_(split_layout(q.view(torch.int8)))
+        Int8Group(32).fill_packed(view, {"scale": _f16(b[..., :2])[..., 0]}, codes_there=True)  # scale [n, nb]
 
 
 @dataclass(frozen=True)
