@@ -16,9 +16,10 @@ the bound no format can beat (`io_over_compute_fp16`). The summary's ratios are 
 target). `--dtype` is the compute dtype (bfloat16 where the CPU has native 16-bit GEMMs, runtime/models/linear.py).
 The variant "int4k" is int4 g64 with its codes stored in the CPU kernel's layout (read into the slots as stored,
 `int4k_over_int4_*`); "int4kh" compresses the LM head too (`quantize --head`, `int4kh_over_int4k_*`). "int8_g32" is
-int8 per group of 32 (format int8g), "int4_g32" int4 per group of 32 (int4k's layout). "bf16" is the source rounded
-to bfloat16 (`bf16_copy`, built once beside it): with `--dtype bfloat16` the baseline that streams 16-bit weights
-without a cast per load (`<variant>_over_bf16_*` beside `_over_fp16_*`). The variant
+int8 per group of 32 (format int8g), "int4_g32" int4 per group of 32 (int4k's layout); "int8ah" / "int4kah" compress
+the attention projections and the LM head beside the FFN (all but the embedding, norms and routers). "bf16" is the
+source rounded to bfloat16 (`bf16_copy`, built once beside it): with `--dtype bfloat16` the baseline that streams
+16-bit weights without a cast per load (`<variant>_over_bf16_*` beside `_over_fp16_*`). The variant
 "gguf" runs the Q4_K_M GGUF the dense target was converted from, as stored (runtime/models/gguf.py; `--gguf FILE`,
 default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary.
 Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens;
@@ -47,16 +48,17 @@ TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 VARIANTS = {"fp16": None, "bf16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
             "int8a": weight_format("int8"), "int4u": weight_format("int4", 64), "int8u": weight_format("int8"),
             "int4k": weight_format("int4k", 64), "int4kh": weight_format("int4k", 64), "gguf": None,
-            "int8_g32": weight_format("int8g", 32), "int4_g32": weight_format("int4k", 32)}
+            "int8_g32": weight_format("int8g", 32), "int4_g32": weight_format("int4k", 32),
+            "int8ah": weight_format("int8"), "int4kah": weight_format("int4k", 64)}
 #: the compressed variants the summary reports against the baselines (fp16, bf16)
-RATIOS = ("int8", "int4", "int4k", "int4kh", "int8a", "int8_g32", "int4_g32")
+RATIOS = ("int8", "int4", "int4k", "int4kh", "int8a", "int8_g32", "int4_g32", "int8ah", "int4kah")
 #: variants run with their weights dequantized into the slots (packed_weights "off"): the loader path the packed
 #: kernels replace, on the same checkpoint as the variant without the "u"
 UNPACKED = {"int4u", "int8u"}
 #: variants that compress the attention projections too (`specoffload quantize --attention`)
-WITH_ATTENTION = {"int8a"}
+WITH_ATTENTION = {"int8a", "int8ah", "int4kah"}
 #: variants that compress the LM head too (`specoffload quantize --head`)
-WITH_HEAD = {"int4kh"}
+WITH_HEAD = {"int4kh", "int8ah", "int4kah"}
 
 
 def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path | None,

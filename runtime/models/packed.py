@@ -20,8 +20,8 @@ INT4_MAX_ROWS rows it multiplies and above (a prefill) the weight is dequantized
 
 `PackedInt8Split`: int8 codes with a scale per group of inputs (runtime/formats/int8g.py), which no torch kernel
 takes as they are, held as the int4 weight [H | L] of twice the inputs (q + 128 = 16 h + l): one call of the int4
-kernel over [x, x] is x @ W'^T, at twice an int4 weight's compute (docs/perf `kernels`: 0.55-0.62x the per-channel
-int8 kernel's rate on the Xeon with AMX, 1-128 rows), reading one byte a weight. It
+kernel over [x, x] is x @ W'^T, at twice an int4 weight's compute (docs/perf `kernels`: 0.6-0.8x the per-channel
+int8 kernel's rate on the Xeon with AMX, 8-128 rows), reading one byte a weight. It
 multiplies up to INT8G_MAX_ROWS rows (a layer's three FFN GEMMs: the kernel wins at 32 rows, loses at 48), and
 above that the weight is dequantized on the spot.
 
@@ -187,6 +187,8 @@ class PackedInt4:
     out: int  # the weight's outputs (<= out_p)
     inputs: int  # its inputs (<= in_p)
 
+    max_rows: ClassVar[int] = INT4_MAX_ROWS  # rows up to which `packed_linear` calls the kernel
+
     def __post_init__(self) -> None:
         out_p, half = self.codes.shape
         if not (self.codes.dtype == torch.uint8 and self.scales_zeros.shape == (2 * half // self.group, out_p, 2)
@@ -248,9 +250,6 @@ class PackedInt4:
         return _by_blocks(fill, self.out, self.inputs, scale.shape[1], self.group, self.dtype)
 
 
-    max_rows: ClassVar[int] = INT4_MAX_ROWS  # rows up to which `packed_linear` calls the kernel
-
-
 @dataclass(frozen=True, eq=False)
 class PackedInt8Split(PackedInt4):
     """An int8 weight W' = q * scale per group of inputs (runtime/formats/int8g.py), q in [-128, 127], held as the
@@ -259,10 +258,10 @@ class PackedInt8Split(PackedInt4):
         x @ W'^T = [x, x] @ [H | L]^T,  H[n, i] = (h - 8) * 16 scale + 0,  L[n, i] = (l - 8) * scale + 8 scale,
 
     one call of the int4 kernel over 2 * in_p inputs: H's groups first (scales_zeros[:groups] = (16 scale, 0)), then
-    L's (scales_zeros[groups:] = (scale, 8 scale)). The kernel works in float32 on each half's weight (exact: h - 8
-    and l - 8 have 4 bits, the scale is one value of the compute dtype), so the product is x @ W'^T up to its
-    summation order; it costs an int4 weight of twice the inputs (docs/perf int8g_kernel), reading the codes' one
-    byte a weight. `codes` [out_p, in_p]: the nibbles of [H | L] in `kernel_layout`."""
+    L's (scales_zeros[groups:] = (scale, 8 scale)). Each half's weight is exact in float32 (h - 8 and l - 8 have 4
+    bits, the scale is one value of the compute dtype), so in float32 the product is x @ W'^T up to its summation
+    order (tests/test_packed.py); it costs an int4 weight of twice the inputs (docs/perf `kernels`), reading one byte
+    a weight. `codes` [out_p, in_p]: the nibbles of [H | L] in `kernel_layout`."""
 
     max_rows: ClassVar[int] = INT8G_MAX_ROWS
 
