@@ -30,7 +30,13 @@ import torch.nn.functional as F
 
 from scripts.common import PERF, median_spread, run_meta, timed_samples, write_json
 from specoffload.runtime.formats import weight_format
-from specoffload.runtime.models.packed import INT8G_MAX_ROWS, PackedInt4, PackedInt8, int4_kernel_ok
+from specoffload.runtime.models.packed import (
+    INT8G_MAX_ROWS,
+    PACKED_MAX_ROWS,
+    PackedInt4,
+    PackedInt8,
+    int4_kernel_ok,
+)
 
 LAYER = ((8960, 1536), (8960, 1536), (1536, 8960))  # gate, up, down of Qwen2.5-Coder-1.5B
 ROWS = (1, 8, 32, 48, 64, 96, 128)
@@ -75,7 +81,7 @@ def main() -> int:
             weights: list[object] = [w.bfloat16() for w in source]
         else:
             weights = [fmt.packed_copy(fmt.quantize_rows(w), tuple(w.shape), torch.bfloat16) for w in source]
-        limit = getattr(weights[0], "max_rows", 16 if label == "int8" else 10**9)  # packed_linear's row limits
+        limit = getattr(weights[0], "max_rows", PACKED_MAX_ROWS if label == "int8" else 10**9)  # packed_linear's
         for rows in rows_list:
             x_in = [torch.randn(rows, shape[1], generator=g).bfloat16() for shape in LAYER]
             for way, fn in (("kernel", _kernel), ("dequant", _dequant)):

@@ -272,13 +272,16 @@ def test_streamer_keeps_int4_weights_packed_in_the_slot(int4, source, single_thr
                     assert torch.allclose(w.dequantize(), r, atol=1e-6 * r.abs().max()), name
 
 
+@pytest.mark.parametrize("scheme", ["int4", "int8g"])
 @pytest.mark.parametrize("target", ["llama", "mixtral"])
-def test_speculation_on_a_packed_int4_target_is_lossless(tiny_models, int4, target, single_thread):
-    """An int4 target whose streamed weights stay packed (the Mixtral's experts [96, 64] padded to a whole kernel
-    block of 128 outputs in the slot): a smaller ring, the draft changes no token, and in float32 the packed
-    target's tokens are the dequantized target's."""
+def test_speculation_on_a_packed_int4_or_int8g_target_is_lossless(tiny_models, scheme, target, single_thread,
+                                                                  request):
+    """An int4 (int8g) target whose streamed weights stay packed (the Mixtral's experts [96, 64] padded to a whole
+    kernel block of 128 outputs in the slot): a smaller ring, the draft changes no token, and in float32 the packed
+    target's tokens are those of the same checkpoint dequantized into the slots and resident."""
+    ckpt = request.getfixturevalue(scheme)(target)
     params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
-    base = EngineConfig(target=int4(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
+    base = EngineConfig(target=ckpt, max_batch_size=3, max_seq_len=48, device_memory="1GiB",
                         packed_weights="slots", num_draft_tokens=0)
     lo = Engine(base).minimum_device_memory()
     lo_off = Engine(replace(base, packed_weights="off")).minimum_device_memory()
@@ -293,9 +296,10 @@ def test_speculation_on_a_packed_int4_target_is_lossless(tiny_models, int4, targ
     engine = Engine(replace(config, device_memory=Engine(config).minimum_device_memory()))
     assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == alone
     engine.close()
-    engine = Engine(replace(base, device_memory=lo_off, packed_weights="off"))
-    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == alone
-    engine.close()
+    for over in ({"device_memory": lo_off}, {"device_memory": None}):  # dequantized into the slots; resident
+        engine = Engine(replace(base, packed_weights="off", **over))
+        assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == alone, over
+        engine.close()
 
 
 @pytest.mark.parametrize("target", ["llama", "mixtral"])
@@ -439,30 +443,6 @@ def test_packed_int8g_linear_is_the_product_with_its_weight(dtype, rows, n, k, g
 @pytest.fixture(scope="module")
 def int8g(tiny_models, tmp_path_factory):
     return _quantized(tiny_models, tmp_path_factory, weight_format("int8g", 32))
-
-
-@pytest.mark.parametrize("target", ["llama", "mixtral"])
-def test_an_int8g_target_streams_packed_and_speculates_losslessly(tiny_models, int8g, target, single_thread):
-    """An int8g target offloaded at its minimum budget with packed slots (smaller than dequantized ones): a draft
-    changes no token, and in float32 the tokens are those of the same checkpoint resident, dequantized."""
-    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
-    base = EngineConfig(target=int8g(target), max_batch_size=3, max_seq_len=48, device_memory="1GiB",
-                        packed_weights="slots", num_draft_tokens=0)
-    lo = Engine(base).minimum_device_memory()
-    assert lo < Engine(replace(base, packed_weights="off")).minimum_device_memory()
-    resident = Engine(replace(base, device_memory=None, packed_weights="off"))
-    want = [r.token_ids for r in resident.generate(OFFLOAD_PROMPTS, params)]
-    resident.close()
-    engine = Engine(replace(base, device_memory=lo))
-    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == want
-    streamer = engine.pipeline.workers.prefetch.streamer
-    first = PartKey("expert", 0, 0) if target == "mixtral" else PartKey("dense_mlp", 0)
-    assert any(f.packed for f in streamer.layout(first).fields)
-    engine.close()
-    config = replace(base, draft=tiny_models["qwen2_draft"], num_draft_tokens=3)
-    engine = Engine(replace(config, device_memory=Engine(config).minimum_device_memory()))
-    assert [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, params)] == want
-    engine.close()
 
 
 @pytest.mark.parametrize("source", ["disk", "ram"])

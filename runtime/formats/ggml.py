@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from ..models.packed import PackedInt4, PackedInt8Split, int4_packable, split_layout
+from ..models.packed import PackedInt4, PackedInt8Split, split_layout
 from . import WeightFormat, register_format
 from .int4 import Int4
 from .int8g import Int8Group
@@ -85,6 +85,9 @@ class GGMLFormat(WeightFormat):
     block: ClassVar[int] = 0
     gguf_type: ClassVar[str] = ""  # gguf.GGMLQuantizationType member name
     writable = False
+    #: the engine format whose packed weight a streamed matrix of this block type is kept as (its codes and scales
+    #: repacked from the blocks by `fill_packed` on each load); None: decoded into the slot in the compute dtype
+    packed_as: ClassVar[WeightFormat | None] = None
 
     def __post_init__(self) -> None:
         if self.group != self.block:
@@ -136,6 +139,19 @@ class GGMLFormat(WeightFormat):
         low [R, nb, G, 1] float32 or None) with w = q * scale - low per group of g inputs (llama.cpp's terms)."""
         raise NotImplementedError
 
+    def stays_packed(self, shape: tuple[int, ...]) -> bool:
+        return self.packed_as is not None and self.packed_as.stays_packed(shape)
+
+    def packed_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
+        if self.packed_as is None:
+            return super().packed_nbytes(shape, dtype, align)
+        return self.packed_as.packed_nbytes(shape, dtype, align)
+
+    def packed_view(self, region: Tensor, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> object:
+        if self.packed_as is None:
+            return super().packed_view(region, shape, dtype, align)
+        return self.packed_as.packed_view(region, shape, dtype, align)
+
     #: byte offsets of each block's float16 scales (q4_k / q5_k: d and dmin; mxfp4: none, its e8m0 exponent is
     #: always a finite power of two)
     scales_at: ClassVar[tuple[int, ...]] = (0,)
@@ -156,18 +172,10 @@ class GGMLFormat(WeightFormat):
 @dataclass(frozen=True)
 class Q8_0(GGMLFormat):
     name, default_group, block, block_bytes, gguf_type = "q8_0", 32, 32, 34, "Q8_0"
+    packed_as = Int8Group(32)
 
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         return b[..., None, 2:].view(torch.int8), _f16(b[..., :2])[..., None], None
-
-    def stays_packed(self, shape: tuple[int, ...]) -> bool:
-        return int4_packable(shape, 32)
-
-    def packed_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
-        return Int8Group(32).packed_nbytes(shape, dtype, align)
-
-    def packed_view(self, region: Tensor, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> object:
-        return Int8Group(32).packed_view(region, shape, dtype, align)
 
     def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
         """int8g's packed weight (group 32: the block's d is the group's scale, q its codes, -128 included): the
@@ -180,7 +188,7 @@ class Q8_0(GGMLFormat):
         if n < out_p:
             q = torch.cat([q, q.new_zeros(out_p - n, q.shape[1])])
         view.codes.copy_(split_layout(q.view(torch.int8)))
-        Int8Group(32).fill_packed(view, {"scale": _f16(b[..., :2])[..., 0]}, codes_there=True)  # scale [n, nb]
+        self.packed_as.fill_packed(view, {"scale": _f16(b[..., :2])[..., 0]}, codes_there=True)  # scale [n, nb]
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,7 @@ class _Int4Blocks(GGMLFormat):
     blocks hold, from byte `qs_at`, runs of `run` bytes whose low nibbles are `run` consecutive codes and whose
     high nibbles the next `run` (`chunks` such pairs per block)."""
 
+    packed_as = Int4(32)
     qs_at: ClassVar[int] = 0
     run: ClassVar[int] = 0
     chunks: ClassVar[int] = 1
@@ -204,15 +213,6 @@ class _Int4Blocks(GGMLFormat):
         codes = _nibbles(b[..., self.qs_at :], self.run).reshape(b.shape[0], -1)  # [R, in]
         scale, low = self.scales(b)
         return {"qweight": _pairs(codes), "scale": scale, "zero": low}
-
-    def stays_packed(self, shape: tuple[int, ...]) -> bool:
-        return int4_packable(shape, 32)
-
-    def packed_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
-        return Int4(32).packed_nbytes(shape, dtype, align)
-
-    def packed_view(self, region: Tensor, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> object:
-        return Int4(32).packed_view(region, shape, dtype, align)
 
     def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
         """The codes straight from the blocks into the kernel's layout (runtime/models/packed.py `kernel_layout`:

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cast import BLOCK_ELEMENTS
 from ..models.packed import INT4_GROUPS, PackedInt8Split, int4_packable, int4_padded, split_codes, split_layout
-from . import WeightFormat, register_format, round_up
+from . import WeightFormat, dequantize_into, register_format, round_up
 from .int8 import INT8_MAX
 
 DEFAULT_GROUP = 32
@@ -75,30 +74,22 @@ class Int8Group(WeightFormat):
         return q[..., :out, :]
 
     def dequantize_rows(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        scale = parts["scale"]  # [..., out, groups]
+        """`parts` as stored (uint8 codes in the split layout) or with the codes already in row order (int8, from
+        `dequantize_direct`)."""
+        scale, q = parts["scale"], parts["qweight"]  # [..., out, groups]
+        if q.dtype == torch.uint8:
+            q = self.codes(parts, dest.shape[-2])
         grouped = dest.view(*dest.shape[:-1], scale.shape[-1], self.group)  # [..., out, groups, group]
-        grouped.copy_(self.codes(parts, dest.shape[-2]).view(grouped.shape))
+        grouped.copy_(q.view(grouped.shape))
         return grouped.mul_(scale.float()[..., None]).view_as(dest)
 
     def dequantize_direct(self, dest: torch.Tensor, parts: dict[str, torch.Tensor]) -> bool:
-        """Always: the stored rows are not the weight's rows (blocks of 64 outputs interleaved), so the codes are
-        put back in order for the whole weight (a byte each), then scaled in blocks of rows through one float32
-        scratch and rounded once into `dest`."""
-        scale = parts["scale"]
-        q = self.codes(parts, dest.shape[-2]).to(dest.device)  # [..., out, in_p] int8
-        in_p = q.shape[-1]
-        if not dest.is_contiguous() or dest.device.type != "cpu":
-            full = torch.empty(q.shape, dtype=torch.float32, device=dest.device)
-            dest.copy_(self.dequantize_rows(full, parts)[..., : dest.shape[-1]])
-            return True
-        rows, codes, scales = dest.reshape(-1, dest.shape[-1]), q.reshape(-1, in_p), scale.reshape(-1, scale.shape[-1])
-        step = max(1, BLOCK_ELEMENTS // in_p)
-        scratch = torch.empty(step, scale.shape[-1], self.group, dtype=torch.float32)  # [step, groups, group]
-        for start in range(0, rows.shape[0], step):
-            stop = min(start + step, rows.shape[0])
-            block = scratch[: stop - start]
-            block.copy_(codes[start:stop].view(block.shape)).mul_(scales[start:stop, :, None])
-            rows[start:stop].copy_(block.flatten(1)[:, : rows.shape[1]])
+        """Stored codes: the stored rows are not the weight's rows (blocks of 64 outputs interleaved), so the codes
+        are put back in row order for the whole weight (a byte each), then `dequantize_into`'s blocks of rows scale
+        them (as int4k does through int4). Codes in row order already: False (those blocks)."""
+        if parts["qweight"].dtype != torch.uint8:
+            return False
+        dequantize_into(dest, {**parts, "qweight": self.codes(parts, dest.shape[-2])}, self)
         return True
 
     def stays_packed(self, shape: tuple[int, ...]) -> bool:
