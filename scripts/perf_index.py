@@ -1,6 +1,8 @@
 """The table docs/perf/README.md opens with: every headline number of docs/perf/*.json (the numbers of their
 top-level "summary", a row per file), with the command that produced it and the machine it ran on, as the JSON
-records them ("not recorded" where an older file does not). Scratch runs (docs/perf/scratch/) are not listed.
+records them ("not recorded" where an older file does not). Scratch runs (docs/perf/scratch/) are not listed. A
+file whose JSON holds `"superseded_by": {"file": ..., "why": ...}` (a later run measured the same thing) leaves the
+table for a second one below it, "Superseded", that names its successor and why: kept for the record, not headline.
 
     python -m scripts.perf_index            # rewrite the table between the index markers
     python -m scripts.perf_index --check    # exit 1 if the table is not the one the JSONs give (tests run this)
@@ -64,9 +66,20 @@ def _metric(value: object) -> bool:
     return isinstance(value, (int, float)) or (isinstance(value, str) and re.fullmatch(r"\d+/\d+", value) is not None)
 
 
+def superseded(data: object) -> tuple[str, str] | None:
+    """(successor file, why) where a JSON says a later run superseded it, else None."""
+    mark = data.get("superseded_by") if isinstance(data, dict) else None
+    if not isinstance(mark, dict):
+        return None
+    return str(mark["file"]), str(mark.get("why", ""))
+
+
 def table(perf: Path = PERF) -> str:
-    """The markdown table of perf/*.json, a row per file in name order: its summary's metrics, command, machine."""
-    lines = ["| file | metrics (`summary` key = value) | command | machine | date |", "|---|---|---|---|---|"]
+    """The markdown tables of perf/*.json, a row per file in name order: its summary's metrics, command, machine;
+    the current files first, then the superseded ones with their successor."""
+    current = ["| file | metrics (`summary` key = value) | command | machine | date |", "|---|---|---|---|---|"]
+    old = ["| file | superseded by | why | metrics (`summary` key = value) | machine | date |",
+           "|---|---|---|---|---|---|"]
     for file in sorted(perf.glob("*.json")):
         data = json.loads(file.read_text())
         summary = data.get("summary") if isinstance(data, dict) else None
@@ -77,9 +90,18 @@ def table(perf: Path = PERF) -> str:
         if not metrics:
             continue
         date = str(_meta(data, "date") or _meta(data, "run_at") or "not recorded")[:16]
-        lines.append(f"| [{file.name}]({file.name}) | {'<br>'.join(metrics)} | {_command(file.name, data)} | "
-                     f"{_machine(data)} | {date} |")
-    return "\n".join(lines)
+        mark = superseded(data)
+        if mark is None:
+            current.append(f"| [{file.name}]({file.name}) | {'<br>'.join(metrics)} | {_command(file.name, data)} | "
+                           f"{_machine(data)} | {date} |")
+        else:
+            by, why = mark
+            old.append(f"| [{file.name}]({file.name}) | [{by}]({by}) | {why} | {'<br>'.join(metrics)} | "
+                       f"{_machine(data)} | {date} |")
+    if len(old) == 2:
+        return "\n".join(current)
+    return "\n".join([*current, "", "Superseded (a later run measured the same thing; kept for the record):", "",
+                      *old])
 
 
 def render(readme: str) -> str:

@@ -104,3 +104,22 @@ def test_the_perf_index_is_the_one_the_jsons_give():
 
     readme = (ROOT / "docs" / "perf" / "README.md").read_text()
     assert render(readme) == readme, "docs/perf/README.md's index is stale: python -m scripts.perf_index"
+
+
+def test_a_superseded_perf_file_names_a_current_successor():
+    """A docs/perf JSON marked superseded names a file that exists and is not superseded itself, with a reason; the
+    index lists it under "Superseded", not among the headline rows."""
+    import json
+
+    from scripts.perf_index import superseded, table
+
+    perf = ROOT / "docs" / "perf"
+    marked = {f.name: superseded(json.loads(f.read_text())) for f in perf.glob("*.json")}
+    marked = {name: mark for name, mark in marked.items() if mark is not None}
+    assert marked, "no file is marked superseded: the test would check nothing"
+    current, _, old = table().partition("Superseded")
+    for name, (by, why) in marked.items():
+        assert (perf / by).is_file(), f"{name} is superseded by {by}, which does not exist"
+        assert superseded(json.loads((perf / by).read_text())) is None, f"{name}'s successor {by} is superseded"
+        assert why, f"{name} says not why it is superseded"
+        assert f"[{name}]" not in current and f"| [{name}]({name}) | [{by}]({by}) |" in old
