@@ -19,7 +19,9 @@ The variant "int4k" is int4 g64 with its codes stored in the CPU kernel's layout
 int8 per group of 32 (format int8g), "int4_g32" int4 per group of 32 (int4k's layout); "int8ah" / "int4kah" compress
 the attention projections and the LM head beside the FFN (all but the embedding, norms and routers). "bf16" is the
 source rounded to bfloat16 (`bf16_copy`, built once beside it): with `--dtype bfloat16` the baseline that streams
-16-bit weights without a cast per load (`<variant>_over_bf16_*` beside `_over_fp16_*`). The variant
+16-bit weights without a cast per load (`<variant>_over_bf16_*` beside `_over_fp16_*`; per repetition in
+`<variant>_over_bf16_*_per_rep`, and the most the variant could gain, `<variant>_bound_over_bf16_*`: bf16's seconds
+per pass over the variant's max(load, compute) per pass, `overlap_bound`). The variant
 "gguf" runs the Q4_K_M GGUF the dense target was converted from, as stored (runtime/models/gguf.py; `--gguf FILE`,
 default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary.
 Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens;
@@ -114,6 +116,15 @@ def bf16_copy(source: Path, out: Path) -> None:
         elif f.is_file() and f.name != "provenance.json":  # (the source's hashes: not this copy's)
             shutil.copy2(f, tmp / f.name)
     tmp.rename(out)
+
+
+def overlap_bound(variant: dict, baseline: dict) -> float | None:
+    """The most `variant` can gain over `baseline` in tokens/s at the same batch: the baseline's measured seconds
+    per pass (wall / passes, medians over reps) over the variant's max(load, compute) seconds per pass (a pass that
+    hides all of its load behind its compute, or the reverse). None without a trace."""
+    period = statistics.median(r["wall_s"] / max(r["passes"], 1) for r in baseline["runs"])
+    floor = max(variant["load_s_per_pass"], variant["compute_s_per_pass"])
+    return round(period / floor, 3) if floor > 0 else None
 
 
 def run(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -225,6 +236,9 @@ def main() -> int:
                 summary[f"{key}_over_bf16_{regime}"] = round(results[n]["tok_s_median"] / bf16["tok_s_median"], 3)
                 summary[f"bytes_per_pass_ratio_{key}_over_bf16"] = round(results[n]["bytes_per_pass"]
                                                                          / bf16["bytes_per_pass"], 3)
+                summary[f"{key}_over_bf16_{regime}_per_rep"] = [  # (reps alternate: rep i against bf16's rep i)
+                    round(r["tok_s"] / b["tok_s"], 3) for r, b in zip(results[n]["runs"], bf16["runs"])]
+                summary[f"{key}_bound_over_bf16_{regime}"] = overlap_bound(results[n], bf16)
     if "int4k" in results and "int4kh" in results:  # the head compressed too: more of the budget for layers
         summary[f"int4kh_over_int4k_{regime}"] = round(results["int4kh"]["tok_s_median"]
                                                        / results["int4k"]["tok_s_median"], 3)
