@@ -31,9 +31,12 @@ _LAYER = {
     "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared_expert.up_proj.weight":
+    "ffn_up_shexp.weight", "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }  # fmt: skip
 #: the GGUF architecture of a transformers model_type
-ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2moe", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 #: group-32 types only, for models whose rows are not multiples of the k-quants' 256 (the tiny llama's 64 / 128)
 SMALL_ROW_TYPES = {
     "token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight": ["Q8_0", "Q4_0"],
@@ -47,7 +50,8 @@ DEFAULT_TYPES = {
     "attn_k.weight": ["Q5_0", "Q6_K"], "attn_v.weight": ["Q6_K", "Q5_K"], "attn_output.weight": ["Q4_0", "MXFP4"],
     "ffn_gate.weight": ["Q4_K", "Q4_0"], "ffn_up.weight": ["Q5_K", "Q4_K"], "ffn_down.weight": ["Q6_K", "Q8_0"],
     "ffn_gate_exps.weight": ["Q4_K", "Q4_0"], "ffn_up_exps.weight": ["Q4_0", "Q4_K"],
-    "ffn_down_exps.weight": ["Q6_K", "Q5_K"],
+    "ffn_down_exps.weight": ["Q6_K", "Q5_K"], "ffn_gate_shexp.weight": ["Q4_K", "Q8_0"],
+    "ffn_up_shexp.weight": ["Q5_0", "Q4_K"], "ffn_down_shexp.weight": ["Q6_K", "Q4_0"],
 }  # fmt: skip
 
 
@@ -139,10 +143,11 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: Path, out: Path, ref_dir: Path, types: dict | None = None) -> Path:
-    """Write `hf_dir` (llama / qwen2 / qwen3 / qwen3_moe, per-expert or fused experts) as the GGUF `out` and its
-    dequantized weights as the checkpoint `ref_dir` (config and generation config copied); returns `out`. A llama's
-    q / k rows are permuted as llama.cpp's converter does, and its llama3 RoPE written as llama.cpp's
-    `rope_freqs.weight` (frequency divisors); the reference holds them as transformers does."""
+    """Write `hf_dir` (llama / qwen2 / qwen2_moe / qwen3 / qwen3_moe, per-expert or fused experts) as the GGUF `out`
+    and its dequantized weights as the checkpoint `ref_dir` (config and generation config copied); returns `out`. A
+    llama's q / k rows are permuted as llama.cpp's converter does, and its llama3 RoPE written as llama.cpp's
+    `rope_freqs.weight` (frequency divisors); a qwen2_moe's shared-expert gate [1, H] is written as a vector, as
+    llama.cpp's converter writes it; the reference holds them as transformers does."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -160,6 +165,8 @@ def write_gguf(hf_dir: Path, out: Path, ref_dir: Path, types: dict | None = None
         if arch == "llama" and kind in heads:
             permuted[gname] = heads[kind]
             tensors[gname] = _permute(w.numpy(), heads[kind])
+        elif kind == "ffn_gate_inp_shexp":  # [1, hidden]: llama.cpp's converter writes it as a vector
+            tensors[gname] = w.numpy().reshape(-1)
         else:
             tensors[gname] = w.numpy()
     for layer in range(config["num_hidden_layers"]):
@@ -203,6 +210,8 @@ def write_gguf(hf_dir: Path, out: Path, ref_dir: Path, types: dict | None = None
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     reference: dict[str, torch.Tensor] = {}
     for gname, w in tensors.items():
         key = gname.split(".", 2)[-1] if gname.startswith("blk.") else gname
@@ -233,7 +242,7 @@ def _write_reference(hf_dir: Path, ref_dir: Path, reference: dict[str, torch.Ten
                      config: dict) -> None:
     """The dequantized weights under their Hugging Face names (experts split back out), float32."""
     back = {_gguf_name(n): n for n in state if ".mlp.experts." not in n}
-    out = {back[g]: t for g, t in reference.items() if g in back}
+    out = {back[g]: t.reshape(state[back[g]].shape) for g, t in reference.items() if g in back}  # (a [1, H] gate)
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}.mlp.experts"
         for x in ("gate", "up", "down"):

@@ -157,6 +157,15 @@ def _qwen3_moe_256() -> PretrainedConfig:
                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
 
 
+def _qwen2_moe_256() -> PretrainedConfig:
+    """A Qwen2-MoE of 256-wide rows (GGUF's k-quants): 4 experts of width 256, top 2, not renormalised (llama.cpp's
+    qwen2moe graph), a shared expert with its sigmoid gate, untied head."""
+    cfg = dict(_COMMON, hidden_size=256)
+    return Qwen2MoeConfig(**cfg, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                          num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                          tie_word_embeddings=False)
+
+
 def _olmoe() -> PretrainedConfig:
     """16 experts of width 24, top 4, not renormalised; q/k norms over the whole projection; q, k, v clipped."""
     return OlmoeConfig(**_COMMON, intermediate_size=24, num_hidden_layers=2, num_experts=16, num_experts_per_tok=4,
@@ -231,6 +240,7 @@ TINY_MODELS: dict[str, tuple[Callable[[], PretrainedConfig], int, dict]] = {
     "gpt_oss": (_gpt_oss, 12, {}),
     "qwen2_256": (_qwen2_256, 13, {}),  # the GGUF tests' models (tests/test_gguf.py)
     "qwen3_moe_256": (_qwen3_moe_256, 14, {}),
+    "qwen2_moe_256": (_qwen2_moe_256, 17, {}),
     "deepseek_v2": (_deepseek_v2, 15, {}),
     "deepseek_v3": (_deepseek_v3, 16, {}),
 }

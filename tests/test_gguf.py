@@ -1,7 +1,8 @@
 """GGUF files run as stored (runtime/models/gguf.py, runtime/formats/ggml.py).
 
 The block formats decode exactly as llama.cpp's reference (the gguf package's numpy implementation), bit for bit;
-q4_0 / q4_k packed for the int4 kernel multiply as their dequantized weights do. Tiny Qwen2, Qwen3-MoE and Llama
+q4_0 / q4_k packed for the int4 kernel multiply as their dequantized weights do. Tiny Qwen2, Qwen3-MoE, Qwen2-MoE
+(a shared expert, its gate a vector as llama.cpp's converter writes it) and Llama
 (q / k rows permuted as llama.cpp's converter does, llama3 RoPE as its rope_freqs divisors) checkpoints written as
 GGUF files of every readable type (scripts/make_tiny_gguf.py) run through the engine and
 match transformers on the weights their blocks decode to (fp32 logits within 1e-4, greedy tokens identical), resident
@@ -39,7 +40,7 @@ from tests.test_engine import PROMPTS, hf_greedy
 from tests.test_models import TOL, hf_logits, ragged_batch, rel_err
 
 GGML = sorted(n for n, f in FORMATS.items() if not f.writable)
-MODELS = ["qwen2_256", "qwen3_moe_256", "llama"]
+MODELS = ["qwen2_256", "qwen3_moe_256", "qwen2_moe_256", "llama"]
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -76,6 +76,8 @@ _LAYER_NAMES = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }  # fmt: skip
+#: Hugging Face weights (by name ending) of shape [1, H] that llama.cpp's converter stores as vectors of H
+ROW_VECTORS = (".mlp.shared_expert_gate.weight",)
 #: GGUF metadata (after "ARCH.") -> config field, set from the file where transformers' GGUF reader does not
 _CONFIG_KEYS = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size",
                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
@@ -318,6 +320,8 @@ class GGUFTable:
                 raise UnsupportedModelError(f"GGUF tensor {t.name!r} of {file} has no counterpart in this engine's "
                                             f"{arch} model")
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the innermost dimension first
+            if name.endswith(ROW_VECTORS) and len(shape) == 1:  # llama.cpp's converter writes a [1, H] weight as [H]
+                shape = (1, *shape)
             tensors.append(GGUFTensor(name, t.tensor_type.name, shape, int(t.data_offset), int(t.n_bytes)))
         metadata = {k: f.contents() for k, f in reader.fields.items() if len(f.types) == 1 and f.types[0].name not in
                     ("ARRAY", "STRING") or k in ("tokenizer.ggml.model", "general.name")}
