@@ -222,6 +222,20 @@ def test_a_gguf_path_resolves_to_its_companion(ggufs, tmp_path, monkeypatch):
         EngineConfig(target=str(tmp_path / "missing.gguf"))
 
 
+def test_a_companion_of_an_older_reader_is_made_again(ggufs, tmp_path, monkeypatch):
+    """The companion directory's name covers the tensor table's version: a table an older reader wrote (one whose
+    shapes may differ) is not reused, a new companion is made beside it."""
+    import specoffload.runtime.models.gguf as gguf_module
+
+    _, _, file = ggufs["qwen2_moe_256"]
+    monkeypatch.setattr(gguf_module, "POINTER_VERSION", gguf_module.POINTER_VERSION - 1)
+    old = resolve_model(file, tmp_path)
+    monkeypatch.undo()
+    new = resolve_model(file, tmp_path)
+    assert new != old and (old / GGUF_POINTER).is_file() and (new / GGUF_POINTER).is_file()
+    assert Checkpoint(new).gguf is not None
+
+
 def _write(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, str]]) -> Path:
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(1)

@@ -42,7 +42,9 @@ from .errors import CheckpointError, UnsupportedModelError
 
 GGUF_POINTER = "gguf.json"  # in a companion directory: which GGUF it stands for
 POINTER_FORMAT = "specoffload.gguf"
-POINTER_VERSION = 1
+#: the companion's tensor table semantics; part of the companion directory's name, so a table made by an older
+#: reader is made again (2: a Qwen2-MoE's shared-expert gate read as [1, H])
+POINTER_VERSION = 2
 #: GGUF general.architecture -> the transformers architecture it becomes (runtime/models/config.py runs these)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
@@ -168,7 +170,7 @@ def _identity(gguf: Path) -> dict[str, object]:
 
 
 def companion_dir(gguf: Path, cache: Path | None = None) -> Path:
-    ident = _identity(gguf)
+    ident = _identity(gguf) | {"version": POINTER_VERSION}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return (cache or companion_root()) / f"{gguf.stem}-{key}"
 
