@@ -17,9 +17,11 @@ The summary's `ours_over_llamacpp_resident(_decode)` is ours at its best batch o
 
 `--budget` runs the memory-budget case instead (`budget_case`, JSON `<out>_budget`): llama.cpp (batched, weights
 mmap'd as stored) and ours (streaming, `--ours-device-memory`) each in a subprocess inside a fresh memory cgroup of
-`--memory-limit` bytes (cgroup v1, as root), the model's pages dropped from the page cache first, on a qwen3moe GGUF
-at Qwen3-30B-A3B's layer shapes (`write_shape_gguf`: random Q4_K_M-typed blocks, `--layers` layers, written once).
-Caveat (docs/perf `peers`): a random model repeats one token, so its routing does not vary as a trained one's.
+`--memory-limit` bytes (cgroup v1, as root), the model's pages dropped from the page cache first, on `--gguf FILE` (a
+trained model larger than the limit: the moefied MoE converted and quantized by llama.cpp's own tools,
+scripts/peers/moefied_gguf.sh) or by default a qwen3moe GGUF at Qwen3-30B-A3B's layer shapes (`write_shape_gguf`:
+random Q4_K_M-typed blocks, `--layers` layers, written once). Caveat (docs/perf `peers`): a random model repeats one
+token, so its routing does not vary as a trained one's.
 Per system: tokens/s with prefill counted (new tokens over the whole generate) and decode only (the tokens after
 the first over the time after the first: llama.cpp's own split; ours from a second call with one new token,
 T(N) - T(1)). Repetitions alternate systems. Greedy agreement with llama.cpp is reported (bfloat16 against
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -246,7 +249,8 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
 
     meta = run_meta("bfloat16")
     limit = parse_bytes(args.memory_limit)
-    gguf = write_shape_gguf(args.layers, tokenizer_from, SHAPES / f"qwen3_30b_a3b-{args.layers}l-q4km.gguf")
+    shaped = SHAPES / f"qwen3_30b_a3b-{args.layers}l-q4km.gguf"
+    gguf = args.gguf or write_shape_gguf(args.layers, tokenizer_from, shaped)
     target = resolve_model(gguf)  # the companion (config, tokenizer) made here, outside the limit
     tok = load_tokenizer(target)
     prompts = [tok.encode(p) for p in humaneval_prompts(args.prompts)]
@@ -279,7 +283,13 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
                          "decode_tok_s_min": dlo, "decode_tok_s_max": dhi,
                          "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rs]}
     ours_name, llama_name = f"ours b{args.budget_batch}", f"llama.cpp b{args.budget_batch}"
-    summary = {"memory_limit_bytes": limit, "model_bytes": gguf.stat().st_size, "ours_device_memory": device_memory,
+    reference = runs[llama_name][0]["tokens"]
+    same = sum(a == b for x, y in zip(runs[ours_name][0]["tokens"], reference) for a, b in zip(x, y))
+    results[ours_name]["greedy_agreement_with_llamacpp"] = same / max(sum(map(len, reference)), 1)
+    results[ours_name]["bytes_read_per_token"] = statistics.median(r["bytes_read"] / (len(prompts) * args.new_tokens)
+                                                                   for r in runs[ours_name])
+    summary = {"gguf": gguf.name, "memory_limit_bytes": limit, "model_bytes": gguf.stat().st_size,
+               "ours_device_memory": device_memory,
                "ours_over_llamacpp_budget": round(results[ours_name]["tok_s_median"]
                                                   / results[llama_name]["tok_s_median"], 3),
                "ours_over_llamacpp_budget_decode": round(results[ours_name]["decode_tok_s_median"]
