@@ -86,11 +86,15 @@ def test_a_damaged_block_scale_is_found(name, at):
 
 
 @pytest.mark.skipif(not int4_kernel_ok(), reason="this torch has no CPU int4 kernel")
+@pytest.mark.parametrize("pack_rows", [None, 64], ids=["whole", "by-64-rows"])
 @pytest.mark.parametrize(("name", "shape"), [("q4_0", (100, 512)), ("q4_0", (70, 96)), ("q4_k", (100, 512)),
-                                             ("q4_k", (64, 768))])
-def test_packed_q4_multiplies_as_its_dequantized_weight(name, shape):
+                                             ("q4_k", (64, 768)), ("q4_k", (192, 256))])
+def test_packed_q4_multiplies_as_its_dequantized_weight(name, shape, pack_rows, monkeypatch):
     """Outputs padded to whole kernel blocks of 64 (100, 70); rows of whole words (the codes combined four bytes at
-    a time) and of an odd number of 18-byte q4_0 blocks (byte by byte)."""
+    a time) and of an odd number of 18-byte q4_0 blocks (byte by byte); repacked whole and 64 outputs at a time
+    (`PACK_ROWS`: the last block partly padding)."""
+    if pack_rows is not None:
+        monkeypatch.setattr("specoffload.runtime.formats.ggml.PACK_ROWS", pack_rows)
     fmt = weight_format(name)
     raw = torch.from_numpy(random_blocks(name, shape[0], shape[1] // fmt.block, 3))
     assert fmt.stays_packed(shape)

@@ -41,6 +41,9 @@ from .int8g import Int8Group
 Tensor = torch.Tensor
 
 QK_K = 256  # inputs per k-quant super-block
+#: outputs a q4 weight is repacked for the int4 kernel at a time (a multiple of its blocks of 64): the temporaries of
+#: a 151936-row head stay a few MB instead of about twice its stored bytes
+PACK_ROWS = 4096
 #: weights decoded per step straight into a 16-bit slot: a dozen small ops per step, so fewer, larger steps than the
 #: cast's cache-sized blocks (measured on a [1536, 8960] q6_k weight, 2 cores: 32 / 15 / 11 / 14 ms at 2^16 / 2^18 /
 #: 2^20 / 2^22 weights a step)
@@ -222,7 +225,15 @@ class _Int4Blocks(GGMLFormat):
         outputs: 0, 0)."""
         assert isinstance(view, PackedInt4) and not codes_there
         q = parts["qweight"]  # [n, nb * block_bytes]
-        n, nb, out_p = q.shape[0], q.shape[1] // self.block_bytes, view.codes.shape[0]
+        n, out_p = q.shape[0], view.codes.shape[0]
+        for start in range(0, out_p, PACK_ROWS):  # (blocks of whole kernel blocks: bounded temporaries)
+            end = min(start + PACK_ROWS, out_p)
+            self._fill_rows(view.codes[start:end], view.scales_zeros[:, start:end], q[start:min(end, n)])
+
+    def _fill_rows(self, codes: Tensor, scales_zeros: Tensor, q: Tensor) -> None:
+        """`fill_packed` for the outputs of `codes` [out_b, in / 2] (a multiple of 64), scales_zeros [groups, out_b,
+        2], from their stored rows q [n_b <= out_b, row bytes] (the rest: padding)."""
+        n, nb, out_p = q.shape[0], q.shape[1] // self.block_bytes, codes.shape[0]
         rows = torch.cat([q, q.new_zeros(out_p - n, q.shape[1])]) if n < out_p else q  # [out_p, row bytes]
         if rows.shape[1] % 4 == 0:
             x, low_mask, high_mask = _words(rows), LOW_NIBBLES, HIGH_NIBBLES
@@ -235,15 +246,17 @@ class _Int4Blocks(GGMLFormat):
         low |= part.bitwise_and_(high_mask)
         high = torch.bitwise_right_shift(first, 4).bitwise_and_(low_mask)  # high nibbles
         high |= torch.bitwise_and(second, high_mask, out=part)
-        d = view.codes.view(out_p // 64, nb, self.chunks, 2, self.run, 32)  # [blocks, nb, chunks, nibble, run, j]
+        d = codes.view(out_p // 64, nb, self.chunks, 2, self.run, 32)  # [blocks, nb, chunks, nibble, run, j]
         for nibble, plane in enumerate((low, high)):
             src = plane.view(torch.uint8).view(out_p // 64, 32, nb, self.block_bytes)[..., self.qs_at :]
             d[:, :, :, nibble].copy_(src.unflatten(-1, (self.chunks, self.run)).permute(0, 2, 3, 4, 1))
-        scale, low_value = self.scales(_blocks(q, self.block_bytes))  # [n, in / 32]
         if n < out_p:
-            view.scales_zeros[:, n:].zero_()
-        view.scales_zeros[:, :n, 0].copy_(scale.T)
-        view.scales_zeros[:, :n, 1].copy_(low_value.add_(scale, alpha=8).T)  # min + 8 * scale
+            scales_zeros[:, n:].zero_()
+        if n == 0:
+            return
+        scale, low_value = self.scales(_blocks(q, self.block_bytes))  # [n, in / 32]
+        scales_zeros[:, :n, 0].copy_(scale.T)
+        scales_zeros[:, :n, 1].copy_(low_value.add_(scale, alpha=8).T)  # min + 8 * scale
 
 
 def _pairs(codes: Tensor) -> Tensor:
