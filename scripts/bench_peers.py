@@ -21,7 +21,8 @@ mmap'd as stored) and ours (streaming, `--ours-device-memory`) each in a subproc
 trained model larger than the limit: the moefied MoE converted and quantized by llama.cpp's own tools,
 scripts/peers/moefied_gguf.sh) or by default a qwen3moe GGUF at Qwen3-30B-A3B's layer shapes (`write_shape_gguf`:
 random Q4_K_M-typed blocks, `--layers` layers, written once). Caveat (docs/perf `peers`): a random model repeats one
-token, so its routing does not vary as a trained one's.
+token, so its routing does not vary as a trained one's. A system killed under the limit (for memory) is a result:
+its row says why (`failed`), it is not run again, and the summary lists it (`failed_under_limit`) with no ratio.
 Per system: tokens/s with prefill counted (new tokens over the whole generate) and decode only (the tokens after
 the first over the time after the first: llama.cpp's own split; ours from a second call with one new token,
 T(N) - T(1)). Repetitions alternate systems. Greedy agreement with llama.cpp is reported (bfloat16 against
@@ -269,31 +270,42 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
              "device_memory": device_memory, "packed_weights": "auto"}, limit, gguf), len(prompts), args.new_tokens),
     }
     runs: dict[str, list[dict]] = {name: [] for name in systems}
+    failed: dict[str, str] = {}  # a system that cannot run under the limit (killed for memory): not run again
     for rep in range(args.reps):
         for name, run in systems.items():
-            r = run()
+            if name in failed:
+                continue
+            try:
+                r = run()
+            except RuntimeError as exc:
+                failed[name] = str(exc)
+                print(f"rep {rep} {name}: {exc}", file=sys.stderr)
+                continue
             runs[name].append(r)
             print(f"rep {rep} {name}: {r['tok_s']:.2f} tok/s (decode {r['decode_tok_s']:.2f}), peak "
                   f"{r['peak_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
-    results = {}
+    results: dict[str, dict] = {name: {"failed": why} for name, why in failed.items()}
     for name, rs in runs.items():
+        if name in failed or not rs:
+            continue
         med, lo, hi = median_spread(r["tok_s"] for r in rs)
         dmed, dlo, dhi = median_spread(r["decode_tok_s"] for r in rs)
         results[name] = {"tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi, "decode_tok_s_median": dmed,
                          "decode_tok_s_min": dlo, "decode_tok_s_max": dhi,
                          "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rs]}
     ours_name, llama_name = f"ours b{args.budget_batch}", f"llama.cpp b{args.budget_batch}"
-    reference = runs[llama_name][0]["tokens"]
-    same = sum(a == b for x, y in zip(runs[ours_name][0]["tokens"], reference) for a, b in zip(x, y))
-    results[ours_name]["greedy_agreement_with_llamacpp"] = same / max(sum(map(len, reference)), 1)
-    results[ours_name]["bytes_read_per_token"] = statistics.median(r["bytes_read"] / (len(prompts) * args.new_tokens)
-                                                                   for r in runs[ours_name])
     summary = {"gguf": gguf.name, "memory_limit_bytes": limit, "model_bytes": gguf.stat().st_size,
-               "ours_device_memory": device_memory,
-               "ours_over_llamacpp_budget": round(results[ours_name]["tok_s_median"]
-                                                  / results[llama_name]["tok_s_median"], 3),
-               "ours_over_llamacpp_budget_decode": round(results[ours_name]["decode_tok_s_median"]
-                                                         / results[llama_name]["decode_tok_s_median"], 3)}
+               "ours_device_memory": device_memory, "failed_under_limit": sorted(failed)}
+    if not failed:
+        reference = runs[llama_name][0]["tokens"]
+        same = sum(a == b for x, y in zip(runs[ours_name][0]["tokens"], reference) for a, b in zip(x, y))
+        results[ours_name]["greedy_agreement_with_llamacpp"] = same / max(sum(map(len, reference)), 1)
+        results[ours_name]["bytes_read_per_token"] = statistics.median(
+            r["bytes_read"] / (len(prompts) * args.new_tokens) for r in runs[ours_name])
+        summary |= {"ours_over_llamacpp_budget": round(results[ours_name]["tok_s_median"]
+                                                       / results[llama_name]["tok_s_median"], 3),
+                    "ours_over_llamacpp_budget_decode": round(results[ours_name]["decode_tok_s_median"]
+                                                              / results[llama_name]["decode_tok_s_median"], 3)}
     print(summary)
     name = f"scratch/{args.out}_budget_quick.json" if args.quick else f"{args.out}_budget.json"
     path = write_json(PERF / name, {"summary": summary, **meta, "end": utc_now(),
