@@ -69,7 +69,7 @@ def _metric(value: object) -> bool:
 def superseded(data: object) -> tuple[str, str] | None:
     """(successor file, why) where a JSON says a later run superseded it, else None."""
     mark = data.get("superseded_by") if isinstance(data, dict) else None
-    if not isinstance(mark, dict):
+    if not isinstance(mark, dict) or not mark.get("file"):
         return None
     return str(mark["file"]), str(mark.get("why", ""))
 
