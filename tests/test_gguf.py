@@ -108,10 +108,14 @@ def test_packed_q4_multiplies_as_its_dequantized_weight(name, shape, pack_rows, 
 
 
 @pytest.mark.skipif(not int4_kernel_ok(), reason="this torch has no CPU int4 kernel")
-@pytest.mark.parametrize("shape", [(100, 512), (64, 96)])
-def test_packed_q8_0_is_int8g_and_multiplies_as_its_dequantized_weight(shape):
+@pytest.mark.parametrize("pack_rows", [None, 64], ids=["whole", "by-64-rows"])
+@pytest.mark.parametrize("shape", [(100, 512), (64, 96), (192, 64)])
+def test_packed_q8_0_is_int8g_and_multiplies_as_its_dequantized_weight(shape, pack_rows, monkeypatch):
     """q8_0 packs as int8 per group of 32 (the block's d, its codes, -128 included): in float32 the packed weight is
-    llama.cpp's decode exactly, and the kernel's product is the product with it."""
+    llama.cpp's decode exactly, and the kernel's product is the product with it; repacked whole and 64 outputs at a
+    time (`PACK_ROWS`: the last block partly padding)."""
+    if pack_rows is not None:
+        monkeypatch.setattr("specoffload.runtime.formats.ggml.PACK_ROWS", pack_rows)
     fmt = weight_format("q8_0")
     raw = torch.from_numpy(random_blocks("q8_0", shape[0], shape[1] // 32, 4))
     raw.view(shape[0], -1, 34)[0, 0, 2] = 0x80  # code -128

@@ -28,7 +28,7 @@ These formats are read, not written: `specoffload quantize` writes int8 / int4 (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -41,8 +41,8 @@ from .int8g import Int8Group
 Tensor = torch.Tensor
 
 QK_K = 256  # inputs per k-quant super-block
-#: outputs a q4 weight is repacked for the int4 kernel at a time (a multiple of its blocks of 64): the temporaries of
-#: a 151936-row head stay a few MB instead of about twice its stored bytes
+#: outputs a packed block type (q4_0, q4_k, q8_0) is repacked for the int4 kernel at a time (a multiple of its blocks
+#: of 64): the temporaries of a 151936-row head stay a few MB instead of about twice its stored bytes
 PACK_ROWS = 4096
 #: weights decoded per step straight into a 16-bit slot: a dozen small ops per step, so fewer, larger steps than the
 #: cast's cache-sized blocks (measured on a [1536, 8960] q6_k weight, 2 cores: 32 / 15 / 11 / 14 ms at 2^16 / 2^18 /
@@ -155,6 +155,22 @@ class GGMLFormat(WeightFormat):
             return super().packed_view(region, shape, dtype, align)
         return self.packed_as.packed_view(region, shape, dtype, align)
 
+    def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
+        """`packed_as`'s weight from the stored blocks, PACK_ROWS outputs at a time (`_fill_block` on a view of those
+        outputs: bounded temporaries). Every block holds a stored row (outputs pad to less than one kernel block)."""
+        assert isinstance(view, PackedInt4) and not codes_there
+        q = parts["qweight"]  # [n, nb * block_bytes]
+        n, out_p = q.shape[0], view.codes.shape[0]
+        for start in range(0, out_p, PACK_ROWS):
+            end = min(start + PACK_ROWS, out_p)
+            part = replace(view, codes=view.codes[start:end], scales_zeros=view.scales_zeros[:, start:end],
+                           out=min(end, n) - start)
+            self._fill_block(part, q[start : min(end, n)])
+
+    def _fill_block(self, view: PackedInt4, q: Tensor) -> None:
+        """`fill_packed` for the outputs of `view` from their stored rows q [n <= view's outputs, row bytes]."""
+        raise NotImplementedError
+
     #: byte offsets of each block's float16 scales (q4_k / q5_k: d and dmin; mxfp4: none, its e8m0 exponent is
     #: always a finite power of two)
     scales_at: ClassVar[tuple[int, ...]] = (0,)
@@ -180,17 +196,14 @@ class Q8_0(GGMLFormat):
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         return b[..., None, 2:].view(torch.int8), _f16(b[..., :2])[..., None], None
 
-    def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
+    def _fill_block(self, view: PackedInt4, q: Tensor) -> None:
         """int8g's packed weight (group 32: the block's d is the group's scale, q its codes, -128 included): the
         codes re-laid out as the int4 kernel's halves (`split_layout`, on every load: one pass over the codes), d in
         the compute dtype."""
-        assert isinstance(view, PackedInt8Split) and not codes_there
-        b = _blocks(parts["qweight"], self.block_bytes)  # [n, nb, 34]
-        n, out_p = b.shape[0], view.codes.shape[0]
-        q = b[..., 2:].reshape(n, -1)  # [n, in] uint8: the int8 codes' bytes
-        if n < out_p:
-            q = torch.cat([q, q.new_zeros(out_p - n, q.shape[1])])
-        view.codes.copy_(split_layout(q.view(torch.int8)))
+        assert isinstance(view, PackedInt8Split)
+        b = _blocks(q, self.block_bytes)  # [n, nb, 34]
+        codes = _padded(b[..., 2:].reshape(b.shape[0], -1), view.codes.shape[0])  # [out_p, in] uint8: int8 bytes
+        view.codes.copy_(split_layout(codes.view(torch.int8)))
         self.packed_as.fill_packed(view, {"scale": _f16(b[..., :2])[..., 0]}, codes_there=True)  # scale [n, nb]
 
 
@@ -217,24 +230,14 @@ class _Int4Blocks(GGMLFormat):
         scale, low = self.scales(b)
         return {"qweight": _pairs(codes), "scale": scale, "zero": low}
 
-    def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
+    def _fill_block(self, view: PackedInt4, q: Tensor) -> None:
         """The codes straight from the blocks into the kernel's layout (runtime/models/packed.py `kernel_layout`:
         per block of 64 outputs and per input e, the byte code(channel j, e) | code(channel 32 + j, e) << 4): the
         two nibble planes of channel pairs (j, 32 + j) combined on whole rows as words (`_words`), then each plane
         moved to its place in one strided copy; per group (scale, min + 8 * scale) in the compute dtype (padded
         outputs: 0, 0)."""
-        assert isinstance(view, PackedInt4) and not codes_there
-        q = parts["qweight"]  # [n, nb * block_bytes]
-        n, out_p = q.shape[0], view.codes.shape[0]
-        for start in range(0, out_p, PACK_ROWS):  # (blocks of whole kernel blocks: bounded temporaries)
-            end = min(start + PACK_ROWS, out_p)
-            self._fill_rows(view.codes[start:end], view.scales_zeros[:, start:end], q[start:min(end, n)])
-
-    def _fill_rows(self, codes: Tensor, scales_zeros: Tensor, q: Tensor) -> None:
-        """`fill_packed` for the outputs of `codes` [out_b, in / 2] (a multiple of 64), scales_zeros [groups, out_b,
-        2], from their stored rows q [n_b <= out_b, row bytes] (the rest: padding)."""
-        n, nb, out_p = q.shape[0], q.shape[1] // self.block_bytes, codes.shape[0]
-        rows = torch.cat([q, q.new_zeros(out_p - n, q.shape[1])]) if n < out_p else q  # [out_p, row bytes]
+        n, nb, out_p = q.shape[0], q.shape[1] // self.block_bytes, view.codes.shape[0]
+        rows = _padded(q, out_p)  # [out_p, row bytes]
         if rows.shape[1] % 4 == 0:
             x, low_mask, high_mask = _words(rows), LOW_NIBBLES, HIGH_NIBBLES
         else:  # (rows of an odd number of 18-byte q4_0 blocks: byte by byte)
@@ -246,17 +249,20 @@ class _Int4Blocks(GGMLFormat):
         low |= part.bitwise_and_(high_mask)
         high = torch.bitwise_right_shift(first, 4).bitwise_and_(low_mask)  # high nibbles
         high |= torch.bitwise_and(second, high_mask, out=part)
-        d = codes.view(out_p // 64, nb, self.chunks, 2, self.run, 32)  # [blocks, nb, chunks, nibble, run, j]
+        d = view.codes.view(out_p // 64, nb, self.chunks, 2, self.run, 32)  # [blocks, nb, chunks, nibble, run, j]
         for nibble, plane in enumerate((low, high)):
             src = plane.view(torch.uint8).view(out_p // 64, 32, nb, self.block_bytes)[..., self.qs_at :]
             d[:, :, :, nibble].copy_(src.unflatten(-1, (self.chunks, self.run)).permute(0, 2, 3, 4, 1))
-        if n < out_p:
-            scales_zeros[:, n:].zero_()
-        if n == 0:
-            return
         scale, low_value = self.scales(_blocks(q, self.block_bytes))  # [n, in / 32]
-        scales_zeros[:, :n, 0].copy_(scale.T)
-        scales_zeros[:, :n, 1].copy_(low_value.add_(scale, alpha=8).T)  # min + 8 * scale
+        if n < out_p:
+            view.scales_zeros[:, n:].zero_()
+        view.scales_zeros[:, :n, 0].copy_(scale.T)
+        view.scales_zeros[:, :n, 1].copy_(low_value.add_(scale, alpha=8).T)  # min + 8 * scale
+
+
+def _padded(rows: Tensor, out: int) -> Tensor:
+    """rows [n, w] with zero rows appended up to `out` (the outputs of whole kernel blocks); rows itself if n == out."""
+    return torch.cat([rows, rows.new_zeros(out - rows.shape[0], rows.shape[1])]) if rows.shape[0] < out else rows
 
 
 def _pairs(codes: Tensor) -> Tensor:
