@@ -86,7 +86,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         dtype = config.torch_dtype
         self.target = Transformer(config.target, dtype=dtype, device=config.device,
-                                  packed=config.packed_resident)  # headers only: nothing loaded
+                                  packed=config.packed_resident, exact=config.exact)  # headers only: nothing loaded
         self.tokenizer = load_tokenizer(config.target)
         cfg = self.target.config
         drafter = config.drafter_class  # the registry's class (offload/drafters.py): ask it, not the name

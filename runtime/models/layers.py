@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..kv_cache import KVCache
 from .config import ModelConfig
-from .linear import linear
+from .linear import exact_mode, linear, rows_bmm
 from .weights import (
     AttentionWeights,
     DenseMLPWeights,
@@ -198,6 +198,8 @@ def _attend_cached(q: Tensor, cache: KVCache, layer: int, positions: Tensor, win
     steps = q.shape[2]
     num_keys = int(cache.lengths.max()) + steps
     keys, values = cache.keys_values(layer, num_keys)  # [B, kv_heads, S, D]
+    if exact_mode():
+        return _attend_each(q, keys, values, positions, window, mask, attend)
     attn_mask = attention_mask(positions, num_keys, window)  # [B, 1, T, S]
     groups = _split_rows(mask.sum(dim=1), steps) if mask is not None else None
     if groups is None:
@@ -211,6 +213,28 @@ def _attend_cached(q: Tensor, cache: KVCache, layer: int, positions: Tensor, win
         if out is None:
             out = part.new_zeros((*q.shape[:3], part.shape[-1]))  # [B, heads, T, Dv]
         out[rows, :, :width] = part
+    return out
+
+
+def _attend_each(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None, mask: Tensor | None,
+                 attend: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """`_attend_cached` in exact mode (runtime/models/linear.py): each valid query alone, over exactly the keys it
+    sees (positions lo..p, no padded or masked columns), since the core's kernel sums in an order that changes with
+    the number of queries and of key columns (measured: a padded key column changes a bfloat16 result), so a
+    query's result depends on its own row only: q [B, heads, T, Dq], positions [B, T] -> [B, heads, T, Dv] (padded
+    queries 0)."""
+    out = None
+    valid = mask.sum(dim=1).tolist() if mask is not None else [q.shape[2]] * q.shape[0]
+    for b, (row, n) in enumerate(zip(positions.tolist(), valid, strict=True)):
+        for t in range(n):
+            p = row[t]
+            lo = max(0, p - window + 1) if window is not None else 0
+            sees = torch.ones((1, 1, 1, p + 1 - lo), dtype=torch.bool, device=q.device)  # [1, 1, 1, S]
+            part = attend(q[b:b + 1, :, t:t + 1], keys[b:b + 1, :, lo:p + 1], values[b:b + 1, :, lo:p + 1],
+                          sees)[0, :, 0]  # [heads, Dv]
+            if out is None:
+                out = part.new_zeros((*q.shape[:3], part.shape[-1]))  # [B, heads, T, Dv]
+            out[b, :, t] = part
     return out
 
 
@@ -264,11 +288,11 @@ def mla_attention_forward(
 
     w_uk, w_uv = w.key_value_up(heads)  # [h, n, L], [h, v, L]
     q_nope = q[..., :nope].transpose(0, 1).reshape(heads, batch * steps, nope)  # [h, B * T, n]
-    q_latent = torch.bmm(q_nope, w_uk).view(heads, batch, steps, rank).transpose(0, 1)  # [B, h, T, L]
+    q_latent = rows_bmm(q_nope, w_uk).view(heads, batch, steps, rank).transpose(0, 1)  # [B, h, T, L]
     query = torch.cat([q_latent, q_rot], dim=-1)  # [B, h, T, L + r]: against the cached rows
     out = _attend_cached(query, cache, layer, positions, cfg.window_of(layer), mask,
                          lambda q, k, v, m: _attend_latent(q, k, v, m, cfg.scale, rank))  # [B, h, T, L]
-    out = torch.bmm(out.transpose(0, 1).reshape(heads, batch * steps, rank), w_uv.transpose(1, 2))  # [h, B*T, v]
+    out = rows_bmm(out.transpose(0, 1).reshape(heads, batch * steps, rank), w_uv.transpose(1, 2))  # [h, B*T, v]
     out = out.view(heads, batch, steps, -1).permute(1, 2, 0, 3).reshape(batch, steps, -1)  # [B, T, h * v]
     return _output(hidden, out, w.o, None, mask)
 

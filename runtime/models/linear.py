@@ -10,6 +10,14 @@
     torch's weight-only int8 / int4 kernel at decode row counts (runtime/models/packed.py).
 On CUDA F.linear is used as is. The measurements behind each rule: docs/perf/README.md, "kernel choices".
 
+Exact arithmetic (`exact_rows`, EngineConfig.exact). A GEMM's kernel, and with it the order in which each output
+sums its products, depends on the number of rows (measured here, bfloat16 on AMX: a row's output is the same for 1
+to 32 rows and different from 33 on), so the same row computes differently in a decode pass, a verify pass over
+k + 1 tokens or a batch of another size, and a near-tie of two logits can then flip. Inside `exact_rows()`,
+`linear` (and `rows_bmm`) multiply every block of EXACT_ROWS rows as one GEMM of exactly EXACT_ROWS rows (the last
+block padded with zero rows), so each row meets one kernel of one shape whatever its company: its result depends on
+its own values only. The attention core does the same per query (runtime/models/layers.py `_attend_cached`).
+
 oneDNN compiles a kernel per GEMM shape and keeps it in two caches (its own and ideep's, 1024 entries each by
 default, ~0.3-0.5 MB an entry); ragged batches (refill, chunked prefill) bring new row counts all job long, so those
 caches alone grew a long job's memory by ~500 MB. `bound_kernel_caches` caps both at KERNEL_CACHE entries (the
@@ -18,9 +26,12 @@ passes of one job use a few dozen shapes), unless the environment already sets t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import threading
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -56,6 +67,53 @@ def packed_kernel(dtype: torch.dtype, device: torch.device | str) -> bool:
             and hasattr(torch, "_weight_int8pack_mm"))
 
 
+#: rows of every GEMM in exact mode (module docstring): the largest count of oneDNN's small-row bfloat16 kernel,
+#: so a decode pass of up to 32 rows costs what it costs without exact mode
+EXACT_ROWS = 32
+
+_exact = threading.local()  # per thread: an offloaded pass runs the target's blocks on worker threads
+
+
+@contextlib.contextmanager
+def exact_rows(on: bool = True) -> Iterator[None]:
+    """Within this block (this thread), `linear`, `rows_bmm` and the attention core compute each row independently
+    of the others in its call (module docstring); nested blocks restore the outer setting."""
+    outer = getattr(_exact, "on", False)
+    _exact.on = on
+    try:
+        yield
+    finally:
+        _exact.on = outer
+
+
+def exact_mode() -> bool:
+    """Whether this thread is inside `exact_rows()`."""
+    return getattr(_exact, "on", False)
+
+
+def in_row_blocks(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """fn over x in blocks of exactly EXACT_ROWS along `dim` (the last block zero-padded, its padding cut from the
+    result) concatenated: fn must map each index of `dim` to the same index of its output."""
+    rows = x.shape[dim]
+    pieces = []
+    for start in range(0, rows, EXACT_ROWS):
+        block = x.narrow(dim, start, min(EXACT_ROWS, rows - start))
+        n = block.shape[dim]
+        if n < EXACT_ROWS:
+            pad = list(block.shape)
+            pad[dim] = EXACT_ROWS - n
+            block = torch.cat([block, block.new_zeros(pad)], dim=dim)
+        pieces.append(fn(block).narrow(dim, 0, n))
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+
+
+def rows_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(a [G, N, K], b [G, K, M]) -> [G, N, M]; in exact mode N in blocks (`in_row_blocks`)."""
+    if not exact_mode():
+        return torch.bmm(a, b)
+    return in_row_blocks(a, lambda block: torch.bmm(block, b), dim=1)
+
+
 KERNEL_CACHE = 128  # oneDNN primitives kept per cache (module docstring)
 
 
@@ -68,7 +126,16 @@ def bound_kernel_caches() -> None:
 
 def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ w[out, in]^T + bias[out] -> [..., out] in x's dtype (w: a tensor, or an int8 / int4 weight kept
-    packed in its slot, runtime/models/packed.py)."""
+    packed in its slot, runtime/models/packed.py); in exact mode in blocks of EXACT_ROWS rows (module docstring)."""
+    if exact_mode():
+        rows = x.numel() // x.shape[-1]
+        out = in_row_blocks(x.reshape(rows, x.shape[-1]), lambda block: _linear(block, w))  # [N, out]
+        return (out if bias is None else out + bias).reshape(*x.shape[:-1], out.shape[-1])
+    return _linear(x, w, bias)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` in one call, the kernel chosen by the shape (module docstring)."""
     if isinstance(w, (PackedInt8, PackedInt4)):
         rows = x.numel() // x.shape[-1]
         out = packed_linear(x.reshape(rows, x.shape[-1]), w).to(x.dtype)  # [N, out]

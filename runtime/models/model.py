@@ -3,10 +3,14 @@
 Weights are fetched through `_weights(key)`, the one place that decides residency: a part in `resident` is used
 as is; otherwise, when a `fetch` hook is set (the offload pipeline sets one that returns the part from its ring
 buffer slot), the hook provides it; otherwise it is loaded on first use and kept resident.
+
+With `exact` every block computes each row as it would alone (runtime/models/linear.py `exact_rows`), so a row's
+output does not depend on the batch, the tokens per pass or the drafter.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +21,7 @@ from ..kv_cache import KVCache
 from . import layers
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .linear import can_pack, pack_weights
+from .linear import can_pack, exact_rows, pack_weights
 from .validate import validate_checkpoint
 from .weights import PartKey, WeightLoader, Weights
 
@@ -37,6 +41,17 @@ class MoEPartial:
     packed: Tensor | None = None  # [B, T] bool: N counts only these (valid) tokens of hidden; None: N = B x T
 
 
+def _rows_alone(method: Callable) -> Callable:
+    """Run `method` inside `exact_rows()` when the model is exact (module docstring)."""
+    @functools.wraps(method)
+    def run(self: Transformer, *args, **kwargs):
+        if not self.exact:
+            return method(self, *args, **kwargs)
+        with exact_rows():
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Transformer:
     """Layer-by-layer executor of a decoder-only LLM (runtime/models/config.py `SUPPORTED_ARCHITECTURES`)."""
 
@@ -46,6 +61,7 @@ class Transformer:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         packed: bool = False,
+        exact: bool = False,
     ) -> None:
         path = path_or_checkpoint.path if isinstance(path_or_checkpoint, Checkpoint) else path_or_checkpoint
         self.config = ModelConfig.from_dir(path)  # first: a bad config.json is the clearer error
@@ -55,6 +71,7 @@ class Transformer:
         validate_checkpoint(checkpoint, self.config)  # every tensor against the config, before any allocation
         self.dtype = dtype
         self.device = torch.device(device)
+        self.exact = exact  # each row computed as it would be alone (module docstring)
         self.loader = WeightLoader(checkpoint, self.config, dtype, self.device)
         self.loader.packed = packed  # compressed weights a kernel takes stay packed when loaded (weights.py)
         self.rope = layers.Rope.from_config(self.config, self.device)
@@ -86,6 +103,7 @@ class Transformer:
             return self.embedder(input_ids)
         return layers.embed(self._weights(PartKey("embedding")), input_ids.to(self.device))
 
+    @_rows_alone
     @torch.inference_mode()
     def attention(self, layer: int, hidden: Tensor, cache: KVCache, token_mask: Tensor | None = None) -> Tensor:
         """Attention block of `layer` (writes K/V, does not advance the cache): [B, T, H] -> [B, T, H];
@@ -94,6 +112,7 @@ class Transformer:
         forward = layers.mla_attention_forward if self.config.mla else layers.attention_forward
         return forward(self.config, w, hidden, cache, layer, self.rope, token_mask)
 
+    @_rows_alone
     @torch.inference_mode()
     def ffn(self, layer: int, hidden: Tensor, token_mask: Tensor | None = None,
             allowed: Tensor | None = None) -> Tensor:
@@ -119,6 +138,7 @@ class Transformer:
     # An MoE block in parts, for experts that arrive in groups (runtime/offload: a ring slot per expert group):
     # route (and the shared expert) once, add each group's experts in order, then combine. The additions happen
     # in the same order as in one `ffn` call, so the result is the same, bit for bit.
+    @_rows_alone
     def moe_route(self, layer: int, hidden: Tensor, token_mask: Tensor | None = None,
                   allowed: Tensor | None = None) -> MoEPartial:
         """Routing of `layer` for hidden [B, T, H] (and its shared expert's output, Qwen2-MoE). With a token_mask
@@ -133,6 +153,7 @@ class Transformer:
         shared = layers.shared_expert_forward(self.config, router, normed) if router.shared_expert is not None else None
         return MoEPartial(layer, normed, topk_ids, topk_weights, torch.zeros_like(normed), shared, packed)
 
+    @_rows_alone
     def moe_experts(self, state: MoEPartial, experts: range) -> None:
         """Add the outputs of the experts in `experts` that some valid token selected (loads only those)."""
         chosen = [e for e in layers.selected_experts(state.topk_ids) if e in experts]
@@ -152,11 +173,13 @@ class Transformer:
         result[state.packed] = hidden[state.packed] + out
         return result
 
+    @_rows_alone
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [B, T, H] -> logits [B, T, V] float32."""
         return layers.head_logits(self.config, self._weights(PartKey("head")), hidden)
 
+    @_rows_alone
     @torch.inference_mode()
     def forward(
         self,

@@ -234,7 +234,7 @@ class AttentionWorker(BatchKV):
                  sync: SlotSync | None = None) -> None:
         self.plan = plan
         self.model = Transformer(config.target, dtype=config.torch_dtype, device=attention_device(config),
-                                 packed=config.packed_resident)
+                                 packed=config.packed_resident, exact=config.exact)
         mine = [k for k in plan.resident if k.kind in ("attention", "embedding")]
         self.model.preload(mine)
         self.reader = _SlotReader(_slot_streamer(self.model, plan, config, slots, loads=False, sync=sync), plan)
@@ -313,7 +313,7 @@ class VerifierWorker:
                  sync: SlotSync | None = None) -> None:
         self.plan = plan
         self.model = Transformer(config.target, dtype=config.torch_dtype, device=compute_device(config),
-                                 packed=config.packed_resident)
+                                 packed=config.packed_resident, exact=config.exact)
         mine = [k for k in plan.resident if k.kind in ("dense_mlp", "router", "expert", "head")]
         self.model.preload(mine)
         views = _slot_streamer(self.model, plan, config, slots, loads=False, sync=sync)

@@ -1,0 +1,147 @@
+"""Exact mode (EngineConfig.exact, runtime/models/linear.py `exact_rows`): a row computes as it would alone, so its
+logits are the same bit for bit whatever the batch, the tokens of the pass and the drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.errors import ConfigError
+from specoffload.runtime.models import layers
+from specoffload.runtime.models.linear import EXACT_ROWS, exact_mode, exact_rows, in_row_blocks, linear, rows_bmm
+from specoffload.runtime.models.model import Transformer
+from specoffload.runtime.sampling import SamplingParams
+from tests.conftest import OFFLOAD_PROMPTS, tight_config
+
+
+@given(rows=st.integers(1, 3 * EXACT_ROWS + 5), dim=st.sampled_from([0, 1]))
+@settings(max_examples=30, deadline=None)
+def test_row_blocks_call_with_exactly_the_block_rows(rows: int, dim: int) -> None:
+    x = torch.randn((rows, 3) if dim == 0 else (2, rows, 3))
+    seen = []
+
+    def fn(block: torch.Tensor) -> torch.Tensor:
+        seen.append(block.shape[dim])
+        return block * 2 + 1
+
+    out = in_row_blocks(x, fn, dim=dim)
+    assert seen == [EXACT_ROWS] * -(-rows // EXACT_ROWS)
+    assert torch.equal(out, x * 2 + 1)
+
+
+@given(rows=st.integers(1, 80), at=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@settings(max_examples=25, deadline=None)
+def test_exact_linear_gives_a_row_the_same_bits_in_any_company(rows: int, at: st.DataObject,
+                                                               dtype: torch.dtype) -> None:
+    """The row alone and the row at any place among `rows` others: the same bits (outside exact mode a bfloat16
+    row changes with the row count on this project's CPUs: module docstring of linear.py)."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    i = at.draw(st.integers(0, rows - 1))
+    with exact_rows():
+        assert exact_mode()
+        alone = linear(x[i:i + 1], w, bias)
+        among = linear(x, w, bias)
+        a, b = torch.randn(5, i + 1, 64, generator=gen).to(dtype), torch.randn(5, 64, 7, generator=gen).to(dtype)
+        a[0] = x[i:i + 1]
+        assert torch.equal(rows_bmm(a, b)[0, i], rows_bmm(a[:, i:i + 1], b)[0, 0])
+    assert not exact_mode()
+    assert torch.equal(alone[0], among[i])
+
+
+def test_exact_attention_sees_one_query_over_exactly_its_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each valid query alone, its keys cut to the positions it sees (the window's too), no padded columns."""
+    calls = []
+    real = layers._attend
+
+    def spy(q, keys, values, mask, scale, sinks):  # noqa: ANN001, ANN202
+        calls.append((q.shape[2], keys.shape[2], bool(mask.all())))
+        return real(q, keys, values, mask, scale, sinks)
+
+    monkeypatch.setattr(layers, "_attend", spy)
+    from specoffload.runtime.kv_cache import KVCache
+
+    cache = KVCache(1, 2, 1, 8, 16)
+    cache.advance(torch.tensor([3, 5]))
+    q = torch.randn(2, 2, 3, 8)
+    positions = cache.device_lengths()[:, None] + torch.arange(3)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    with exact_rows():
+        layers._attend_cached(q, cache, 0, positions, 4, mask,
+                              lambda q, k, v, m: layers._attend(q, k, v, m, 0.5, None))
+    # row 0: positions 3, 4 (valid) over keys 0..3, 1..4 (window 4); row 1: positions 5, 6, 7 over 2..5, 3..6, 4..7
+    assert calls == [(1, 4, True)] * 5
+
+
+def _logits_three_ways(model: Transformer, steps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row logits of `steps` tokens after ragged prompts: one-token passes of the whole batch, one pass of all the
+    tokens, and one-token passes of row 1 alone: [B, steps, V], [B, steps, V], [1, steps, V]."""
+    gen = torch.Generator().manual_seed(0)
+    batch, length = 5, 9
+    prompts = torch.randint(3, 500, (batch, length), generator=gen)
+    lengths = torch.tensor([3 + i for i in range(batch)])
+    tokens = torch.randint(3, 500, (batch, steps), generator=gen)
+
+    def prefilled(rows: list[int]):  # noqa: ANN202
+        cache = model.new_cache(len(rows), 32)
+        model(prompts[rows], cache, num_new=lengths[rows], compute_logits=False)
+        return cache
+
+    cache = prefilled(list(range(batch)))
+    decode = torch.cat([model(tokens[:, s:s + 1], cache) for s in range(steps)], dim=1)
+    verify = model(tokens, prefilled(list(range(batch))))
+    cache = prefilled([1])
+    alone = torch.cat([model(tokens[1:2, s:s + 1], cache) for s in range(steps)], dim=1)
+    return decode, verify, alone
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_moe_windowed", "qwen3_moe", "gpt_oss", "deepseek_v2",
+                                  "deepseek_v3"])
+def test_exact_model_logits_do_not_depend_on_the_pass(tiny_models, name: str) -> None:  # noqa: ANN001
+    model = Transformer(tiny_models[name], dtype=torch.bfloat16, exact=True)
+    decode, verify, alone = _logits_three_ways(model)
+    assert torch.equal(decode, verify)
+    assert torch.equal(decode[1:2], alone)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+
+
+def _greedy(config: EngineConfig) -> list[list[int]]:
+    engine = Engine(config)
+    try:
+        return [r.token_ids for r in engine.generate(OFFLOAD_PROMPTS, GREEDY)]
+    finally:
+        engine.close()
+
+
+def test_exact_speculative_output_is_the_no_draft_output_in_bfloat16(tiny_models, monkeypatch) -> None:  # noqa: ANN001
+    """Resident and offloaded, drafted or not, any batch: the same tokens (a row computes as it would alone), and
+    every engine's target attends in exact mode (the tiny models' shapes round alike either way; the real model's
+    do not: docs/perf lossless)."""
+    exact_passes = []
+    real = layers._attend_each
+    monkeypatch.setattr(layers, "_attend_each", lambda *a: exact_passes.append(1) or real(*a))
+    target = tiny_models["qwen2_moe"]
+    base = dict(target=target, dtype="bfloat16", exact=True)
+    runs = [_greedy(EngineConfig(**base, max_batch_size=3)), _greedy(EngineConfig(**base, max_batch_size=1)),
+            _greedy(EngineConfig(**base, max_batch_size=4, drafter="ngram", num_draft_tokens=3)),
+            _greedy(EngineConfig(**base, max_batch_size=2, draft=tiny_models["qwen2_draft"], num_draft_tokens=2))]
+    seen = len(exact_passes)
+    runs.append(_greedy(tight_config(target, dtype="bfloat16", exact=True, drafter="self")))
+    assert seen > 0 and len(exact_passes) > seen  # resident and offloaded
+    assert all(run == runs[0] for run in runs)
+    exact_passes.clear()
+    _greedy(EngineConfig(target=target, dtype="bfloat16", max_batch_size=3))
+    assert not exact_passes
+
+
+def test_exact_must_be_a_bool(tiny_models) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match="exact must be True or False"):
+        EngineConfig(target=tiny_models["llama"], exact="yes")
