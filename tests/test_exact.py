@@ -55,16 +55,19 @@ def test_exact_linear_gives_a_row_the_same_bits_in_any_company(rows: int, at: st
     assert torch.equal(alone[0], among[i])
 
 
-def test_exact_attention_sees_one_query_over_exactly_its_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each valid query alone, its keys cut to the positions it sees (the window's too), no padded columns."""
+def test_exact_attention_gives_each_query_its_own_span_and_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One query per batch entry, over key columns rounded out to EXACT_KEYS (here 4), masked to what it sees (the
+    window's positions too): the call's shape and each entry's mask depend on the query's position only."""
     calls = []
     real = layers._attend
 
     def spy(q, keys, values, mask, scale, sinks):  # noqa: ANN001, ANN202
-        calls.append((q.shape[2], keys.shape[2], bool(mask.all())))
+        seen = [torch.nonzero(m[0, 0]).flatten().tolist() for m in mask]
+        calls.append((q.shape[2], keys.shape[2], seen))
         return real(q, keys, values, mask, scale, sinks)
 
     monkeypatch.setattr(layers, "_attend", spy)
+    monkeypatch.setattr(layers, "EXACT_KEYS", 4)
     from specoffload.runtime.kv_cache import KVCache
 
     cache = KVCache(1, 2, 1, 8, 16)
@@ -73,10 +76,15 @@ def test_exact_attention_sees_one_query_over_exactly_its_keys(monkeypatch: pytes
     positions = cache.device_lengths()[:, None] + torch.arange(3)
     mask = torch.tensor([[True, True, False], [True, True, True]])
     with exact_rows():
-        layers._attend_cached(q, cache, 0, positions, 4, mask,
-                              lambda q, k, v, m: layers._attend(q, k, v, m, 0.5, None))
-    # row 0: positions 3, 4 (valid) over keys 0..3, 1..4 (window 4); row 1: positions 5, 6, 7 over 2..5, 3..6, 4..7
-    assert calls == [(1, 4, True)] * 5
+        out = layers._attend_cached(q, cache, 0, positions, 4, mask,
+                                    lambda q, k, v, m: layers._attend(q, k, v, m, 0.5, None))
+    # window 4: row 0 queries at 3, 4 see 0..3, 1..4 (spans 0..3, 0..7); row 1's at 5, 6, 7 see 2..5, 3..6, 4..7
+    # (spans 0..7, 0..7, 4..7), relative to each span's start
+    assert calls == [(1, 4, [[0, 1, 2, 3]]), (1, 8, [[1, 2, 3, 4]]), (1, 8, [[2, 3, 4, 5], [3, 4, 5, 6]]),
+                     (1, 4, [[0, 1, 2, 3]])]
+    assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2]))  # the padded query
+    plain = layers._attend_cached(q, cache, 0, positions, 4, mask, lambda q, k, v, m: real(q, k, v, m, 0.5, None))
+    torch.testing.assert_close(out[mask[:, None].expand(-1, 2, -1)], plain[mask[:, None].expand(-1, 2, -1)])
 
 
 def _logits_three_ways(model: Transformer, steps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

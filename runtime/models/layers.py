@@ -216,25 +216,42 @@ def _attend_cached(q: Tensor, cache: KVCache, layer: int, positions: Tensor, win
     return out
 
 
+#: key columns per span in exact mode (`_attend_each`): a query attends over whole spans of this many positions
+EXACT_KEYS = 64
+
+
 def _attend_each(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None, mask: Tensor | None,
                  attend: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]) -> Tensor:
-    """`_attend_cached` in exact mode (runtime/models/linear.py): each valid query alone, over exactly the keys it
-    sees (positions lo..p, no padded or masked columns), since the core's kernel sums in an order that changes with
-    the number of queries and of key columns (measured: a padded key column changes a bfloat16 result), so a
-    query's result depends on its own row only: q [B, heads, T, Dq], positions [B, T] -> [B, heads, T, Dv] (padded
-    queries 0)."""
+    """`_attend_cached` in exact mode (runtime/models/linear.py): q [B, heads, T, Dq], positions [B, T] ->
+    [B, heads, T, Dv] (padded queries 0), each query's result depending on its own row's keys only.
+
+    The core's kernel sums in an order that changes with the number of queries in a call and the number of key
+    columns, masked or not (measured, bfloat16: one padded column changes a result), not with the batch. So each
+    valid query at position p, seeing positions lo..p (lo > 0 in a window), is one batch entry of one query over
+    the key columns start..stop (lo and p + 1 rounded out to EXACT_KEYS, zero-filled past the cache), masked to
+    lo..p: spans and masks depend on (lo, p) only. The queries of a row that share a span go in one call."""
     out = None
     valid = mask.sum(dim=1).tolist() if mask is not None else [q.shape[2]] * q.shape[0]
     for b, (row, n) in enumerate(zip(positions.tolist(), valid, strict=True)):
+        spans: dict[tuple[int, int], list[int]] = {}
         for t in range(n):
-            p = row[t]
-            lo = max(0, p - window + 1) if window is not None else 0
-            sees = torch.ones((1, 1, 1, p + 1 - lo), dtype=torch.bool, device=q.device)  # [1, 1, 1, S]
-            part = attend(q[b:b + 1, :, t:t + 1], keys[b:b + 1, :, lo:p + 1], values[b:b + 1, :, lo:p + 1],
-                          sees)[0, :, 0]  # [heads, Dv]
+            lo = max(0, row[t] - window + 1) if window is not None else 0
+            spans.setdefault((lo // EXACT_KEYS * EXACT_KEYS, -(-(row[t] + 1) // EXACT_KEYS) * EXACT_KEYS), []).append(t)
+        for (start, stop), steps in spans.items():
+            k, v = keys[b:b + 1, :, start:stop], values[b:b + 1, :, start:stop]  # [1, kv, <= stop - start, D]
+            if k.shape[2] < stop - start:  # past the positions the cache holds: zero keys, masked below
+                k, v = (F.pad(x, (0, 0, 0, stop - start - x.shape[2])) for x in (k, v))
+            at = torch.tensor(steps, device=q.device)  # [G]
+            sees = torch.arange(start, stop, device=q.device)  # [S]
+            seen = positions[b, at]  # [G]
+            lows = (seen - window + 1).clamp(min=0) if window is not None else torch.zeros_like(seen)
+            sees = (sees >= lows[:, None]) & (sees <= seen[:, None])  # [G, S]
+            g = len(steps)
+            part = attend(q[b, :, at].transpose(0, 1)[:, :, None], k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1),
+                          sees[:, None, None])  # [G, heads, 1, Dv]
             if out is None:
                 out = part.new_zeros((*q.shape[:3], part.shape[-1]))  # [B, heads, T, Dv]
-            out[b, :, t] = part
+            out[b, :, at] = part[:, :, 0].transpose(0, 1)
     return out
 
 
