@@ -153,3 +153,21 @@ def test_exact_speculative_output_is_the_no_draft_output_in_bfloat16(tiny_models
 def test_exact_must_be_a_bool(tiny_models) -> None:  # noqa: ANN001
     with pytest.raises(ConfigError, match="exact must be True or False"):
         EngineConfig(target=tiny_models["llama"], exact="yes")
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_slow_exact_passes_leave_the_profile_alone(tiny_models, monkeypatch, exact: bool) -> None:  # noqa: ANN001
+    """Exact mode's passes are slower than the profile's kernels by design: they do not make it stale; a plain
+    run's slow passes do, and either's fast ones do."""
+    import specoffload.runtime.engine as engine_module
+
+    marked = []
+    monkeypatch.setattr(engine_module, "mark_stale", lambda config, why: marked.append(why))
+    for off in (2.0, 0.5):
+        engine = Engine(tight_config(tiny_models["llama"], dtype="bfloat16", exact=exact))
+        try:
+            engine.replanner.profile_off = off
+            engine._check_profile()
+        finally:
+            engine.close()
+    assert len(marked) == (1 if exact else 2)
