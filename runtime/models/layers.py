@@ -252,6 +252,8 @@ def _attend_each(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, win
             if out is None:
                 out = part.new_zeros((*q.shape[:3], part.shape[-1]))  # [B, heads, T, Dv]
             out[b, :, at] = part[:, :, 0].transpose(0, 1)
+    if out is None:
+        raise ValueError("an attention call without a valid query")
     return out
 
 

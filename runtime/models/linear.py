@@ -95,6 +95,8 @@ def in_row_blocks(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], d
     """fn over x in blocks of exactly EXACT_ROWS along `dim` (the last block zero-padded, its padding cut from the
     result) concatenated: fn must map each index of `dim` to the same index of its output."""
     rows = x.shape[dim]
+    if rows == 0:
+        return fn(x)
     pieces = []
     for start in range(0, rows, EXACT_ROWS):
         block = x.narrow(dim, start, min(EXACT_ROWS, rows - start))
