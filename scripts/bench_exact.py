@@ -49,12 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prompts, args.new_tokens, args.reps = 4, 8, 1
     meta = run_meta("bfloat16")
-    prompts = humaneval_prompts(args.prompts)
+    from transformers import AutoTokenizer
+
+    prompts = [AutoTokenizer.from_pretrained(model_dir("target")).encode(p) for p in humaneval_prompts(args.prompts)]
+    seq = max(len(p) for p in prompts) + args.new_tokens  # (KV sized to the job: the tight budget has no room)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     cases = []  # (regime, drafter, config without exact)
     regimes = args.regimes.split(",")
     if "resident" in regimes:
-        base = dict(target=model_dir("target"), dtype="bfloat16", max_batch_size=len(prompts), max_seq_len=1024)
+        base = dict(target=model_dir("target"), dtype="bfloat16", max_batch_size=len(prompts), max_seq_len=seq,
+                    trace=True)
         cases += [("resident", "none", EngineConfig(**base)),
                   ("resident", "ngram", EngineConfig(**base, drafter="ngram", num_draft_tokens=4))]
     if "tight" in regimes:
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if not moefied.is_dir():
             ap.error(f"{moefied} missing: build it with scripts.bench_compressed --target moefied --variants bf16")
         cases.append(("tight", "none", EngineConfig(target=moefied, dtype="bfloat16", device_memory=args.budget,
-                                                    max_batch_size=8, num_draft_tokens=0, max_seq_len=1024,
+                                                    max_batch_size=8, num_draft_tokens=0, max_seq_len=seq,
                                                     trace=True)))
     from dataclasses import replace
 
