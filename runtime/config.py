@@ -96,10 +96,13 @@ class EngineConfig:
         or not; "slots" packs only the streamed weights (resident parts dequantized at load); "off" always
         dequantizes.
     trace: record a timed span per pipeline operation (for `Engine.tracer`).
-    exact: the target computes each row as it would alone (runtime/models/linear.py `exact_rows`: every GEMM in
-        blocks of a fixed row count, attention per query over exactly its keys), so a row's output does not depend
-        on the batch, the tokens of a pass, refills or the drafter: greedy speculative output is the no-draft
-        output token for token in bfloat16 too, not only in float32. Its cost: README, "What lossless means".
+    exact: True: the target computes each row as it would alone (runtime/models/linear.py `exact_rows`: every
+        GEMM in blocks of a fixed row count, attention per query over exactly its keys), so a row's output does not
+        depend on the batch, the tokens of a pass, refills or the drafter: greedy speculative output is the
+        no-draft output token for token in bfloat16 too, not only in float32. It costs compute (README, "What
+        lossless means"), so "auto" (the default) turns it on only where the planned pass waits on its reads long
+        enough to hide that (offloaded, with a profile: engine.py `EXACT_COMPUTE`); the Engine's config then holds
+        the choice. False: off.
     kv_block_size: offloaded: the target's KV caches hold blocks of this many positions from one pool of the
         attention worker, sized by the placement (runtime/kv_blocks.py): a row holds the blocks its tokens use, not
         a reservation for prompt + max_new_tokens; 0: one contiguous cache per batch, reserved for its longest row.
@@ -142,7 +145,7 @@ class EngineConfig:
     expert_group: int | None = None
     packed_weights: str = "auto"
     trace: bool = False
-    exact: bool = False
+    exact: bool | str = "auto"
     acceptance_prior: float = 0.7
     replan_interval: int = 8
     interleave: bool | str | None = None
@@ -222,8 +225,8 @@ class EngineConfig:
         if self.expert_group is not None and (isinstance(self.expert_group, bool)
                                               or not isinstance(self.expert_group, int) or self.expert_group < 1):
             raise ConfigError(f"expert_group must be an integer >= 1 (experts per slot), got {self.expert_group!r}")
-        if not isinstance(self.exact, bool):
-            raise ConfigError(f"exact must be True or False, got {self.exact!r}")
+        if not isinstance(self.exact, bool) and self.exact != "auto":
+            raise ConfigError(f"exact must be True, False or 'auto', got {self.exact!r}")
         if not isinstance(self.refill, bool):
             raise ConfigError(f"refill must be True or False, got {self.refill!r}")
         if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)

@@ -20,12 +20,14 @@ family is runtime/models/ (config.py, checkpoint names in weights.py, layers.py)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from specoffload.planner import HardwareProfile
+from specoffload.planner.cost import estimate_step
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.experts import selects_experts
 from specoffload.planner.placement import Placement
@@ -59,6 +61,11 @@ class VocabularyMismatchError(SpecOffloadError):
     """Draft and target do not share a vocabulary."""
 
 
+#: the most exact mode multiplied a pass's compute in docs/perf `exact_cost` (1.5B resident, ngram k 4: 1.53-1.58x);
+#: exact="auto" turns it on where the pass's reads take at least this many times its compute
+EXACT_COMPUTE = 1.6
+
+
 class Engine:
     """Generates completions with the target model, speculating with a drafter when the plan says so.
 
@@ -86,7 +93,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         dtype = config.torch_dtype
         self.target = Transformer(config.target, dtype=dtype, device=config.device,
-                                  packed=config.packed_resident, exact=config.exact)  # headers only: nothing loaded
+                                  packed=config.packed_resident, exact=config.exact is True)  # headers only
         self.tokenizer = load_tokenizer(config.target)
         cfg = self.target.config
         drafter = config.drafter_class  # the registry's class (offload/drafters.py): ask it, not the name
@@ -123,6 +130,9 @@ class Engine:
         self.replanner = Replanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
                                    self.placement, config.expert_loading, refill=config.refill,
                                    full_feed=not drafter.model_free)
+        if config.exact == "auto":
+            config = self.config = dataclasses.replace(config, exact=self._exact_is_hidden(plan))
+        self.target.exact = config.exact
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner, self.tracer,
                                  recovery, config.num_threads,
@@ -131,6 +141,17 @@ class Engine:
                                  if config.prefill_chunk is not None else plan.prefill_chunk)
 
     # ---- construction -----------------------------------------------------------------------------------------------
+    def _exact_is_hidden(self, plan: Plan) -> bool:
+        """exact="auto": on where the planned decode pass waits on its reads long enough to hide exact mode's extra
+        compute (predicted t_io >= EXACT_COMPUTE x t_compute, planner/cost.py `estimate_step`), so that it costs
+        nothing; off resident, and without a profile to predict from."""
+        if not self.config.offloaded or self.profile is None or self.placement is None:
+            return False
+        step = estimate_step(self.profile, self.models.costs(plan.drafting), self.placement, plan.batch, plan.k,
+                             self.config.acceptance_prior, plan.max_seq_len // 2, self.config.expert_loading,
+                             plan.interleave)
+        return step.t_io >= EXACT_COMPUTE * step.t_compute
+
     def _check_vocabularies(self, draft: Transformer) -> None:
         t, d = self.target.config.vocab_size, draft.config.vocab_size
         problem = None

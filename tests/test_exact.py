@@ -150,9 +150,39 @@ def test_exact_speculative_output_is_the_no_draft_output_in_bfloat16(tiny_models
     assert not exact_passes
 
 
-def test_exact_must_be_a_bool(tiny_models) -> None:  # noqa: ANN001
-    with pytest.raises(ConfigError, match="exact must be True or False"):
+def test_exact_must_be_a_bool_or_auto(tiny_models) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match="exact must be True, False or 'auto'"):
         EngineConfig(target=tiny_models["llama"], exact="yes")
+
+
+@pytest.mark.parametrize(("io", "compute", "offloaded", "expected"),
+                         [(2.0, 1.0, True, True), (1.5, 1.0, True, False), (2.0, 1.0, False, False)])
+def test_auto_exact_is_on_where_the_pass_hides_its_compute(tiny_models, monkeypatch, io: float, compute: float,  # noqa: ANN001
+                                                            offloaded: bool, expected: bool) -> None:
+    """exact="auto": on where the planned pass's reads take EXACT_COMPUTE x its compute or more (offloaded, with a
+    profile), off resident; the engine's config holds the choice and its workers compute accordingly."""
+    import specoffload.runtime.engine as engine_module
+    from tests.test_planner import make_profile
+
+    class Step:
+        t_io, t_compute = io, compute
+
+    monkeypatch.setattr(engine_module, "estimate_step", lambda *a, **k: Step())
+    assert engine_module.EXACT_COMPUTE == 1.6
+    target = tiny_models["llama"]
+    config = (tight_config(target, exact="auto") if offloaded
+              else EngineConfig(target=target, exact="auto", max_batch_size=2))
+    assert config.exact == "auto"
+    engine = Engine(config, profile=make_profile() if offloaded else None)
+    try:
+        assert engine.config.exact is expected and engine.target.exact is expected
+        exact_passes = []
+        real = layers._attend_each
+        monkeypatch.setattr(layers, "_attend_each", lambda *a: exact_passes.append(1) or real(*a))
+        engine.generate([[1, 5, 9]], GREEDY)
+        assert bool(exact_passes) is expected
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("exact", [False, True])
