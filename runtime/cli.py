@@ -100,11 +100,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                        allow_abbrev=False, formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
     _add_model_flags(m, drafter_help=PLAN_DRAFTER_HELP + " (needs --device-memory)")
-    m.add_argument("--exact", default="auto", choices=["on", "off", "auto"],
+    m.add_argument("--exact", default="off", choices=["on", "off", "auto"],
                    help="on: compute each row as it would be computed alone (fixed-shape GEMMs, attention per "
                         "query), so the output does not depend on the batch or the drafter, in bfloat16 too, at a "
-                        "compute cost; auto: on where the planned pass waits on its reads long enough to hide that "
-                        "cost (README, \"What lossless means\")")
+                        "compute cost (0.56x resident); auto: on where the planned pass waits on its reads long "
+                        "enough to hide that cost (README, \"What lossless means\")")
     m.add_argument("--draft-dtype", default=None, choices=DTYPES,
                    help="the draft model's compute dtype (default: --dtype); bfloat16 halves its memory")
     m.add_argument("--num-speculative-tokens", "-k", "--num-draft-tokens", dest="num_draft_tokens",

@@ -100,9 +100,9 @@ class EngineConfig:
         GEMM in blocks of a fixed row count, attention per query over exactly its keys), so a row's output does not
         depend on the batch, the tokens of a pass, refills or the drafter: greedy speculative output is the
         no-draft output token for token in bfloat16 too, not only in float32. It costs compute (README, "What
-        lossless means"), so "auto" (the default) turns it on only where the planned pass waits on its reads long
-        enough to hide that (offloaded, with a profile: engine.py `EXACT_COMPUTE`); the Engine's config then holds
-        the choice. False: off.
+        lossless means"): 0.56x resident, 0.93x at a tight budget (docs/perf `exact_cost`), so it is off by
+        default. "auto" turns it on only where the planned pass waits on its reads long enough to hide that
+        (offloaded, with a profile: engine.py `EXACT_COMPUTE`); the Engine's config then holds the choice.
     kv_block_size: offloaded: the target's KV caches hold blocks of this many positions from one pool of the
         attention worker, sized by the placement (runtime/kv_blocks.py): a row holds the blocks its tokens use, not
         a reservation for prompt + max_new_tokens; 0: one contiguous cache per batch, reserved for its longest row.
@@ -145,7 +145,7 @@ class EngineConfig:
     expert_group: int | None = None
     packed_weights: str = "auto"
     trace: bool = False
-    exact: bool | str = "auto"
+    exact: bool | str = False
     acceptance_prior: float = 0.7
     replan_interval: int = 8
     interleave: bool | str | None = None

@@ -61,9 +61,9 @@ class VocabularyMismatchError(SpecOffloadError):
     """Draft and target do not share a vocabulary."""
 
 
-#: the most exact mode multiplied a pass's compute in docs/perf `exact_cost` (1.5B resident, ngram k 4: 1.53-1.58x);
-#: exact="auto" turns it on where the pass's reads take at least this many times its compute
-EXACT_COMPUTE = 1.6
+#: the most exact mode multiplied a pass's compute in docs/perf `exact_cost` (the 1.5B resident: 1.4-2.2x per
+#: repetition); exact="auto" turns it on where the pass's reads take at least this many times its compute
+EXACT_COMPUTE = 2.2
 
 
 class Engine:
