@@ -200,3 +200,27 @@ def test_slow_exact_passes_leave_the_profile_alone(tiny_models, monkeypatch, exa
         finally:
             engine.close()
     assert len(marked) == (1 if exact else 2)
+
+
+def test_the_cli_flag_reaches_the_engine(tiny_models, tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    """`--exact on` attends in exact mode, `off` (the default) does not; the rows agree (tiny shapes)."""
+    import json
+
+    from specoffload.runtime.cli import main
+
+    calls = []
+    real = layers._attend_each
+    monkeypatch.setattr(layers, "_attend_each", lambda *a: calls.append(1) or real(*a))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in OFFLOAD_PROMPTS[:3]))
+    rows, seen = {}, {}
+    for flag in ("on", "off", None):
+        out = tmp_path / f"{flag}.jsonl"
+        calls.clear()
+        rc = main(["generate", "--target", str(tiny_models["llama"]), "--prompts", str(prompts), "-o", str(out),
+                   "--max-new-tokens", "4", "--dtype", "bfloat16", "--temperature", "0", "--no-progress",
+                   *(["--exact", flag] if flag else [])])
+        assert rc == 0, capsys.readouterr().err
+        rows[flag], seen[flag] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()], bool(calls)
+    assert seen == {"on": True, "off": False, None: False}
+    assert rows["on"] == rows["off"] == rows[None]
