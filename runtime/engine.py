@@ -93,7 +93,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         dtype = config.torch_dtype
         self.target = Transformer(config.target, dtype=dtype, device=config.device,
-                                  packed=config.packed_resident, exact=config.exact is True)  # headers only
+                                  packed=config.packed_resident)  # headers only: nothing loaded
         self.tokenizer = load_tokenizer(config.target)
         cfg = self.target.config
         drafter = config.drafter_class  # the registry's class (offload/drafters.py): ask it, not the name
@@ -132,7 +132,7 @@ class Engine:
                                    full_feed=not drafter.model_free)
         if config.exact == "auto":
             config = self.config = dataclasses.replace(config, exact=self._exact_is_hidden(plan))
-        self.target.exact = config.exact
+        self.target.exact = config.exact  # (as the workers' models compute)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
         self.pipeline = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner, self.tracer,
                                  recovery, config.num_threads,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import replace
 
 from scripts.common import PERF, io_compute_seconds, median_spread, run_meta, timed_generate, utc_now, write_json
 from scripts.get_models import model_dir
@@ -68,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         cases.append(("tight", "none", EngineConfig(target=moefied, dtype="bfloat16", device_memory=args.budget,
                                                     max_batch_size=8, num_draft_tokens=0, max_seq_len=seq,
                                                     trace=True)))
-    from dataclasses import replace
-
     runs: dict[tuple[str, str, bool], list[dict]] = {}
     for rep in range(args.reps):
         for regime, drafter, config in cases:

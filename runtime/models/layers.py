@@ -233,20 +233,20 @@ def _attend_each(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, win
     out = None
     valid = mask.sum(dim=1).tolist() if mask is not None else [q.shape[2]] * q.shape[0]
     for b, (row, n) in enumerate(zip(positions.tolist(), valid, strict=True)):
-        spans: dict[tuple[int, int], list[int]] = {}
+        spans: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # span -> (step, lo, p) of its queries
         for t in range(n):
-            lo = max(0, row[t] - window + 1) if window is not None else 0
-            spans.setdefault((lo // EXACT_KEYS * EXACT_KEYS, -(-(row[t] + 1) // EXACT_KEYS) * EXACT_KEYS), []).append(t)
-        for (start, stop), steps in spans.items():
+            p = row[t]
+            lo = max(0, p - window + 1) if window is not None else 0
+            spans.setdefault((lo // EXACT_KEYS * EXACT_KEYS, -(-(p + 1) // EXACT_KEYS) * EXACT_KEYS), []).append(
+                (t, lo, p))
+        for (start, stop), queries in spans.items():
             k, v = keys[b:b + 1, :, start:stop], values[b:b + 1, :, start:stop]  # [1, kv, <= stop - start, D]
             if k.shape[2] < stop - start:  # past the positions the cache holds: zero keys, masked below
                 k, v = (F.pad(x, (0, 0, 0, stop - start - x.shape[2])) for x in (k, v))
-            at = torch.tensor(steps, device=q.device)  # [G]
-            sees = torch.arange(start, stop, device=q.device)  # [S]
-            seen = positions[b, at]  # [G]
-            lows = (seen - window + 1).clamp(min=0) if window is not None else torch.zeros_like(seen)
-            sees = (sees >= lows[:, None]) & (sees <= seen[:, None])  # [G, S]
-            g = len(steps)
+            at, lows, seen = torch.tensor(queries, device=q.device).T  # [G] each: steps, first and last seen
+            columns = torch.arange(start, stop, device=q.device)  # [S]
+            sees = (columns >= lows[:, None]) & (columns <= seen[:, None])  # [G, S]
+            g = len(queries)
             part = attend(q[b, :, at].transpose(0, 1)[:, :, None], k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1),
                           sees[:, None, None])  # [G, heads, 1, Dv]
             if out is None:
