@@ -309,7 +309,7 @@ def _plan(args: argparse.Namespace) -> int:
                         drafter_options=drafter_options(args))
     sampling, note = job_sampling(args)
     print(note, file=sys.stderr)
-    max_new = int(sampling["max_new_tokens"])  # type: ignore[call-overload]
+    max_new = SamplingParams(**sampling).max_new_tokens  # the flag, the model's default, else vLLM's 16
     max_seq_len = job_max_seq_len(base, prompts, max_new)
     config = replace(base, max_seq_len=max_seq_len)  # what `specoffload generate` sizes the KV caches to
     profile = load_or_measure(config, quick=args.quick_profile, log=lambda m: print(m, file=sys.stderr),

@@ -86,6 +86,18 @@ def test_plan_prints_policy_table_and_alternatives(tiny_models, tmp_path, capsys
     assert list((tmp_path / "profiles").glob("*.json"))
 
 
+def test_plan_without_max_tokens_takes_the_default(tiny_models, tmp_path, capsys, monkeypatch):
+    """No --max-tokens and no generation_config.json limit: the plan sizes the job to SamplingParams' default (16),
+    as generate does, instead of failing on the missing field."""
+    from specoffload.runtime.offload import profiler
+
+    monkeypatch.setattr(profiler, "PROFILE_DIR", tmp_path / "profiles")
+    rc = main(["plan", "--target", str(tiny_models["llama"]), "--device-memory", "2MiB", "--quick-profile"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "chosen policy: batch" in out
+    assert "at most 16 new tokens per prompt" in err and "Traceback" not in err
+
+
 def test_profile_measures_ahead_of_a_job_then_reuses(tiny_models, tmp_path, capsys, monkeypatch):
     """`specoffload profile`: phases with their ETA on stderr while it measures, the rates and conditions on stdout;
     a second call (another drafter) measures nothing but that drafter's step; --force measures again."""
