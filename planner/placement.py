@@ -231,12 +231,17 @@ class Placement:
         }
 
 
-def priority_order(target: ModelShape, pinned: frozenset[PartKey] = frozenset()) -> tuple[tuple[PartKey, ...], ...]:
+def priority_order(target: ModelShape, pinned: frozenset[PartKey] = frozenset(),
+                   expert_group: int = 0) -> tuple[tuple[PartKey, ...], ...]:
     """The steps in which target parts become resident, highest priority first; each step is all-or-nothing.
 
+    0. the head, first, when its load unit is larger than every layer's (`head_sets_slot`): streamed, it sizes
+       every ring slot (and the compressed-bytes scratch), so making it resident shrinks the footprint by
+       num_buffers x (head - largest layer unit) while it adds the head's bytes once: with two buffers the plan
+       gets smaller, and every budget keeps more bytes resident than with the head after the attention;
     1. routers, layer 0 upward: tiny and needed by every token to pick the experts;
     2. attention, layer 0 upward: used by every token of every row, and small next to the ffn;
-    3. the head: once per pass, but it is large (vocab x hidden) and sets the slot size when it streams;
+    3. the head (where step 0 did not take it): once per pass, large (vocab x hidden);
     4. the ffn (dense_mlp, or all experts of a MoE layer), whole layers in `spread_order`: it dominates the
        bytes, so it is what streams; resident and streamed layers alternate as evenly as possible, so that
        loading a streamed layer overlaps the compute of the resident layers before it (a block of streamed
@@ -253,14 +258,29 @@ def priority_order(target: ModelShape, pinned: frozenset[PartKey] = frozenset())
             ffn.setdefault(key.layer, []).append(key)
         else:
             by_kind.setdefault(key.kind, []).append(key)
-    steps: list[tuple[PartKey, ...]] = []
+    head = [(key,) for key in by_kind.get("head", [])]
+    first = head if head_sets_slot(target, pinned, expert_group) else []
+    steps: list[tuple[PartKey, ...]] = list(first)
     steps += [(key,) for key in sorted(by_kind.get("router", []))]
     steps += [(key,) for key in sorted(by_kind.get("attention", []))]
-    steps += [(key,) for key in by_kind.get("head", [])]
+    steps += [] if first else head
     layers = sorted(ffn)
     steps += [tuple(ffn[layers[n]]) for n in spread_order(len(layers))]
     steps += [(key,) for key in by_kind.get("embedding", [])]
     return tuple(steps)
+
+
+def head_sets_slot(target: ModelShape, pinned: frozenset[PartKey] = frozenset(), expert_group: int = 0) -> bool:
+    """Whether the streamed head's load unit is larger than every layer's, in slot bytes, with every part but
+    `pinned` streamed: then it alone sizes the ring's slots."""
+    in_slot = dict(target.parts) | target.slot_bytes()
+    units: dict[tuple[int, int], int] = {}
+    for key, _ in target.parts:
+        unit = slot_unit(key, target.num_layers, expert_group)
+        if unit is not None and key not in pinned:
+            units[unit] = units.get(unit, 0) + in_slot[key]
+    head = units.pop((target.num_layers, 0), 0)
+    return head > max(units.values(), default=0)
 
 
 def spread_order(n: int) -> list[int]:
@@ -300,7 +320,7 @@ def place(
     fitting = [k for k, (device, host) in enumerate(chain) if device <= device_memory and host <= host_memory]
     if not fitting:
         raise PlacementError(_no_fit_message(target, draft, policy, chain, device_memory, host_memory))
-    steps = priority_order(target, policy.pinned | _host_parts(target, policy))
+    steps = priority_order(target, policy.pinned | _host_parts(target, policy), policy.expert_group)
     resident = set(policy.pinned) | {key for step in steps[: fitting[-1]] for key in step}
     layout = _layout(target, draft, policy, resident)
     return Placement(
@@ -340,15 +360,16 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     resident = 0  # target weight bytes resident on the device
     # bytes (as stored) the RAM tier does not hold: the device-resident parts, and the host-resident ones (in kv)
     resident_stored = sum(stored.get(key, nbytes[key]) for key in on_host)
-    scratch = packed_scratch_bytes(target, policy)
+    scratch = packed_scratch_units(target, policy, on_host)  # load unit -> compressed stored bytes streamed
+    compressed = target.stored_bytes()
 
     def footprint() -> tuple[int, int]:
         host = kv + (tier_total - resident_stored if policy.weights_tier == "ram" else 0)
         ring = policy.num_buffers * max(slots.values(), default=0)
-        loading = scratch if ring else 0  # nothing streamed: no load, no scratch
+        loading = max(scratch.values(), default=0) if ring else 0  # nothing streamed: no load, no scratch
         return draft_bytes + resident + ring + loading + (host if policy.unified_memory else 0), host
 
-    steps = priority_order(target, policy.pinned | on_host)
+    steps = priority_order(target, policy.pinned | on_host, policy.expert_group)
     chain = []
     for step in [tuple(policy.pinned), *steps]:
         for key in step:
@@ -358,6 +379,8 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
             group = slot_unit(key, target.num_layers, policy.expert_group)
             if group is not None:
                 slots[group] -= in_slot[key]
+                if key in compressed and group in scratch:
+                    scratch[group] -= compressed[key]
         chain.append(footprint())
     return chain
 
@@ -389,17 +412,24 @@ class _Layout:
     items: tuple[PlacementItem, ...]
 
 
-def packed_scratch_bytes(target: ModelShape, policy: PlacementPolicy) -> int:
-    """The loader's scratch for the compressed bytes of one load read from disk (runtime/offload/streamer.py): the
-    largest load unit's stored bytes of compressed parts (counted whatever is resident: an upper bound)."""
-    if policy.weights_tier != "disk" or not target.stored:
-        return 0
+def packed_scratch_units(target: ModelShape, policy: PlacementPolicy,
+                         resident: frozenset[PartKey] | set[PartKey] = frozenset()) -> dict[tuple[int, int], int]:
+    """Load unit -> the stored bytes of its compressed parts that stream (not in `resident`), read from disk."""
     units: dict[tuple[int, int], int] = {}
+    if policy.weights_tier != "disk":
+        return units
     for key, n in target.stored:
         unit = slot_unit(key, target.num_layers, policy.expert_group)
-        if unit is not None:
+        if unit is not None and key not in resident:
             units[unit] = units.get(unit, 0) + n
-    return max(units.values(), default=0)
+    return units
+
+
+def packed_scratch_bytes(target: ModelShape, policy: PlacementPolicy,
+                         resident: frozenset[PartKey] | set[PartKey] = frozenset()) -> int:
+    """The loader's scratch for the compressed bytes of one load read from disk (runtime/offload/streamer.py
+    `_packed_scratch`): the largest load unit's stored bytes of compressed parts that stream."""
+    return max(packed_scratch_units(target, policy, resident).values(), default=0)
 
 
 def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolicy, resident: set[PartKey]) -> _Layout:
@@ -432,7 +462,7 @@ def _layout(target: ModelShape, draft: ModelShape | None, policy: PlacementPolic
         unit = f" (units of {policy.expert_group} experts)" if policy.expert_group else ""
         ring = f"ring buffers {policy.num_buffers} x {format_bytes(slot_bytes)}{unit}"
         items.append(PlacementItem(ring, "device", policy.num_buffers * slot_bytes))
-        scratch = packed_scratch_bytes(target, policy)
+        scratch = packed_scratch_bytes(target, policy, resident | on_host)
         if scratch:
             items.append(PlacementItem("compressed bytes of one load (read before decompression)", "device", scratch))
     host_categories = {_CATEGORY[kind] for kind in policy.host_kinds}

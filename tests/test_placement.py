@@ -18,6 +18,7 @@ from specoffload.planner.placement import (
     PlacementError,
     PlacementPolicy,
     minimum_device_memory,
+    packed_scratch_bytes,
     place,
     priority_order,
 )
@@ -345,6 +346,40 @@ def test_priority_order_is_routers_attention_head_ffn_embedding() -> None:
         ("expert", "expert", "expert"),
         ("embedding",),
     ]
+
+
+def test_a_head_larger_than_every_layer_unit_goes_first() -> None:
+    """Dense layers of 100 + 300 bytes and a head of 2000: streamed, the head sizes both slots (2 x 2000); made
+    resident first it costs 2000 once and the slots shrink to a layer (2 x 400), so the cheapest plan is smaller
+    than the all-streamed one, and a budget between the two keeps the head and streams the layers."""
+    target = make_shape("dense", [0, 0, 0], attn=100, ffn=300, embed=50, head=2000)
+    assert [step[0].kind for step in priority_order(target)][:2] == ["head", "attention"]
+    policy = PlacementPolicy(batch_size=1, kv_capacity=4, num_batches=1)
+    kv = 8 * 4
+    assert minimum_device_memory(target, None, policy) == kv + 2000 + 2 * 400 < kv + 2 * 2000
+    p = place(target, None, policy, kv + 2000 + 2 * 400, 10**9)
+    assert resident(p) == {PartKey("head")} and p.slot_bytes == 400 and p.streamed_layers == (0, 1, 2)
+    # a head no larger than a layer unit keeps its place after the attention
+    small = make_shape("dense", [0, 0, 0], attn=100, ffn=300, embed=50, head=400)
+    assert [step[0].kind for step in priority_order(small)][:4] == ["attention"] * 3 + ["head"]
+
+
+def test_compressed_scratch_counts_only_what_streams() -> None:
+    """The scratch for one load's compressed bytes is the largest *streamed* unit's: a compressed head made
+    resident no longer sizes it (it did, as an upper bound, before)."""
+    base = make_shape("dense", [0, 0, 0], attn=100, ffn=300, embed=50, head=2000)
+    stored = tuple((key, n // 4) for key, n in base.parts if key.kind in ("dense_mlp", "head"))
+    target = replace(base, stored=stored)
+    policy = PlacementPolicy(batch_size=1, kv_capacity=4, num_batches=1)
+    assert packed_scratch_bytes(target, policy) == 500
+    assert packed_scratch_bytes(target, policy, {PartKey("head")}) == 75
+    kv = 8 * 4
+    minimum = minimum_device_memory(target, None, policy)
+    assert minimum == kv + 2000 + 2 * 400 + 75
+    p = place(target, None, policy, minimum, 10**9)
+    items = {item.name: item.nbytes for item in p.items}
+    assert resident(p) == {PartKey("head")}
+    assert items["compressed bytes of one load (read before decompression)"] == 75 and p.device_bytes() == minimum
 
 
 def test_host_memory_bounds_the_target_kv_cache() -> None:

@@ -31,6 +31,7 @@ from ..models.weights import Weights
 from ..sampling import SamplingParams
 from ..speculative import verify_rows
 from .batch_kv import BatchKV
+from .direct_io import ALIGN
 from .drafters import Drafter, TargetShare, drafter_class, make_drafter
 from .embedding import EmbeddingRows
 from .slot_sync import SlotSync
@@ -120,6 +121,11 @@ class WeightPlan:
         return range(group * self.expert_group, min((group + 1) * self.expert_group, self.num_experts))
 
 
+#: each of the disk reader's two staging buffers holds a slot's bytes, at most this (a larger unit is read in
+#: parts); a RAM tier reads none
+STAGING_MAX = 64 << 20
+
+
 def _slot_streamer(model: Transformer, plan: WeightPlan, config: EngineConfig, slots: Sequence[Tensor] | None,
                    loads: bool, sync: SlotSync | None = None) -> WeightStreamer | None:
     """A streamer over the shared slot buffers: loads (PrefetchWorker, routed experts) or only views them; every
@@ -129,7 +135,8 @@ def _slot_streamer(model: Transformer, plan: WeightPlan, config: EngineConfig, s
     source = config.weights_tier if loads else "disk"  # a view-only streamer never reads, so never preloads
     return WeightStreamer(
         model.loader, plan.slot_bytes, plan.num_buffers, source, compute_device(config),
-        staging_bytes=(64 << 20) if loads else 4 * 4096, parts=list(plan.streamed) if loads else None, slots=slots,
+        staging_bytes=min(STAGING_MAX, plan.slot_bytes + 2 * ALIGN) if loads and source == "disk" else 4 * ALIGN,
+        parts=list(plan.streamed) if loads else None, slots=slots,
         sync=sync, packed=config.packed_slots,
     )
 
