@@ -23,6 +23,9 @@ scripts/peers/moefied_gguf.sh) or by default a qwen3moe GGUF at Qwen3-30B-A3B's 
 random Q4_K_M-typed blocks, `--layers` layers, written once). Caveat (docs/perf `peers`): a random model repeats one
 token, so its routing does not vary as a trained one's. A system killed under the limit (for memory) is a result:
 its row says why (`failed`), it is not run again, and the summary lists it (`failed_under_limit`) with no ratio.
+Both run with MALLOC_ARENA_MAX=`--malloc-arena-max` (2: glibc's per-thread arenas otherwise keep ~0.2 GiB of our
+loader's and compute thread's freed buffers), ours with `--ours-prefill-chunk` prompt tokens per pass; ours' row
+says where its passes went (`per_pass`: loader busy, of it file reads and block conversion, and compute).
 Per system: tokens/s with prefill counted (new tokens over the whole generate) and decode only (the tokens after
 the first over the time after the first: llama.cpp's own split; ours from a second call with one new token,
 T(N) - T(1)). Repetitions alternate systems. Greedy agreement with llama.cpp is reported (bfloat16 against
@@ -210,9 +213,11 @@ def _drop_cached(path: Path) -> None:
         os.close(fd)
 
 
-def limited(argv: list[str], request: dict, limit: int, model: Path) -> dict:
+def limited(argv: list[str], request: dict, limit: int, model: Path, arena_max: int = 0) -> dict:
     """Run `argv` (a runner reading `request` as JSON on stdin) in a fresh memory cgroup of `limit` bytes, the
-    model's pages dropped from the page cache first; its JSON output, plus the cgroup's peak memory and wall time."""
+    model's pages dropped from the page cache first, with MALLOC_ARENA_MAX=`arena_max` when > 0 (glibc keeps freed
+    memory in per-thread arenas; a streaming engine's loader and compute threads each grow one); its JSON output,
+    plus the cgroup's peak memory and wall time."""
     import os
     import time
 
@@ -223,11 +228,13 @@ def limited(argv: list[str], request: dict, limit: int, model: Path) -> dict:
         _drop_cached(model)
         wrapper = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
         start = time.perf_counter()
-        done = subprocess.run(wrapper, input=json.dumps(request), capture_output=True, text=True)
+        env = os.environ | ({"MALLOC_ARENA_MAX": str(arena_max)} if arena_max > 0 else {})
+        done = subprocess.run(wrapper, input=json.dumps(request), capture_output=True, text=True, env=env)
         wall = time.perf_counter() - start
         if done.returncode != 0:
-            raise RuntimeError(f"{argv[1]} under a {limit / 2**30:.2f} GiB limit exited {done.returncode} "
-                               f"(137: killed for memory): {done.stderr[-2000:]}")
+            why = " (killed for memory)" if done.returncode in (-9, 137) else ""
+            raise RuntimeError(f"{argv[1]} under a {limit / 2**30:.2f} GiB limit exited {done.returncode}{why}: "
+                               f"{done.stderr[-2000:]}")
         out = json.loads(done.stdout)
         out["peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
         out["wall_s"] = wall
@@ -262,12 +269,13 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
         f"llama.cpp b{args.budget_batch}": lambda: _llamacpp_result(limited(
             [python, str(peers / "llamacpp_runner.py")],
             {"model": str(gguf), "prompts": prompts, "new_tokens": args.new_tokens, "threads": args.threads,
-             "n_ctx": n_ctx, "batch": args.budget_batch, "repack": False}, limit, gguf), len(prompts),
-            args.new_tokens),
+             "n_ctx": n_ctx, "batch": args.budget_batch, "repack": False}, limit, gguf, args.malloc_arena_max),
+            len(prompts), args.new_tokens),
         f"ours b{args.budget_batch}": lambda: _ours_result(limited(
             [sys.executable, str(peers / "ours_runner.py")],
             {"model": str(target), "prompts": prompts, "new_tokens": args.new_tokens, "batch": args.budget_batch,
-             "device_memory": device_memory, "packed_weights": "auto"}, limit, gguf), len(prompts), args.new_tokens),
+             "device_memory": device_memory, "packed_weights": "auto", "prefill_chunk": args.ours_prefill_chunk},
+            limit, gguf, args.malloc_arena_max), len(prompts), args.new_tokens),
     }
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     failed: dict[str, str] = {}  # a system that cannot run under the limit (killed for memory): not run again
@@ -302,6 +310,16 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
         results[ours_name]["greedy_agreement_with_llamacpp"] = same / max(sum(map(len, reference)), 1)
         results[ours_name]["bytes_read_per_token"] = statistics.median(
             r["bytes_read"] / (len(prompts) * args.new_tokens) for r in runs[ours_name])
+        # where ours' passes went (medians over reps, seconds per pass of the N-token call): the loader's busy time
+        # and, of it, reading the file and turning stored blocks into the kernels' layouts; the pass's compute
+        per_pass = {what: round(statistics.median(r[what] / max(r["passes"], 1) for r in runs[ours_name]), 4)
+                    for what in ("load_s", "read_s", "decompress_s", "compute_s")}
+        results[ours_name]["per_pass"] = per_pass
+        summary |= {"ours_load_s_per_pass": per_pass["load_s"], "ours_read_s_per_pass": per_pass["read_s"],
+                    "ours_decompress_s_per_pass": per_pass["decompress_s"],
+                    "ours_compute_s_per_pass": per_pass["compute_s"],
+                    "ours_io_over_compute": round(per_pass["load_s"] / per_pass["compute_s"], 3)
+                    if per_pass["compute_s"] else None}
         summary |= {"ours_over_llamacpp_budget": round(results[ours_name]["tok_s_median"]
                                                        / results[llama_name]["tok_s_median"], 3),
                     "ours_over_llamacpp_budget_decode": round(results[ours_name]["decode_tok_s_median"]
@@ -345,6 +363,10 @@ def main() -> int:
     ap.add_argument("--ours-device-memory", default="1.75GiB", help="ours' --device-memory under the limit")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--budget-batch", type=int, default=8)
+    ap.add_argument("--ours-prefill-chunk", type=int, default=256,
+                    help="ours' prefill_chunk under the limit (prompt tokens per pass: bounds prefill activations)")
+    ap.add_argument("--malloc-arena-max", type=int, default=2,
+                    help="MALLOC_ARENA_MAX for both systems under the limit (0: glibc's default)")
     ap.add_argument("--out", default="peers")
     args = ap.parse_args()
     if args.quick:

@@ -2,10 +2,12 @@
 bench's budget case, scripts/bench_peers.py `--budget`).
 
 Reads a JSON request on stdin: {"model": path, "prompts": [[ids]], "new_tokens": N, "batch": B,
-"device_memory": bytes or null, "packed_weights": "auto" / "on" / "off"}; greedy, EOS ignored, no draft. Runs
-generate twice, for 1 and for N new tokens (decode rate = the tokens after the first over T(N) - T(1), as
-bench_peers times ours in process), and writes {"tokens": [[ids]], "total_s": ..., "first_token_s": ...,
-"bytes_read": ..., "max_rss_bytes": ...} to stdout.
+"device_memory": bytes or null, "packed_weights": "auto" / "on" / "off", "prefill_chunk": tokens or null}; greedy,
+EOS ignored, no draft. Runs generate twice, for 1 and for N new tokens (decode rate = the tokens after the first
+over T(N) - T(1), as bench_peers times ours in process), and writes {"tokens": [[ids]], "total_s": ...,
+"first_token_s": ..., "bytes_read": ..., "max_rss_bytes": ..., "passes": ..., and where its time went in the N-token
+call: "load_s" (the loader's busy seconds), "read_s" (of it, reading the file), "decompress_s" (of it, turning
+stored blocks into the kernels' layouts), "compute_s" (attention + ffn + head)} to stdout.
 """
 
 import json
@@ -24,20 +26,30 @@ def main() -> None:
     engine = Engine(EngineConfig(target=req["model"], dtype="bfloat16", max_batch_size=req["batch"],
                                  num_draft_tokens=0, device_memory=req.get("device_memory"),
                                  packed_weights=req.get("packed_weights", "auto"),
+                                 prefill_chunk=req.get("prefill_chunk"), trace=True,
                                  max_seq_len=longest + req["new_tokens"] + 8))
+    streamer = getattr(getattr(engine.pipeline, "workers", None), "prefetch", None)
+    streamer = getattr(streamer, "streamer", None)  # the local backend's loader (None: nothing streams)
     try:
-        times, results, read = {}, [], 0
+        times, results, where = {}, [], {}
         for n in (1, req["new_tokens"]):
             params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+            before = (streamer.read_seconds, streamer.decompress_seconds) if streamer is not None else (0.0, 0.0)
             start = time.perf_counter()
             results = engine.generate(req["prompts"], params)
             times[n] = time.perf_counter() - start
-            read = engine.last_stats.bytes_read
+            busy: dict[str, float] = {}
+            for span in engine.tracer.spans:
+                busy[span.name] = busy.get(span.name, 0.0) + span.end - span.start
+            after = (streamer.read_seconds, streamer.decompress_seconds) if streamer is not None else (0.0, 0.0)
+            where = {"bytes_read": engine.last_stats.bytes_read, "passes": engine.last_stats.passes,
+                     "load_s": busy.get("load", 0.0), "read_s": after[0] - before[0],
+                     "decompress_s": after[1] - before[1],
+                     "compute_s": sum(busy.get(name, 0.0) for name in ("attention", "ffn", "head"))}
     finally:
         engine.close()
     json.dump({"tokens": [r.token_ids for r in results], "total_s": times[req["new_tokens"]], "first_token_s": times[1],
-               "bytes_read": read, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
-              sys.stdout)
+               "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **where}, sys.stdout)
 
 
 if __name__ == "__main__":
