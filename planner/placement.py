@@ -231,14 +231,15 @@ class Placement:
         }
 
 
-def priority_order(target: ModelShape, pinned: frozenset[PartKey] = frozenset(),
-                   expert_group: int = 0) -> tuple[tuple[PartKey, ...], ...]:
+def priority_order(target: ModelShape, pinned: frozenset[PartKey] = frozenset(), expert_group: int = 0,
+                   num_buffers: int = 2) -> tuple[tuple[PartKey, ...], ...]:
     """The steps in which target parts become resident, highest priority first; each step is all-or-nothing.
 
-    0. the head, first, when its load unit is larger than every layer's (`head_sets_slot`): streamed, it sizes
-       every ring slot (and the compressed-bytes scratch), so making it resident shrinks the footprint by
-       num_buffers x (head - largest layer unit) while it adds the head's bytes once: with two buffers the plan
-       gets smaller, and every budget keeps more bytes resident than with the head after the attention;
+    0. the head, first, where that never grows a plan (`head_first`): streamed, a head H larger than every layer
+       unit L sizes every ring slot, so making it resident adds H once and takes num_buffers x (H - L) off the
+       ring; when H (n - 1) >= n L (n = num_buffers) that is no more than it adds, so every set of other parts
+       costs no more with the head resident than without, and every budget keeps at least the steps it kept with
+       the head after the attention, and the head besides;
     1. routers, layer 0 upward: tiny and needed by every token to pick the experts;
     2. attention, layer 0 upward: used by every token of every row, and small next to the ffn;
     3. the head (where step 0 did not take it): once per pass, large (vocab x hidden);
@@ -259,7 +260,7 @@ def priority_order(target: ModelShape, pinned: frozenset[PartKey] = frozenset(),
         else:
             by_kind.setdefault(key.kind, []).append(key)
     head = [(key,) for key in by_kind.get("head", [])]
-    first = head if head_sets_slot(target, pinned, expert_group) else []
+    first = head if head_first(target, pinned, expert_group, num_buffers) else []
     steps: list[tuple[PartKey, ...]] = list(first)
     steps += [(key,) for key in sorted(by_kind.get("router", []))]
     steps += [(key,) for key in sorted(by_kind.get("attention", []))]
@@ -270,9 +271,11 @@ def priority_order(target: ModelShape, pinned: frozenset[PartKey] = frozenset(),
     return tuple(steps)
 
 
-def head_sets_slot(target: ModelShape, pinned: frozenset[PartKey] = frozenset(), expert_group: int = 0) -> bool:
-    """Whether the streamed head's load unit is larger than every layer's, in slot bytes, with every part but
-    `pinned` streamed: then it alone sizes the ring's slots."""
+def head_first(target: ModelShape, pinned: frozenset[PartKey] = frozenset(), expert_group: int = 0,
+               num_buffers: int = 2) -> bool:
+    """Whether the head becomes resident before every other part (`priority_order` step 0): its slot bytes H and
+    the largest layer unit's L, with every part but `pinned` streamed, satisfy H (n - 1) >= n L > 0 for n =
+    `num_buffers` (the head resident then never makes a plan larger: it adds H and takes n (H - L) off the ring)."""
     in_slot = dict(target.parts) | target.slot_bytes()
     units: dict[tuple[int, int], int] = {}
     for key, _ in target.parts:
@@ -280,7 +283,8 @@ def head_sets_slot(target: ModelShape, pinned: frozenset[PartKey] = frozenset(),
         if unit is not None and key not in pinned:
             units[unit] = units.get(unit, 0) + in_slot[key]
     head = units.pop((target.num_layers, 0), 0)
-    return head > max(units.values(), default=0)
+    layer = max(units.values(), default=0)
+    return layer > 0 and head * (num_buffers - 1) >= num_buffers * layer
 
 
 def spread_order(n: int) -> list[int]:
@@ -320,7 +324,8 @@ def place(
     fitting = [k for k, (device, host) in enumerate(chain) if device <= device_memory and host <= host_memory]
     if not fitting:
         raise PlacementError(_no_fit_message(target, draft, policy, chain, device_memory, host_memory))
-    steps = priority_order(target, policy.pinned | _host_parts(target, policy), policy.expert_group)
+    steps = priority_order(target, policy.pinned | _host_parts(target, policy), policy.expert_group,
+                           policy.num_buffers)
     resident = set(policy.pinned) | {key for step in steps[: fitting[-1]] for key in step}
     layout = _layout(target, draft, policy, resident)
     return Placement(
@@ -369,7 +374,7 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
         loading = max(scratch.values(), default=0) if ring else 0  # nothing streamed: no load, no scratch
         return draft_bytes + resident + ring + loading + (host if policy.unified_memory else 0), host
 
-    steps = priority_order(target, policy.pinned | on_host, policy.expert_group)
+    steps = priority_order(target, policy.pinned | on_host, policy.expert_group, policy.num_buffers)
     chain = []
     for step in [tuple(policy.pinned), *steps]:
         for key in step:

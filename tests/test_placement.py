@@ -348,7 +348,7 @@ def test_priority_order_is_routers_attention_head_ffn_embedding() -> None:
     ]
 
 
-def test_a_head_larger_than_every_layer_unit_goes_first() -> None:
+def test_a_head_goes_first_where_that_never_grows_a_plan() -> None:
     """Dense layers of 100 + 300 bytes and a head of 2000: streamed, the head sizes both slots (2 x 2000); made
     resident first it costs 2000 once and the slots shrink to a layer (2 x 400), so the cheapest plan is smaller
     than the all-streamed one, and a budget between the two keeps the head and streams the layers."""
@@ -359,9 +359,35 @@ def test_a_head_larger_than_every_layer_unit_goes_first() -> None:
     assert minimum_device_memory(target, None, policy) == kv + 2000 + 2 * 400 < kv + 2 * 2000
     p = place(target, None, policy, kv + 2000 + 2 * 400, 10**9)
     assert resident(p) == {PartKey("head")} and p.slot_bytes == 400 and p.streamed_layers == (0, 1, 2)
-    # a head no larger than a layer unit keeps its place after the attention
-    small = make_shape("dense", [0, 0, 0], attn=100, ffn=300, embed=50, head=400)
-    assert [step[0].kind for step in priority_order(small)][:4] == ["attention"] * 3 + ["head"]
+    # a head that would make the first plan larger (400 < 600 < 2 x 400 with two buffers) keeps its place after the
+    # attention; with three buffers 600 >= 1.5 x 400 takes it first
+    mid = make_shape("dense", [0, 0, 0], attn=100, ffn=300, embed=50, head=600)
+    assert [step[0].kind for step in priority_order(mid)][:4] == ["attention"] * 3 + ["head"]
+    assert priority_order(mid, num_buffers=3)[0][0].kind == "head"
+    assert priority_order(mid, num_buffers=1)[0][0].kind == "attention"  # one buffer: the ring shrinks by H - L < H
+    # between the two plans (2 x 600 streamed, 600 + 2 x 400 resident) an attention fits beside the streamed head
+    p = place(mid, None, policy, kv + 2 * 600 + 100, 10**9)
+    assert resident(p) == {PartKey("attention", 0)} and p.slot_bytes == 600
+
+
+@FAST
+@given(target=shapes(), policy=policies, budget=st.integers(0, 60_000))
+def test_head_first_never_keeps_less_resident(target: ModelShape, policy: PlacementPolicy, budget: int) -> None:
+    """Against the order with the head after the attention (head_first patched off), at every budget: the plan fits
+    whenever that one does, and keeps at least its resident bytes (the head-first rule never grows a plan)."""
+    from unittest import mock
+
+    from specoffload.planner import placement as module
+
+    host = host_ceiling(target, policy)
+    with mock.patch.object(module, "head_first", lambda *a, **k: False):
+        try:
+            before = place(target, None, policy, budget, host)
+        except PlacementError:
+            return
+    after = place(target, None, policy, budget, host)
+    held = dict(target.parts)
+    assert sum(held[k] for k in resident(after)) >= sum(held[k] for k in resident(before))
 
 
 def test_compressed_scratch_counts_only_what_streams() -> None:
@@ -561,7 +587,7 @@ def test_a_stand_in_draft_holds_copies_of_the_streamed_parts_only(
     items = {item.name: item.nbytes for item in p.items}
     assert items["draft weights"] == held == draft.held_bytes(resident(p))
     # the longest prefix of the priority steps that fits, by the definition (the next step would not fit)
-    steps = priority_order(target, policy.pinned)
+    steps = priority_order(target, policy.pinned, policy.expert_group, policy.num_buffers)
     chosen = [step for step in steps if all(p.tier(key) == "device" for key in step)]
     if len(chosen) < len(steps):
         tiers = {key: "device" if key in resident(p) or key in steps[len(chosen)] else policy.streamed_tier
