@@ -304,6 +304,10 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
     ours_name, llama_name = f"ours b{args.budget_batch}", f"llama.cpp b{args.budget_batch}"
     summary = {"gguf": gguf.name, "memory_limit_bytes": limit, "model_bytes": gguf.stat().st_size,
                "ours_device_memory": device_memory, "failed_under_limit": sorted(failed)}
+    degenerate = [name for name, rs in runs.items() if rs and name not in failed and _degenerate(rs[0]["tokens"])]
+    summary["degenerate_output"] = degenerate  # every row one repeated id (llama.cpp: NaN logits argmax to 0)
+    for name in degenerate:
+        results[name]["degenerate_output"] = True
     if not failed:
         reference = runs[llama_name][0]["tokens"]
         same = sum(a == b for x, y in zip(runs[ours_name][0]["tokens"], reference) for a, b in zip(x, y))
@@ -320,6 +324,7 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
                     "ours_compute_s_per_pass": per_pass["compute_s"],
                     "ours_io_over_compute": round(per_pass["load_s"] / per_pass["compute_s"], 3)
                     if per_pass["compute_s"] else None}
+    if not failed and not degenerate:  # a ratio only where both systems ran and computed the model
         summary |= {"ours_over_llamacpp_budget": round(results[ours_name]["tok_s_median"]
                                                        / results[llama_name]["tok_s_median"], 3),
                     "ours_over_llamacpp_budget_decode": round(results[ours_name]["decode_tok_s_median"]
@@ -330,6 +335,11 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
                                     "args": vars(args) | {"gguf": str(gguf)}, "results": results})
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _degenerate(tokens: list[list[int]]) -> bool:
+    """Every row one repeated token id: a system that did not compute the model (NaN logits), not a result."""
+    return all(len(set(row)) <= 1 for row in tokens) and len(tokens) > 0 and all(len(row) > 1 for row in tokens)
 
 
 def _llamacpp_result(out: dict, prompts: int, new_tokens: int) -> dict:
