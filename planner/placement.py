@@ -28,7 +28,7 @@ Nothing here reads files, touches tensors or starts threads; the executor consum
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -277,11 +277,7 @@ def head_first(target: ModelShape, pinned: frozenset[PartKey] = frozenset(), exp
     the largest layer unit's L, with every part but `pinned` streamed, satisfy H (n - 1) >= n L > 0 for n =
     `num_buffers` (the head resident then never makes a plan larger: it adds H and takes n (H - L) off the ring)."""
     in_slot = dict(target.parts) | target.slot_bytes()
-    units: dict[tuple[int, int], int] = {}
-    for key, _ in target.parts:
-        unit = slot_unit(key, target.num_layers, expert_group)
-        if unit is not None and key not in pinned:
-            units[unit] = units.get(unit, 0) + in_slot[key]
+    units = _unit_bytes(((key, in_slot[key]) for key, _ in target.parts), target.num_layers, expert_group, pinned)
     head = units.pop((target.num_layers, 0), 0)
     layer = max(units.values(), default=0)
     return layer > 0 and head * (num_buffers - 1) >= num_buffers * layer
@@ -357,16 +353,12 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
     stand_ins = dict(draft.parts) if draft is not None and draft.stands_in else {}  # freed by a resident target part
     on_host = _host_parts(target, policy)
     kv = policy.target_kv_cache_bytes(target) + sum(nbytes[key] for key in on_host)  # host-resident attention too
-    slots: dict[tuple[int, int], int] = {}  # load unit -> streamed bytes
-    for key in nbytes:
-        group = slot_unit(key, target.num_layers, policy.expert_group)
-        if group is not None and key not in on_host:
-            slots[group] = slots.get(group, 0) + in_slot[key]
+    slots = _unit_bytes(((key, in_slot[key]) for key in nbytes), target.num_layers, policy.expert_group,
+                        on_host)  # load unit -> streamed bytes
     resident = 0  # target weight bytes resident on the device
     # bytes (as stored) the RAM tier does not hold: the device-resident parts, and the host-resident ones (in kv)
     resident_stored = sum(stored.get(key, nbytes[key]) for key in on_host)
     scratch = packed_scratch_units(target, policy, on_host)  # load unit -> compressed stored bytes streamed
-    compressed = target.stored_bytes()
 
     def footprint() -> tuple[int, int]:
         host = kv + (tier_total - resident_stored if policy.weights_tier == "ram" else 0)
@@ -384,8 +376,8 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
             group = slot_unit(key, target.num_layers, policy.expert_group)
             if group is not None:
                 slots[group] -= in_slot[key]
-                if key in compressed and group in scratch:
-                    scratch[group] -= compressed[key]
+                if key in stored and group in scratch:
+                    scratch[group] -= stored[key]
         chain.append(footprint())
     return chain
 
@@ -393,6 +385,18 @@ def _footprints(target: ModelShape, draft: ModelShape | None, policy: PlacementP
 def _host_parts(target: ModelShape, policy: PlacementPolicy) -> frozenset[PartKey]:
     """The target parts resident in host RAM under `host_attention` (attention and embedding), else none."""
     return frozenset(key for key, _ in target.parts if key.kind in policy.host_kinds)
+
+
+def _unit_bytes(pairs: Iterable[tuple[PartKey, int]], num_layers: int, expert_group: int,
+                skip: frozenset[PartKey] | set[PartKey] = frozenset()) -> dict[tuple[int, int], int]:
+    """Load unit (`slot_unit`) -> the summed bytes of the (part, bytes) `pairs` not in `skip` (the embedding has
+    no unit)."""
+    units: dict[tuple[int, int], int] = {}
+    for key, n in pairs:
+        unit = slot_unit(key, num_layers, expert_group)
+        if unit is not None and key not in skip:
+            units[unit] = units.get(unit, 0) + n
+    return units
 
 
 def slot_unit(key: PartKey, num_layers: int, expert_group: int = 0) -> tuple[int, int] | None:
@@ -420,14 +424,9 @@ class _Layout:
 def packed_scratch_units(target: ModelShape, policy: PlacementPolicy,
                          resident: frozenset[PartKey] | set[PartKey] = frozenset()) -> dict[tuple[int, int], int]:
     """Load unit -> the stored bytes of its compressed parts that stream (not in `resident`), read from disk."""
-    units: dict[tuple[int, int], int] = {}
     if policy.weights_tier != "disk":
-        return units
-    for key, n in target.stored:
-        unit = slot_unit(key, target.num_layers, policy.expert_group)
-        if unit is not None and key not in resident:
-            units[unit] = units.get(unit, 0) + n
-    return units
+        return {}
+    return _unit_bytes(target.stored, target.num_layers, policy.expert_group, resident)
 
 
 def packed_scratch_bytes(target: ModelShape, policy: PlacementPolicy,
