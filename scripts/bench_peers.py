@@ -229,11 +229,11 @@ def limited(argv: list[str], request: dict, limit: int, model: Path, arena_max: 
         wrapper = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
         start = time.perf_counter()
         env = os.environ | ({"MALLOC_ARENA_MAX": str(arena_max)} if arena_max > 0 else {})
-        done = subprocess.run(wrapper, input=json.dumps(request), capture_output=True, text=True, env=env)
+        done = subprocess.run(wrapper, input=json.dumps(request), capture_output=True, text=True, env=env, cwd=ROOT)
         wall = time.perf_counter() - start
         if done.returncode != 0:
             why = " (killed for memory)" if done.returncode in (-9, 137) else ""
-            raise RuntimeError(f"{argv[1]} under a {limit / 2**30:.2f} GiB limit exited {done.returncode}{why}: "
+            raise RuntimeError(f"{argv[-1]} under a {limit / 2**30:.2f} GiB limit exited {done.returncode}{why}: "
                                f"{done.stderr[-2000:]}")
         out = json.loads(done.stdout)
         out["peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
@@ -272,7 +272,7 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
              "n_ctx": n_ctx, "batch": args.budget_batch, "repack": False}, limit, gguf, args.malloc_arena_max),
             len(prompts), args.new_tokens),
         f"ours b{args.budget_batch}": lambda: _ours_result(limited(
-            [sys.executable, str(peers / "ours_runner.py")],
+            [sys.executable, "-m", "scripts.peers.ours_runner"],  # (from ROOT: it imports scripts.common)
             {"model": str(target), "prompts": prompts, "new_tokens": args.new_tokens, "batch": args.budget_batch,
              "device_memory": device_memory, "packed_weights": "auto", "prefill_chunk": args.ours_prefill_chunk},
             limit, gguf, args.malloc_arena_max), len(prompts), args.new_tokens),

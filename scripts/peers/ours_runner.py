@@ -1,5 +1,6 @@
 """Run our engine on token-id prompts in a process of its own (so that a memory limit can be put on it: the peers
-bench's budget case, scripts/bench_peers.py `--budget`).
+bench's budget case, scripts/bench_peers.py `--budget`), run from the repository root as
+`python -m scripts.peers.ours_runner`.
 
 Reads a JSON request on stdin: {"model": path, "prompts": [[ids]], "new_tokens": N, "batch": B,
 "device_memory": bytes or null, "packed_weights": "auto" / "on" / "off", "prefill_chunk": tokens or null}; greedy,
@@ -7,7 +8,8 @@ EOS ignored, no draft. Runs generate twice, for 1 and for N new tokens (decode r
 over T(N) - T(1), as bench_peers times ours in process), and writes {"tokens": [[ids]], "total_s": ...,
 "first_token_s": ..., "bytes_read": ..., "max_rss_bytes": ..., "passes": ..., and where its time went in the N-token
 call: "load_s" (the loader's busy seconds), "read_s" (of it, reading the file), "decompress_s" (of it, turning
-stored blocks into the kernels' layouts), "compute_s" (attention + ffn + head)} to stdout.
+stored blocks into the kernels' layouts), "compute_s" (the pass's compute spans: scripts/common.py
+`io_compute_seconds`)} to stdout.
 """
 
 import json
@@ -15,6 +17,7 @@ import resource
 import sys
 import time
 
+from scripts.common import io_compute_seconds
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.sampling import SamplingParams
@@ -38,14 +41,10 @@ def main() -> None:
             start = time.perf_counter()
             results = engine.generate(req["prompts"], params)
             times[n] = time.perf_counter() - start
-            busy: dict[str, float] = {}
-            for span in engine.tracer.spans:
-                busy[span.name] = busy.get(span.name, 0.0) + span.end - span.start
+            load, compute = io_compute_seconds(engine)
             after = (streamer.read_seconds, streamer.decompress_seconds) if streamer is not None else (0.0, 0.0)
-            where = {"bytes_read": engine.last_stats.bytes_read, "passes": engine.last_stats.passes,
-                     "load_s": busy.get("load", 0.0), "read_s": after[0] - before[0],
-                     "decompress_s": after[1] - before[1],
-                     "compute_s": sum(busy.get(name, 0.0) for name in ("attention", "ffn", "head"))}
+            where = {"bytes_read": engine.last_stats.bytes_read, "passes": engine.last_stats.passes, "load_s": load,
+                     "read_s": after[0] - before[0], "decompress_s": after[1] - before[1], "compute_s": compute}
     finally:
         engine.close()
     json.dump({"tokens": [r.token_ids for r in results], "total_s": times[req["new_tokens"]], "first_token_s": times[1],
