@@ -23,7 +23,10 @@ source rounded to bfloat16 (`bf16_copy`, built once beside it): with `--dtype bf
 `<variant>_over_bf16_*_per_rep`, and the most the variant could gain, `<variant>_bound_over_bf16_*`: bf16's seconds
 per pass over the variant's max(load, compute) per pass, `overlap_bound`). The variant
 "gguf" runs the Q4_K_M GGUF the dense target was converted from, as stored (runtime/models/gguf.py; `--gguf FILE`,
-default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary.
+default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary; its q4_k / q6_k weights stay as
+their blocks, multiplied by the engine's ggml kernel (runtime/kernels) where it builds. "gguf_repack" runs the same
+file with that kernel off (`SPECOFFLOAD_GGML_KERNEL=off`: q4_k repacked for torch's int4 kernel and q6_k dequantized
+on every load, as before the kernel), in the same run: `gguf_q4km_kernel_over_repack_*`.
 Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens;
 --quick: 4 windows, 4 prompts). JSON under docs/perf/ with a top-level "summary" holding the ratios the issue names.
 """
@@ -31,14 +34,18 @@ Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from scripts.common import PERF, io_compute_seconds, median_spread, run_meta, timed_generate, write_json
 from scripts.get_models import model_dir
 from scripts.quant_accuracy import compare, held_out
 from specoffload.planner.units import format_bytes, parse_bytes
+from specoffload.runtime import kernels
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.formats import WeightFormat, weight_format
@@ -50,6 +57,7 @@ TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 VARIANTS = {"fp16": None, "bf16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
             "int8a": weight_format("int8"), "int4u": weight_format("int4", 64), "int8u": weight_format("int8"),
             "int4k": weight_format("int4k", 64), "int4kh": weight_format("int4k", 64), "gguf": None,
+            "gguf_repack": None,
             "int8_g32": weight_format("int8g", 32), "int4_g32": weight_format("int4k", 32),
             "int8ah": weight_format("int8"), "int4kah": weight_format("int4k", 64)}
 #: the compressed variants the summary reports against the baselines (fp16, bf16)
@@ -67,7 +75,7 @@ def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path 
                 gguf: Path | None = None) -> Path:
     """The checkpoint of a variant: the source for fp16, the GGUF's companion directory for gguf, else its
     compressed copy (built once)."""
-    if name == "gguf":
+    if name in ("gguf", "gguf_repack"):
         from scripts.get_models import SPECS, default_cache, fetch_gguf
         from specoffload.runtime.models.gguf import resolve_model
 
@@ -116,6 +124,31 @@ def bf16_copy(source: Path, out: Path) -> None:
         elif f.is_file() and f.name != "provenance.json":  # (the source's hashes: not this copy's)
             shutil.copy2(f, tmp / f.name)
     tmp.rename(out)
+
+
+#: summary names of the GGUF variants
+GGUF_KEYS = {"gguf": "gguf_q4km", "gguf_repack": "gguf_q4km_repack"}
+#: variants run with the ggml kernel off (runtime/kernels): the GGUF's blocks converted on every load
+KERNEL_OFF = {"gguf_repack"}
+
+
+@contextlib.contextmanager
+def ggml_kernel_off(off: bool) -> Iterator[None]:
+    """Engines built inside run without the ggml kernel when `off` (SPECOFFLOAD_GGML_KERNEL=off in this process)."""
+    if not off:
+        yield
+        return
+    old = os.environ.get("SPECOFFLOAD_GGML_KERNEL")
+    os.environ["SPECOFFLOAD_GGML_KERNEL"] = "off"
+    kernels.ggml_kernel.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("SPECOFFLOAD_GGML_KERNEL", None)
+        else:
+            os.environ["SPECOFFLOAD_GGML_KERNEL"] = old
+        kernels.ggml_kernel.cache_clear()
 
 
 def overlap_bound(variant: dict, baseline: dict) -> float | None:
@@ -193,7 +226,8 @@ def main() -> int:
                                   max_batch_size=batch, num_draft_tokens=0, max_seq_len=seq, trace=True,
                                   dtype=args.dtype,
                                   packed_weights="off" if n in UNPACKED else args.packed_weights)
-            r = run(config, prompts, params)
+            with ggml_kernel_off(n in KERNEL_OFF):
+                r = run(config, prompts, params)
             results.setdefault(n, {"runs": []})["runs"].append(r)
             print(f"rep {rep} {n}: {r['tok_s']:.2f} tok/s at batch {r['batch']}, "
                   f"{format_bytes(int(r['bytes_per_pass']))} per pass", file=sys.stderr)
@@ -206,7 +240,7 @@ def main() -> int:
     if not args.no_accuracy:
         rows, greedy_prompts = held_out(source, *((4, 128, 4) if args.quick else (12, 256, 32)))
         for n in names:
-            if (VARIANTS[n] is not None or n in ("gguf", "bf16")) and n not in UNPACKED:
+            if (VARIANTS[n] is not None or n in ("gguf", "bf16")) and n not in UNPACKED | KERNEL_OFF:
                 accuracy[n] = compare(source, dirs[n], rows, greedy_prompts, 32)
     fp16 = results.get("fp16")
     summary: dict[str, object] = {"target": source.name, "budget": args.budget, "dtype": args.dtype,
@@ -220,6 +254,9 @@ def main() -> int:
                 summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
         for n in UNPACKED & set(results):
             summary[f"{n}_over_fp16_{regime}"] = round(results[n]["tok_s_median"] / fp16["tok_s_median"], 3)
+        if "gguf_repack" in results:
+            summary[f"gguf_q4km_repack_over_fp16_{regime}"] = round(results["gguf_repack"]["tok_s_median"]
+                                                                    / fp16["tok_s_median"], 3)
         if "gguf" in results:
             summary[f"gguf_q4km_over_fp16_{regime}"] = round(results["gguf"]["tok_s_median"] / fp16["tok_s_median"], 3)
             summary["bytes_per_pass_ratio_gguf_q4km"] = round(results["gguf"]["bytes_per_pass"]
@@ -230,15 +267,21 @@ def main() -> int:
     bf16 = results.get("bf16")
     if bf16:  # the baseline of a bfloat16 compute dtype: 16-bit weights streamed as the compute dtype takes them
         summary["io_over_compute_bf16"] = round(statistics.median(r["io_over_compute"] or 0.0 for r in bf16["runs"]), 3)
-        for n in RATIOS + ("fp16", "gguf"):
+        for n in RATIOS + ("fp16", "gguf", "gguf_repack"):
             if n in results:
-                key = "gguf_q4km" if n == "gguf" else n
+                key = GGUF_KEYS.get(n, n)
                 summary[f"{key}_over_bf16_{regime}"] = round(results[n]["tok_s_median"] / bf16["tok_s_median"], 3)
                 summary[f"bytes_per_pass_ratio_{key}_over_bf16"] = round(results[n]["bytes_per_pass"]
                                                                          / bf16["bytes_per_pass"], 3)
                 summary[f"{key}_over_bf16_{regime}_per_rep"] = [  # (reps alternate: rep i against bf16's rep i)
                     round(r["tok_s"] / b["tok_s"], 3) for r, b in zip(results[n]["runs"], bf16["runs"])]
                 summary[f"{key}_bound_over_bf16_{regime}"] = overlap_bound(results[n], bf16)
+    if "gguf" in results and "gguf_repack" in results:  # the ggml kernel against converting the blocks per load
+        summary[f"gguf_q4km_kernel_over_repack_{regime}"] = round(results["gguf"]["tok_s_median"]
+                                                                  / results["gguf_repack"]["tok_s_median"], 3)
+        summary[f"gguf_q4km_kernel_over_repack_{regime}_per_rep"] = [
+            round(a["tok_s"] / b["tok_s"], 3) for a, b in zip(results["gguf"]["runs"], results["gguf_repack"]["runs"])]
+        summary["ggml_kernel_vector"] = bool(kernels.ggml_kernel() and kernels.ggml_kernel().vector)
     if "int4k" in results and "int4kh" in results:  # the head compressed too: more of the budget for layers
         summary[f"int4kh_over_int4k_{regime}"] = round(results["int4kh"]["tok_s_median"]
                                                        / results["int4k"]["tok_s_median"], 3)

@@ -95,6 +95,21 @@ def _profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Native kernels built for the tests (runtime/kernels) go to a temporary folder, not ~/.cache (the environment
+    variable: subprocesses, Ray's workers included, build into the same folder)."""
+    import os
+
+    old = os.environ.get("SPECOFFLOAD_KERNEL_CACHE")
+    os.environ["SPECOFFLOAD_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernels"))
+    yield
+    if old is None:
+        os.environ.pop("SPECOFFLOAD_KERNEL_CACHE", None)
+    else:
+        os.environ["SPECOFFLOAD_KERNEL_CACHE"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _verified_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Checkpoints verified against their recorded hashes are remembered: keep that record out of ~/.cache."""
     from specoffload.runtime import hashing

@@ -35,7 +35,7 @@ from specoffload.runtime.models.packed import int4_kernel_ok
 from specoffload.runtime.offline.manifest import checkpoint_identity
 from specoffload.runtime.offload.embedding import EmbeddingRows
 from specoffload.runtime.sampling import SamplingParams
-from tests.conftest import offload_greedy, tight_config
+from tests.conftest import OFFLOAD_PROMPTS, offload_greedy, tight_config
 from tests.test_engine import PROMPTS, hf_greedy
 from tests.test_models import TOL, hf_logits, ragged_batch, rel_err
 
@@ -95,6 +95,7 @@ def test_packed_q4_multiplies_as_its_dequantized_weight(name, shape, pack_rows, 
     (`PACK_ROWS`: the last block partly padding)."""
     if pack_rows is not None:
         monkeypatch.setattr("specoffload.runtime.formats.ggml.PACK_ROWS", pack_rows)
+    monkeypatch.setattr("specoffload.runtime.formats.ggml.ggml_kernel", lambda: None)  # (q4_k: repacked, not as stored)
     fmt = weight_format(name)
     raw = torch.from_numpy(random_blocks(name, shape[0], shape[1] // fmt.block, 3))
     assert fmt.stays_packed(shape)
@@ -182,9 +183,17 @@ def test_speculation_on_a_gguf_target_is_lossless(ggufs, drafter):
 
 
 @pytest.mark.skipif(not int4_kernel_ok(), reason="this torch has no CPU int4 kernel")
-def test_bfloat16_streams_q4_blocks_packed(ggufs):
-    """In bfloat16 the q4_0 / q4_k / q8_0 weights a slot streams stay packed for the int4 kernel (the others are
-    decoded into the slot); the run's tokens are the float32 run's on most positions (the kernel's bfloat16 scales)."""
+@pytest.mark.parametrize("ggml_kernel", [True, False], ids=["ggml-kernel", "int4-kernel"])
+def test_bfloat16_streams_q4_blocks_packed(ggufs, ggml_kernel, monkeypatch):
+    """In bfloat16 the q4_0 / q4_k / q8_0 weights a slot streams stay packed for the int4 kernel, or q4_k / q6_k as
+    their blocks for the ggml kernel where it is built (runtime/kernels; the others are decoded into the slot); the
+    run's tokens are the float32 run's on most positions (the kernel's bfloat16 scales, the rounded products)."""
+    from specoffload.runtime.kernels import ggml_kernel as built
+
+    if not ggml_kernel:
+        monkeypatch.setattr("specoffload.runtime.formats.ggml.ggml_kernel", lambda: None)
+    elif built() is None:
+        pytest.skip("no C compiler: the ggml kernel is not built here")
     companion = ggufs["qwen2_256"][0]
     reference, engine = offload_greedy(tight_config(companion, dtype="float32"))
     engine.close()
@@ -193,11 +202,38 @@ def test_bfloat16_streams_q4_blocks_packed(ggufs):
     keys = [k for k in engine.workers.prefetch.model.loader.parts() if engine.placement.is_streamed(k)]
     fields = [f for key in keys for f in streamer.layout(key).fields]
     kinds = {f.quant.spec.name for f in fields if f.packed}
-    packable = {"q4_0", "q4_k", "q8_0"}
-    assert kinds and kinds <= packable
+    packable = {"q4_0", "q4_k", "q8_0"} | ({"q6_k"} if ggml_kernel else set())
+    assert kinds and kinds <= packable and ("q6_k" in kinds) == ggml_kernel
     assert {f.quant.spec.name for f in fields if f.quant is not None and not f.packed} - packable
     same = sum(a == b for x, y in zip(out, reference) for a, b in zip(x, y))
     assert same >= 0.7 * sum(map(len, reference))
+    engine.close()
+
+
+def test_a_gguf_target_kept_as_blocks_gives_transformers_tokens(ggufs):
+    """float32, weights kept as blocks ("on"): the q4_k / q6_k matrices multiply in the kernel, resident and streamed
+    at the smallest budget (their bytes read straight into the slot); greedy tokens are transformers' on the decoded
+    weights."""
+    from specoffload.runtime import kernels
+    from specoffload.runtime.models.packed import PackedBlocks
+
+    if kernels.ggml_kernel() is None:
+        pytest.skip("no C compiler: the ggml kernel is not built here")
+    companion, ref, _ = ggufs["qwen2_moe_256"]
+    want = hf_greedy(ref, OFFLOAD_PROMPTS, 10)
+    resident, engine = offload_greedy(tight_config(companion, dtype="float32", packed_weights="on",
+                                                   device_memory="1GiB", num_buffers=2))
+    engine.close()
+    assert resident == want
+    out, engine = offload_greedy(tight_config(companion, dtype="float32", packed_weights="on"))
+    streamer = engine.workers.prefetch.streamer
+    keys = [k for k in engine.workers.prefetch.model.loader.parts() if engine.placement.is_streamed(k)]
+    fields = [f for key in keys for f in streamer.layout(key).fields]
+    assert {f.quant.spec.name for f in fields if f.packed} >= set(kernels.KINDS)
+    assert all(f.packed for f in fields if f.quant is not None and f.quant.spec.name in kernels.KINDS)
+    views = [v for key in keys for v in streamer._views(streamer._slots[0], key, 0).values()]
+    assert any(isinstance(v, PackedBlocks) for v in views)
+    assert out == want
     engine.close()
 
 

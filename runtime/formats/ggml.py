@@ -15,6 +15,11 @@ implements in numpy: tests/test_gguf.py checks these against it bit for bit), in
     q6_k   210 B / 256: ql[128] nibbles, qh[64] 2-bit pairs, 16 int8 scales, d f16   w = (d * sc_j) * (q - 32), j per 16
     mxfp4  17 B / 32:   e8m0 exponent, 32 e2m1 nibbles                  w = 2^(e - 128) * kvalue(q) (kvalues doubled)
 
+Where the engine's own kernel for them is built (runtime/kernels: ggml.c, compiled for this CPU on first use), a
+streamed or resident q4_k / q6_k matrix stays as its blocks (runtime/models/packed.py `PackedBlocks`): the disk read
+puts the file's bytes straight into the ring slot and the layer multiplies by them there, with llama.cpp's float32
+dequantization arithmetic inside the kernel, so a load does no work on them at all. Without it, as before:
+
 q4_0 and q4_k are int4 with a scale and an offset per 32 inputs, so a streamed one stays packed for torch's CPU int4
 kernel (runtime/models/packed.py `PackedInt4`, group 32): codes permuted into the kernel's layout, scale = d * sc_j
 and zero = -(dmin * m_j) + 8 * scale rounded to the compute dtype (the kernel takes the activation dtype: a
@@ -33,7 +38,8 @@ from typing import ClassVar
 
 import torch
 
-from ..models.packed import PackedInt4, PackedInt8Split, split_layout
+from ..kernels import KINDS, ggml_kernel
+from ..models.packed import PackedBlocks, PackedInt4, PackedInt8Split, split_layout
 from . import WeightFormat, register_format
 from .int4 import Int4
 from .int8g import Int8Group
@@ -142,22 +148,42 @@ class GGMLFormat(WeightFormat):
         low [R, nb, G, 1] float32 or None) with w = q * scale - low per group of g inputs (llama.cpp's terms)."""
         raise NotImplementedError
 
+    def as_blocks(self, shape: tuple[int, ...]) -> bool:
+        """A weight of `shape` stays as its stored blocks (`PackedBlocks`, module docstring): a matrix of a block type
+        ggml.c multiplies, the kernel built for this machine."""
+        return self.name in KINDS and len(shape) == 2 and ggml_kernel() is not None
+
+    @property
+    def codes_in_slot(self) -> bool:  # type: ignore[override]
+        """The disk read puts the blocks straight into the slot where they stay as stored."""
+        return self.name in KINDS and ggml_kernel() is not None
+
     def stays_packed(self, shape: tuple[int, ...]) -> bool:
-        return self.packed_as is not None and self.packed_as.stays_packed(shape)
+        return self.as_blocks(shape) or (self.packed_as is not None and self.packed_as.stays_packed(shape))
 
     def packed_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> int:
+        if self.as_blocks(shape):
+            return self.nbytes(shape)
         if self.packed_as is None:
             return super().packed_nbytes(shape, dtype, align)
         return self.packed_as.packed_nbytes(shape, dtype, align)
 
     def packed_view(self, region: Tensor, shape: tuple[int, ...], dtype: torch.dtype, align: int = 1) -> object:
+        if self.as_blocks(shape):
+            return PackedBlocks(region[: self.nbytes(shape)].view(shape[0], -1), self, shape[1], dtype)
         if self.packed_as is None:
             return super().packed_view(region, shape, dtype, align)
         return self.packed_as.packed_view(region, shape, dtype, align)
 
     def fill_packed(self, view: object, parts: dict[str, Tensor], codes_there: bool = False) -> None:
-        """`packed_as`'s weight from the stored blocks, PACK_ROWS outputs at a time (`_fill_block` on a view of those
-        outputs: bounded temporaries). Every block holds a stored row (outputs pad to less than one kernel block)."""
+        """Blocks (`PackedBlocks`): the stored bytes copied into the slot as they are (unless the disk read put them
+        there). Otherwise `packed_as`'s weight from the stored blocks, PACK_ROWS outputs at a time (`_fill_block` on
+        a view of those outputs: bounded temporaries); every block holds a stored row (outputs pad to less than one
+        kernel block)."""
+        if isinstance(view, PackedBlocks):
+            if not codes_there:
+                view.blocks.copy_(parts["qweight"].reshape(view.blocks.shape))
+            return
         assert isinstance(view, PackedInt4) and not codes_there
         q = parts["qweight"]  # [n, nb * block_bytes]
         n, out_p = q.shape[0], view.codes.shape[0]

@@ -7,7 +7,8 @@
     one float32 GEMM (the summation order changes, not the precision class: oneDNN accumulates 16-bit GEMMs in
     float32 too).
   - an int8 or int4 weight kept packed in its ring slot (`PackedInt8`, `PackedInt4`, where `packed_kernel` holds):
-    torch's weight-only int8 / int4 kernel at decode row counts (runtime/models/packed.py).
+    torch's weight-only int8 / int4 kernel at decode row counts (runtime/models/packed.py); a GGUF's q4_k / q6_k
+    weight kept as its blocks (`PackedBlocks`): runtime/kernels/ggml.c at every row count.
 On CUDA F.linear is used as is. The measurements behind each rule: docs/perf/README.md, "kernel choices".
 
 Exact arithmetic (`exact_rows`, EngineConfig.exact). A GEMM's kernel, and with it the order in which each output
@@ -37,7 +38,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from .packed import PackedInt4, PackedInt8, PackedWeight, packed_linear
+from .packed import PackedBlocks, PackedInt4, PackedInt8, PackedWeight, packed_linear
 
 W = TypeVar("W")
 
@@ -138,7 +139,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor |
 
 def _linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` in one call, the kernel chosen by the shape (module docstring)."""
-    if isinstance(w, (PackedInt8, PackedInt4)):
+    if isinstance(w, (PackedInt8, PackedInt4, PackedBlocks)):
         rows = x.numel() // x.shape[-1]
         out = packed_linear(x.reshape(rows, x.shape[-1]), w).to(x.dtype)  # [N, out]
         return (out if bias is None else out + bias).reshape(*x.shape[:-1], w.shape[0])
@@ -176,6 +177,6 @@ def pack_weights(weights: W) -> W:
         value = getattr(weights, f.name)
         if isinstance(value, torch.Tensor) and value.dim() == 2 and f.name not in raw:
             changes[f.name] = value.contiguous().to_mkldnn()
-        elif dataclasses.is_dataclass(value) and not isinstance(value, (PackedInt8, PackedInt4)):  # (kernel's own)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, PackedWeight):  # (a kernel's own layout)
             changes[f.name] = pack_weights(value)
     return dataclasses.replace(weights, **changes)

@@ -60,6 +60,13 @@ INT4_BLOCK = 64
 INT4_GROUPS = (32, 64, 128, 256)
 #: rows up to which the split int8 kernel (`PackedInt8Split`: twice the int4 kernel's work) beats dequantize + GEMM
 INT8G_MAX_ROWS = 32
+#: rows up to which the ggml kernel over a q4_k / q6_k weight's blocks beats the kernel's dequantization + a bfloat16
+#: GEMM (the Xeon with AMX, 2 cores, [8960, 1536] and [1536, 8960]: 1.2-1.6 ms against 2.4-3.9 ms at 1-2 rows, 3.3-4.4
+#: against 2.4-4.0 from 4 rows; a [336, 1536] expert's gains to 8 rows)
+BLOCKS_MAX_ROWS = 2
+#: weights of a block weight dequantized at a time for a GEMM over more rows (16 MiB in bfloat16: a 151936-row head
+#: does not need a 16-bit copy of itself)
+BLOCKS_DEQUANT = 1 << 23
 #: float32 elements of the scratch a packed weight is dequantized through (4 MiB: measured fastest of 256 KiB .. 16 MiB
 #: on a [8960, 1536] weight, 2 cores)
 DEQUANT_BLOCK = 1 << 20
@@ -330,11 +337,90 @@ def split_codes(codes: torch.Tensor) -> torch.Tensor:
     return (u ^ 0x80).view(torch.int8)
 
 
-PackedWeight = PackedInt8 | PackedInt4
+@dataclass(frozen=True, eq=False)
+class PackedBlocks:
+    """A weight kept as llama.cpp's blocks exactly as its GGUF stores them (q4_k, q6_k: runtime/formats/ggml.py): a
+    quarter to a third of a 16-bit copy's bytes in its slot, read there by the disk read with no work at load.
+    runtime/kernels/ggml.c decodes every block with llama.cpp's float32 arithmetic and rounds each weight to the
+    compute dtype; up to BLOCKS_MAX_ROWS rows it multiplies by x where the blocks lie (float32 products, each row
+    on its own), above that it writes those rounded weights into a 16-bit copy (BLOCKS_DEQUANT weights at a time,
+    ~15 GB/s of output on 2 cores) for a GEMM. Both regimes multiply the same weights: one fixed model, as
+    `PackedInt4` is."""
+
+    blocks: torch.Tensor  # [out, in / 256 * block bytes] uint8, the stored rows
+    fmt: object  # the GGML format (runtime/formats/ggml.py) the blocks are in
+    inputs: int
+    compute: torch.dtype  # the dtype products are returned in
+
+    max_rows: ClassVar[int] = BLOCKS_MAX_ROWS
+
+    def __post_init__(self) -> None:
+        nbytes = self.inputs // 256 * self.fmt.block_bytes  # type: ignore[attr-defined]
+        if not (self.blocks.dtype == torch.uint8 and self.blocks.dim() == 2 and self.blocks.shape[1] == nbytes):
+            raise ValueError(f"a {self.fmt.name} weight of {self.inputs} inputs is uint8 blocks [out, {nbytes}], "  # type: ignore[attr-defined]
+                             f"got {self.blocks.dtype} {list(self.blocks.shape)}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.blocks.shape[0], self.inputs))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def numel(self) -> int:
+        return self.blocks.shape[0] * self.inputs
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The blocks as the GGUF stores them: where a disk read puts them."""
+        return self.blocks
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[PackedBlocks]:
+        """Split along the output channels (a fused gate_up weight), as `Tensor.chunk(chunks, 0)` does."""
+        if dim != 0 or self.blocks.shape[0] % chunks:
+            raise ValueError(f"a block weight splits along its output channels into equal parts, not {chunks}")
+        return [type(self)(b, self.fmt, self.inputs, self.compute) for b in self.blocks.chunk(chunks)]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] @ W^T -> [N, out] in the compute dtype: up to `max_rows` rows the kernel over the blocks, above
+        that (a prefill) the weight dequantized by the kernel and one GEMM. Both multiply the same weights, each
+        rounded once to the compute dtype, accumulating in float32."""
+        from ..kernels import ggml_kernel
+
+        kernel = ggml_kernel()
+        assert kernel is not None, "a block weight exists only where the ggml kernel loaded"
+        name = self.fmt.name  # type: ignore[attr-defined]
+        if x.shape[0] <= self.max_rows:
+            return kernel.matmul(name, self.blocks, x.float(), dtype=self.compute).to(self.compute)
+        x, out = x.to(self.compute), self.blocks.shape[0]
+        step = max(1, BLOCKS_DEQUANT // self.inputs)  # outputs per dequantized piece
+        if step >= out:
+            return F.linear(x, kernel.dequantize(name, self.blocks, self.inputs, self.compute))
+        y = torch.empty(x.shape[0], out, dtype=self.compute)  # [N, out]
+        for start in range(0, out, step):
+            w = kernel.dequantize(name, self.blocks[start : start + step], self.inputs, self.compute)  # [step, in]
+            y[:, start : start + w.shape[0]] = F.linear(x, w)
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in the compute dtype (llama.cpp's float32 values, rounded once)."""
+        from ..kernels import ggml_kernel
+
+        return ggml_kernel().dequantize(self.fmt.name, self.blocks, self.inputs, self.compute)  # type: ignore
+
+
+PackedWeight = PackedInt8 | PackedInt4 | PackedBlocks
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [N, in] @ W'^T -> [N, out] in the compute dtype."""
+    if isinstance(w, PackedBlocks):
+        return w.matmul(x)
     if isinstance(w, PackedInt4):  # (and PackedInt8Split)
         return w.matmul(x) if x.shape[0] <= w.max_rows else F.linear(x.to(w.dtype), w.dequantize())
     if x.shape[0] <= PACKED_MAX_ROWS and packable(tuple(w.shape)):

@@ -1,0 +1,227 @@
+"""Native kernels the engine builds for the machine it runs on: ggml.c, `y = x @ W^T` over llama.cpp's q4_k / q6_k
+blocks as a GGUF stores them, and the same weights dequantized into a 16-bit or float32 copy (its header says how).
+
+The C source ships with the package and is compiled on first use by the system's C compiler (`$CC`, else `cc`) with
+`-O3 -march=native -ffp-contract=off` into a shared library cached under `$SPECOFFLOAD_KERNEL_CACHE` (default
+~/.cache/specoffload/kernels), in a folder named by a hash of the source, the compiler, the flags and the CPU's
+model and flags: another CPU or another source gets its own build, and a build is written under a temporary name
+and renamed, so processes starting together do not read a half-written library. It is loaded with ctypes (which
+releases the GIL for the call: the loader thread keeps reading while a layer multiplies) and checked once against
+the Python dequantization (runtime/formats/ggml.py) on a probe; a library that disagrees is not used.
+
+No compiler, a failed build or a failed probe: `ggml_kernel()` is None, said once in the log, and the formats fall
+back to what they did without it (q4_k repacked for torch's int4 kernel, q6_k dequantized into the slot).
+`SPECOFFLOAD_GGML_KERNEL=off` turns the kernel off (a baseline for benchmarks); `=generic` builds the portable
+path of ggml.c instead of its AVX-512 one (tests of that path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("ggml.c")
+FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
+NATIVE = ("-march=native",)
+BUILD_TIMEOUT_S = 300
+#: ggml.c's kinds, by GGML type name
+KINDS = {"q4_k": 0, "q6_k": 1}
+#: inputs per block of every kind ggml.c multiplies
+BLOCK = 256
+#: ggml.c's `round`: the dtype each decoded weight is rounded to
+ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECOFFLOAD_KERNEL_CACHE", Path.home() / ".cache" / "specoffload" / "kernels"))
+
+
+def mode() -> str:
+    """$SPECOFFLOAD_GGML_KERNEL: "on" (default), "off" or "generic" (module docstring)."""
+    value = os.environ.get("SPECOFFLOAD_GGML_KERNEL", "on").strip().lower()
+    return {"0": "off", "false": "off", "no": "off", "1": "on", "true": "on", "yes": "on"}.get(value, value)
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and flags (what -march=native compiles for)."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    lines.append(line.strip())
+                if len(lines) >= 3:
+                    break
+    except OSError:
+        pass
+    return "\n".join(lines) or platform.processor() or platform.machine()
+
+
+def _compiler() -> tuple[str, str] | None:
+    """(compiler path, its version line), or None when there is none."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return cc, (version.splitlines() or [""])[0]
+
+
+def build(generic: bool = False) -> Path | None:
+    """The compiled library for this source, compiler and CPU (built now if not cached), or None (logged)."""
+    compiler = _compiler()
+    if compiler is None:
+        log.info("no C compiler ($CC or cc): GGUF q4_k / q6_k weights are converted for torch's kernels instead")
+        return None
+    cc, version = compiler
+    source = SOURCE.read_bytes()
+    defines = ("-DSPECOFFLOAD_GENERIC",) if generic else ()
+    for arch in (NATIVE, ()):  # (a compiler without -march=native: the portable flags)
+        flags = (*FLAGS, *arch, *defines)
+        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+                                         _cpu_signature().encode()])).hexdigest()[:16]
+        lib = cache_dir() / key / "ggml.so"
+        if lib.exists():
+            return lib
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".ggml-", suffix=".so", dir=lib.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as e:
+            done = subprocess.CompletedProcess([cc], 1, "", str(e))
+        if done.returncode == 0:
+            os.replace(tmp, lib)
+            return lib
+        Path(tmp).unlink(missing_ok=True)
+        log.info("building %s with %s %s failed: %s", SOURCE.name, cc, " ".join(flags),
+                 (done.stderr or "").strip().splitlines()[-1:] or "")
+    return None
+
+
+@dataclass(frozen=True)
+class GGMLKernel:
+    """The loaded ggml.c: `matmul` multiplies by a q4_k / q6_k weight's blocks."""
+
+    lib: ctypes.CDLL
+    path: Path
+
+    @property
+    def vector(self) -> bool:
+        """The library runs its AVX-512 path (False: the portable one)."""
+        return bool(self.lib.specoffload_ggml_vector())
+
+    def matmul(self, kind: str, blocks: torch.Tensor, x: torch.Tensor, threads: int | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x [M, K] float32 @ W^T -> [M, N] float32; W [N, K] as `kind` blocks, uint8 [N, K / 256 * block bytes], each
+        weight rounded to `dtype` (the weight `dequantize` gives in that dtype)."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            raise ValueError(f"ggml matmul takes float32 x [M, K], got {x.dtype} {list(x.shape)}")
+        blocks = self._blocks(blocks)
+        x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty(m, blocks.shape[0], dtype=torch.float32)
+        rc = self.lib.specoffload_ggml_matmul(KINDS[kind], blocks.data_ptr(), blocks.shape[0], k, x.data_ptr(), m,
+                                              y.data_ptr(), threads or torch.get_num_threads(), ROUNDING[dtype])
+        self._check(rc, kind, k)
+        return y
+
+    def dequantize(self, kind: str, blocks: torch.Tensor, inputs: int, dtype: torch.dtype,
+                   threads: int | None = None) -> torch.Tensor:
+        """W [N, inputs] in `dtype` (float32, bfloat16 or float16: llama.cpp's float32 values rounded once)."""
+        blocks = self._blocks(blocks)
+        out = torch.empty(blocks.shape[0], inputs, dtype=dtype)
+        rc = self.lib.specoffload_ggml_dequantize(KINDS[kind], blocks.data_ptr(), blocks.shape[0], inputs,
+                                                  out.data_ptr(), threads or torch.get_num_threads(), ROUNDING[dtype])
+        self._check(rc, kind, inputs)
+        return out
+
+    @staticmethod
+    def _blocks(blocks: torch.Tensor) -> torch.Tensor:
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu":
+            raise ValueError(f"the ggml kernel takes uint8 blocks [N, bytes] on the CPU, got {blocks.dtype} "
+                             f"{list(blocks.shape)} on {blocks.device}")
+        return blocks if blocks.is_contiguous() else blocks.contiguous()
+
+    @staticmethod
+    def _check(rc: int, kind: str, inputs: int) -> None:
+        if rc == -1:
+            raise ValueError(f"the ggml kernel cannot take {kind} blocks of {inputs} inputs (whole blocks of {BLOCK}) "
+                             "in this dtype")
+
+
+def _load(path: Path) -> GGMLKernel:
+    lib = ctypes.CDLL(str(path))
+    lib.specoffload_ggml_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                            ctypes.c_int]
+    lib.specoffload_ggml_matmul.restype = ctypes.c_int
+    lib.specoffload_ggml_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.specoffload_ggml_dequantize.restype = ctypes.c_int
+    lib.specoffload_ggml_vector.restype = ctypes.c_int
+    return GGMLKernel(lib, path)
+
+
+def probe(kernel: GGMLKernel) -> bool:
+    """On random blocks of every kind (3 rows, 5 outputs, 2 blocks): the kernel's weights in every dtype equal the
+    Python dequantization's, and its products equal x @ W^T with them, to float32 rounding."""
+    from ..formats import dequantize, weight_format
+
+    g = torch.Generator().manual_seed(0)
+    for kind in KINDS:
+        fmt = weight_format(kind)
+        blocks = torch.randint(0, 256, (5, 2, fmt.block_bytes), generator=g, dtype=torch.uint8)  # [N, nb, bytes]
+        for at in fmt.scales_at:  # finite, small block scales
+            scales = (torch.rand(5, 2, generator=g) * 0.01).to(torch.float16)
+            blocks[..., at : at + 2] = scales.view(torch.uint8).view(5, 2, 2)
+        blocks = blocks.view(5, -1)
+        x = torch.randn(3, 2 * BLOCK, generator=g)
+        for dtype in ROUNDING:
+            w = dequantize({"qweight": blocks}, fmt, (5, 2 * BLOCK), dtype)  # [N, K]
+            if not torch.equal(kernel.dequantize(kind, blocks, 2 * BLOCK, dtype, threads=2), w):
+                return False
+            want = x.double() @ w.double().T
+            got = kernel.matmul(kind, blocks, x, threads=2, dtype=dtype).double()
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
+                return False
+    return True
+
+
+@functools.cache
+def ggml_kernel() -> GGMLKernel | None:
+    """The ggml.c kernel for this machine, built and probed once per process; None where it is off or cannot be
+    had (module docstring)."""
+    setting = mode()
+    if setting == "off":
+        return None
+    if setting not in ("on", "generic"):
+        log.warning("SPECOFFLOAD_GGML_KERNEL=%s is not on, off or generic: using on", setting)
+    path = build(generic=setting == "generic")
+    if path is None:
+        return None
+    try:
+        kernel = _load(path)
+    except OSError as e:
+        log.info("loading %s failed (%s): the ggml kernel is off", path, e)
+        return None
+    if not probe(kernel):
+        log.warning("%s disagrees with the Python dequantization on a probe: the ggml kernel is off", path)
+        return None
+    return kernel

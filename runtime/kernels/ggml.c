@@ -1,0 +1,379 @@
+/* y [M, N] = x [M, K] @ W^T with W [N, K] held as llama.cpp's GGML blocks, exactly as a GGUF file stores them
+ * (runtime/formats/ggml.py describes the layouts): no repacking, no 16-bit copy of the weight.
+ *
+ * Every block is decoded to float32 with llama.cpp's arithmetic (ggml-quants.c dequantize_row_*; a multiply then a
+ * subtract, never fused, so each weight is bit for bit the reference's), then multiplied by x in float32 with
+ * fused multiply-adds. `round` first rounds each decoded weight to the compute dtype (1: bfloat16, 2: float16,
+ * to nearest even, as torch converts; 0: kept in float32), so the product is x @ W^T for the weight a 16-bit copy
+ * would hold: `specoffload_ggml_dequantize` writes that copy (for a GEMM over many rows), and the two paths multiply
+ * the same weights. A row of y sums its products in the same order whatever M is and however the rows are tiled or
+ * threaded: a row's result does not depend on the rows beside it.
+ *
+ *   q4_k  144 B / 256: w = (d * sc_j) * q - (dmin * m_j), j the sub-block of 32
+ *   q6_k  210 B / 256: w = (d * sc_j) * (q - 32), j the sub-block of 16
+ *
+ * With AVX-512 (compiled with -march=native on a CPU that has it): tiles of up to 8 rows of x by 2 rows of W held
+ * in 16 accumulators, each block decoded once per tile; otherwise a portable loop the compiler vectorizes. The
+ * output rows are split over `threads` POSIX threads (each writes its own columns of y).
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(SPECOFFLOAD_GENERIC)
+#include <immintrin.h>
+#define VECTOR 1
+#else
+#define VECTOR 0
+#endif
+
+enum { KIND_Q4_K = 0, KIND_Q6_K = 1, KINDS = 2 };
+#define QK 256                         /* inputs per block */
+#define TILE 8                         /* rows of x per tile */
+#define MAX_THREADS 64
+static const int64_t BLOCK_BYTES[KINDS] = {144, 210};
+
+int specoffload_ggml_vector(void) { return VECTOR; }
+
+static float half(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    float f;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        f = (float)m * (1.0f / 16777216.0f);
+        return s ? -f : f;
+    }
+    bits = e == 31 ? (s | 0x7f800000u | (m << 13)) : (s | ((e + 112) << 23) | (m << 13));
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A block's per-sub-block factors: q4_k scale[8] = d * sc_j, low[8] = dmin * m_j; q6_k scale[16] = d * sc_j. */
+static inline void factors(int kind, const uint8_t *b, float *scale, float *low) {
+    if (kind == KIND_Q4_K) {
+        float d = half(b), dmin = half(b + 2);
+        const uint8_t *s = b + 4;
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            if (j < 4) {
+                sc = s[j] & 63;
+                m = s[j + 4] & 63;
+            } else {
+                sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+                m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+            }
+            scale[j] = d * (float)sc;
+            low[j] = dmin * (float)m;
+        }
+    } else {
+        float d = half(b + 208);
+        const int8_t *s = (const int8_t *)(b + 192);
+        for (int j = 0; j < 16; j++) scale[j] = d * (float)s[j];
+    }
+}
+
+#if VECTOR
+#if defined(__clang__)
+#define UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define UNROLL _Pragma("GCC unroll 16")
+#else
+#define UNROLL
+#endif
+
+/* w rounded to bfloat16 (round == 1, to nearest even: torch's conversion for finite values) or float16 (2). */
+static inline __attribute__((always_inline)) __m512 rounded(__m512 w, int round) {
+    if (round == 1) {
+        __m512i bits = _mm512_castps_si512(w);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
+    if (round == 2) return _mm512_cvtph_ps(_mm512_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return w;
+}
+
+/* Inputs 64c .. 64c + 63 of a block as four vectors of 16 weights. */
+static inline __attribute__((always_inline)) void decode(int kind, int round, const uint8_t *b, const float *scale,
+                                                         const float *low, int c, __m512 *w) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i lo, hi;
+    if (kind == KIND_Q4_K) { /* 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1 */
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+        lo = _mm256_and_si256(q, nibble);
+        hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
+    } else { /* half h = c / 2: ql[64], qh[32]; even c: low nibbles + qh bits 0-3, odd c: high nibbles + bits 4-7 */
+        const uint8_t *ql = b + 64 * (c >> 1), *qh = b + 128 + 32 * (c >> 1);
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+        if (c & 1) {
+            lo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
+                                 _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+            hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble),
+                                 _mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi8((char)0xC0)), 2));
+        } else {
+            lo = _mm256_or_si256(_mm256_and_si256(l0, nibble),
+                                 _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4));
+            hi = _mm256_or_si256(_mm256_and_si256(l1, nibble),
+                                 _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x0C)), 2));
+        }
+    }
+    __m512i q[4] = {_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)), _mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)),
+                    _mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)), _mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))};
+    for (int v = 0; v < 4; v++) {
+        if (kind == KIND_Q4_K) {
+            int j = 2 * c + (v >> 1);
+            w[v] = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(scale[j]), _mm512_cvtepi32_ps(q[v])),
+                                 _mm512_set1_ps(low[j]));
+        } else {
+            __m512 value = _mm512_cvtepi32_ps(_mm512_sub_epi32(q[v], _mm512_set1_epi32(32)));
+            w[v] = _mm512_mul_ps(_mm512_set1_ps(scale[4 * c + v]), value);
+        }
+        w[v] = rounded(w[v], round);
+    }
+}
+
+/* y rows m < MT, columns of the R (1 or 2) W rows starting at w0 (the second at w0 + row_bytes). */
+static inline __attribute__((always_inline)) void tile(int kind, int round, int MT, int R, const uint8_t *w0,
+                                                       int64_t row_bytes, int64_t nb, const float *x, int64_t K,
+                                                       float *y, int64_t N) {
+    __m512 acc[2][TILE];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        float scale[2][16], low[2][8];
+        for (int r = 0; r < R; r++) factors(kind, w0 + r * row_bytes + blk * BLOCK_BYTES[kind], scale[r], low[r]);
+        for (int c = 0; c < 4; c++) {
+            __m512 w[2][4];
+            for (int r = 0; r < R; r++)
+                decode(kind, round, w0 + r * row_bytes + blk * BLOCK_BYTES[kind], scale[r], low[r], c, w[r]);
+            UNROLL for (int v = 0; v < 4; v++) {
+                const float *xp = x + blk * QK + 64 * c + 16 * v;
+                UNROLL for (int m = 0; m < MT; m++) {
+                    __m512 xv = _mm512_loadu_ps(xp + m * K);
+                    UNROLL for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(w[r][v], xv, acc[r][m]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+#define TILES(kind, round, R)                                                                                        \
+    switch (mt) {                                                                                             \
+    case 1: tile(kind, round, 1, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
+    case 2: tile(kind, round, 2, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
+    case 3: tile(kind, round, 3, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
+    case 4: tile(kind, round, 4, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
+    case 5: tile(kind, round, 5, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
+    case 6: tile(kind, round, 6, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
+    case 7: tile(kind, round, 7, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
+    default: tile(kind, round, 8, R, w0, row_bytes, nb, x, K, y, N); break;                                    \
+    }
+
+#define ROUNDS(kind, R)                                                                                       \
+    if (round == 1) { TILES(kind, 1, R) } else if (round == 2) { TILES(kind, 2, R) } else { TILES(kind, 0, R) }
+
+static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, int64_t nb,
+                 const float *x, int64_t K, float *y, int64_t N) {
+    if (kind == KIND_Q4_K) {
+        if (r == 2) { ROUNDS(KIND_Q4_K, 2) } else { ROUNDS(KIND_Q4_K, 1) }
+    } else {
+        if (r == 2) { ROUNDS(KIND_Q6_K, 2) } else { ROUNDS(KIND_Q6_K, 1) }
+    }
+}
+
+/* Row n's weights, rounded (`round`), into out (float32, bfloat16 or float16 bits: `round` 0, 1, 2). */
+static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, void *out) {
+    for (int64_t blk = 0; blk < nb; blk++) {
+        float scale[16], low[8];
+        const uint8_t *b = row + blk * BLOCK_BYTES[kind];
+        factors(kind, b, scale, low);
+        for (int c = 0; c < 4; c++) {
+            __m512 w[4];
+            if (kind == KIND_Q4_K) decode(KIND_Q4_K, 0, b, scale, low, c, w);
+            else decode(KIND_Q6_K, 0, b, scale, low, c, w);
+            for (int v = 0; v < 4; v++) {
+                int64_t at = blk * QK + 64 * c + 16 * v;
+                if (round == 0) _mm512_storeu_ps((float *)out + at, w[v]);
+                else if (round == 2)
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at),
+                                        _mm512_cvtps_ph(w[v], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                else
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded(w[v], 1)), 16)));
+            }
+        }
+    }
+}
+#else
+/* The portable path: one W row at a time, the block decoded into 256 floats, then TILE rows of x in 16 lanes. */
+static float bf16_bits_to_float(uint32_t bits) {
+    float f;
+    bits <<= 16;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t float_to_bf16_bits(float w) { /* to nearest even (finite w) */
+    uint32_t bits;
+    memcpy(&bits, &w, 4);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#ifdef __FLT16_MANT_DIG__
+#define HAVE_HALF 1
+static float rounded(float w, int round) {
+    if (round == 1) return bf16_bits_to_float(float_to_bf16_bits(w));
+    if (round == 2) return (float)(_Float16)w;
+    return w;
+}
+#else
+#define HAVE_HALF 0
+static float rounded(float w, int round) { return round == 1 ? bf16_bits_to_float(float_to_bf16_bits(w)) : w; }
+#endif
+
+static void decode_block(int kind, int round, const uint8_t *b, float *w) {
+    float scale[16], low[8];
+    factors(kind, b, scale, low);
+    if (kind == KIND_Q4_K) {
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *q = b + 16 + 32 * c;
+            for (int i = 0; i < 32; i++) w[64 * c + i] = scale[2 * c] * (float)(q[i] & 0xF) - low[2 * c];
+            for (int i = 0; i < 32; i++) w[64 * c + 32 + i] = scale[2 * c + 1] * (float)(q[i] >> 4) - low[2 * c + 1];
+        }
+    } else {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            float *o = w + 128 * h;
+            const float *s = scale + 8 * h;
+            for (int l = 0; l < 32; l++) {
+                int is = l / 16;
+                o[l] = s[is] * (float)((int)((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+                o[l + 32] = s[is + 2] * (float)((int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                o[l + 64] = s[is + 4] * (float)((int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                o[l + 96] = s[is + 6] * (float)((int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+    }
+    if (round)
+        for (int i = 0; i < QK; i++) w[i] = rounded(w[i], round);
+}
+
+static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, int64_t nb,
+                 const float *x, int64_t K, float *y, int64_t N) {
+    for (int i = 0; i < r; i++) {
+        float acc[TILE][16], w[QK];
+        memset(acc, 0, sizeof(acc));
+        for (int64_t blk = 0; blk < nb; blk++) {
+            decode_block(kind, round, w0 + i * row_bytes + blk * BLOCK_BYTES[kind], w);
+            for (int m = 0; m < mt; m++) {
+                const float *xp = x + m * K + blk * QK;
+                for (int v = 0; v < QK; v += 16)
+                    for (int l = 0; l < 16; l++) acc[m][l] += w[v + l] * xp[v + l];
+            }
+        }
+        for (int m = 0; m < mt; m++) {
+            float s = 0.0f;
+            for (int l = 0; l < 16; l++) s += acc[m][l];
+            y[m * N + i] = s;
+        }
+    }
+}
+
+static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, void *out) {
+    float w[QK];
+    for (int64_t blk = 0; blk < nb; blk++) {
+        decode_block(kind, 0, row + blk * BLOCK_BYTES[kind], w);
+        for (int i = 0; i < QK; i++) {
+            int64_t at = blk * QK + i;
+            if (round == 0) ((float *)out)[at] = w[i];
+            else if (round == 1) ((uint16_t *)out)[at] = float_to_bf16_bits(w[i]);
+#if HAVE_HALF
+            else {
+                _Float16 h = (_Float16)w[i];
+                memcpy((uint16_t *)out + at, &h, 2);
+            }
+#endif
+        }
+    }
+}
+#endif
+
+#if VECTOR
+#define HAVE_HALF 1
+#endif
+
+struct job {
+    int kind, round;
+    const uint8_t *w;
+    const float *x; /* NULL: dequantize rows n0 .. n1 into y (bytes per weight by round) */
+    void *y;
+    int64_t M, N, K, n0, n1;
+};
+
+static void *work(void *arg) {
+    const struct job *j = arg;
+    int64_t nb = j->K / QK, row_bytes = nb * BLOCK_BYTES[j->kind];
+    if (j->x == NULL) {
+        int64_t size = j->round ? 2 : 4;
+        for (int64_t n = j->n0; n < j->n1; n++)
+            dequantize_row(j->kind, j->round, j->w + n * row_bytes, nb, (char *)j->y + n * j->K * size);
+        return NULL;
+    }
+    for (int64_t n = j->n0; n < j->n1; n += 2) {
+        int r = j->n1 - n >= 2 ? 2 : 1;
+        for (int64_t m = 0; m < j->M; m += TILE) {
+            int mt = j->M - m < TILE ? (int)(j->M - m) : TILE;
+            rows(j->kind, j->round, r, mt, j->w + n * row_bytes, row_bytes, nb, j->x + m * j->K, j->K,
+                 (float *)j->y + m * j->N + n, j->N);
+        }
+    }
+    return NULL;
+}
+
+/* The jobs over pairs of W rows on `threads` threads (the caller's one of them). */
+static int run(struct job base, int threads) {
+    int64_t pairs = (base.N + 1) / 2;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > pairs) threads = pairs > 0 ? (int)pairs : 1;
+    struct job jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0}, rc = 0;
+    for (int t = 0; t < threads; t++) {
+        int64_t n0 = 2 * (pairs * t / threads), n1 = 2 * (pairs * (t + 1) / threads);
+        jobs[t] = base;
+        jobs[t].n0 = n0;
+        jobs[t].n1 = n1 < base.N ? n1 : base.N;
+        if (t > 0) started[t] = pthread_create(&ids[t], NULL, work, &jobs[t]) == 0;
+    }
+    work(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else { work(&jobs[t]); rc = -2; }
+    }
+    return rc;
+}
+
+static int bad(int kind, int round, int64_t N, int64_t K, int64_t M) {
+    return kind < 0 || kind >= KINDS || round < 0 || round > 2 || (round == 2 && !HAVE_HALF) || K % QK || N < 0 ||
+           M < 0;
+}
+
+/* y [M, N] = x [M, K] @ W^T, W [N, K] as blocks of `kind` (row n at w + n * K / 256 * block bytes), each weight
+ * rounded as `round` says, float32, all contiguous. Returns 0; -1 for a kind or rounding it does not know or K not
+ * whole blocks; -2 if a thread failed to start (its rows are then computed on the calling thread). */
+int specoffload_ggml_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                            int threads, int round) {
+    if (bad(kind, round, N, K, M) || x == NULL) return -1;
+    return run((struct job){kind, round, w, x, y, M, N, K, 0, 0}, threads);
+}
+
+/* W [N, K] into out: float32 (round 0), bfloat16 (1) or float16 (2), contiguous; the weights `specoffload_ggml_matmul`
+ * multiplies with the same `round`. Returns as it does. */
+int specoffload_ggml_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, void *out, int threads, int round) {
+    if (bad(kind, round, N, K, 0)) return -1;
+    return run((struct job){kind, round, w, NULL, out, 0, N, K, 0, 0}, threads);
+}

@@ -1,0 +1,173 @@
+"""runtime/kernels/ggml.c: x @ W^T over a GGUF's q4_k / q6_k blocks as stored (`PackedBlocks`).
+
+Its products equal x @ W^T with W from the Python dequantization (llama.cpp's values, bit for bit: test_gguf.py) to
+float32 summation, in the AVX-512 build and in the portable one; a row's result does not depend on the rows beside it
+nor on the thread count; a q4_k / q6_k weight stays as its blocks in a slot (read there by the disk read, no work at
+load; a tiny GGUF target run so: test_gguf.py); without a compiler, or turned off, the formats fall back to what they
+did before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specoffload.runtime import kernels
+from specoffload.runtime.formats import dequantize, weight_format
+from specoffload.runtime.models.linear import linear
+from specoffload.runtime.models.packed import PackedBlocks, PackedInt4
+from tests.test_gguf import random_blocks
+
+KERNEL = kernels.ggml_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the ggml kernel is not built here")
+
+
+@pytest.fixture(scope="module")
+def generic():
+    """The portable build of ggml.c (no AVX-512), loaded beside the default one."""
+    path = kernels.build(generic=True)
+    if path is None:
+        pytest.skip("no C compiler")
+    kernel = kernels._load(path)
+    assert not kernel.vector
+    return kernel
+
+
+def product(kernel, name: str, raw: np.ndarray, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
+    return kernel.matmul(name, torch.from_numpy(raw), x, threads=threads)
+
+
+@needs_kernel
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(sorted(kernels.KINDS)), out=st.integers(1, 9), blocks=st.integers(1, 3),
+       rows=st.integers(1, 19), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_products_equal_the_dequantized_weights(name, out, blocks, rows, threads, seed):
+    raw = random_blocks(name, out, blocks, seed)
+    w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), (out, blocks * 256))  # [out, in] float32
+    x = torch.randn(rows, blocks * 256, generator=torch.Generator().manual_seed(seed))
+    want = (x.double() @ w.double().T)  # [rows, out]
+    got = product(KERNEL, name, raw, x, threads)
+    assert got.shape == (rows, out)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()) + 1e-30)
+    alone = [product(KERNEL, name, raw, x[r : r + 1], 1) for r in (0, rows - 1)]  # one row, one thread
+    assert torch.equal(alone[0][0], got[0]) and torch.equal(alone[1][0], got[-1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(kernels.KINDS))
+def test_the_portable_build_agrees(generic, name):
+    raw = random_blocks(name, 37, 6, 1)  # an odd number of outputs: the last one alone
+    w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), (37, 6 * 256))
+    x = torch.randn(11, 6 * 256, generator=torch.Generator().manual_seed(2))
+    want = x.double() @ w.double().T
+    for kernel in (KERNEL, generic):
+        got = product(kernel, name, raw, x).double()
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+@needs_kernel
+@settings(max_examples=12, deadline=None)
+@given(name=st.sampled_from(sorted(kernels.KINDS)), dtype=st.sampled_from([torch.float32, torch.bfloat16,
+                                                                            torch.float16]),
+       out=st.integers(1, 7), blocks=st.integers(1, 2), rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_rounded_weights_are_the_dequantized_copys(name, dtype, out, blocks, rows, seed):
+    """The kernel's 16-bit copy is the Python dequantization's in that dtype bit for bit (each float32 weight rounded
+    once, as torch rounds), and its products with rounded weights are x @ W^T for that copy."""
+    raw = random_blocks(name, out, blocks, seed)
+    shape = (out, blocks * 256)
+    w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), shape, dtype)
+    assert torch.equal(KERNEL.dequantize(name, torch.from_numpy(raw), shape[1], dtype), w)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(seed))
+    want = x.double() @ w.double().T
+    got = KERNEL.matmul(name, torch.from_numpy(raw), x, dtype=dtype).double()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()) + 1e-30)
+
+
+@needs_kernel
+def test_bad_arguments_are_refused():
+    raw = torch.from_numpy(random_blocks("q4_k", 4, 1, 0))
+    with pytest.raises(ValueError, match="float32"):
+        KERNEL.matmul("q4_k", raw, torch.randn(2, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="whole blocks"):
+        KERNEL.matmul("q4_k", raw, torch.randn(2, 200))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(kernels.KINDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_weight_stays_as_stored_and_multiplies(name, dtype):
+    fmt = weight_format(name)
+    shape = (70, 512)
+    raw = torch.from_numpy(random_blocks(name, *shape[:1], 2, 3))
+    assert fmt.stays_packed(shape) and fmt.codes_in_slot
+    assert fmt.packed_nbytes(shape, dtype) == fmt.nbytes(shape) == raw.numel()  # the stored bytes, nothing else
+    w = fmt.packed_copy({"qweight": raw}, shape, dtype)
+    assert isinstance(w, PackedBlocks) and torch.equal(w.blocks, raw) and w.shape == shape and w.dtype == dtype
+    dense = dequantize({"qweight": raw}, fmt, shape)  # float32
+    assert torch.equal(w.dequantize(), dense.to(dtype))
+    x = torch.randn(2, 5, 512, generator=torch.Generator().manual_seed(0))
+    y = linear(x.to(dtype), w)  # [2, 5, 70]: the kernel, whatever the row count
+    assert y.dtype == dtype and y.shape == (2, 5, 70)
+    want = (x.double() @ dense.double().T)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    halves = w.chunk(2)
+    assert torch.equal(torch.cat([linear(x[0], h) for h in halves], -1), linear(x[0], w))
+    one = torch.cat([linear(x.to(dtype)[0, r : r + 1], w) for r in range(5)])  # rows alone: the kernel's path
+    assert torch.allclose(one.double(), y[0].double(), rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@needs_kernel
+def test_many_rows_multiply_the_same_weights_in_pieces(monkeypatch):
+    """Above BLOCKS_MAX_ROWS rows the weight is dequantized (by the kernel, BLOCKS_DEQUANT weights at a time) for a
+    GEMM: the product equals the one-row kernel path's to float32 summation (float32 compute), whole or in pieces."""
+    from specoffload.runtime.models import packed
+
+    fmt = weight_format("q6_k")
+    raw = torch.from_numpy(random_blocks("q6_k", 100, 2, 5))
+    w = fmt.packed_copy({"qweight": raw}, (100, 512), torch.float32)
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(1))
+    rows = torch.cat([w.matmul(x[r : r + 1]) for r in range(7)])
+    assert x.shape[0] > w.max_rows
+    whole = w.matmul(x)
+    monkeypatch.setattr(packed, "BLOCKS_DEQUANT", 30 * 512)  # pieces of 30 outputs: the last one of 10
+    pieces = w.matmul(x)
+    for y in (whole, pieces):
+        assert torch.allclose(y, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()))
+
+
+def test_turned_off_or_without_a_compiler_the_formats_fall_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECOFFLOAD_GGML_KERNEL", "off")
+    kernels.ggml_kernel.cache_clear()
+    try:
+        assert kernels.ggml_kernel() is None
+        fmt = weight_format("q4_k")
+        assert not fmt.codes_in_slot and not fmt.as_blocks((64, 256))
+        w = fmt.packed_copy({"qweight": torch.from_numpy(random_blocks("q4_k", 64, 1, 0))}, (64, 256),
+                            torch.bfloat16)
+        assert isinstance(w, PackedInt4)  # repacked for torch's int4 kernel, as before
+        assert not weight_format("q6_k").stays_packed((64, 256))  # dequantized into the slot, as before
+        monkeypatch.setenv("SPECOFFLOAD_GGML_KERNEL", "on")
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        monkeypatch.setenv("SPECOFFLOAD_KERNEL_CACHE", str(tmp_path / "cache"))
+        kernels.ggml_kernel.cache_clear()
+        assert kernels.ggml_kernel() is None
+    finally:
+        kernels.ggml_kernel.cache_clear()
+    monkeypatch.undo()
+    assert (kernels.ggml_kernel() is None) == (KERNEL is None)
+
+
+@needs_kernel
+def test_a_probe_that_disagrees_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setattr(kernels, "probe", lambda kernel: False)
+    kernels.ggml_kernel.cache_clear()
+    try:
+        assert kernels.ggml_kernel() is None
+    finally:
+        monkeypatch.undo()
+        kernels.ggml_kernel.cache_clear()
+    assert kernels.ggml_kernel() is not None
