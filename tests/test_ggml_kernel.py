@@ -171,3 +171,19 @@ def test_a_probe_that_disagrees_turns_the_kernel_off(monkeypatch):
         monkeypatch.undo()
         kernels.ggml_kernel.cache_clear()
     assert kernels.ggml_kernel() is not None
+
+
+@needs_kernel
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(0, 100), to_bf16=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_sixteen_bit_conversion_is_torchs(generic, n, to_bf16, threads, seed):
+    """float16 <-> bfloat16 of any bit pattern (subnormals, infinities, NaNs; lengths not a multiple of the vector):
+    torch's rounding, a NaN a NaN; in both builds."""
+    bits = torch.randint(-(1 << 15), 1 << 15, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int16)
+    src_dtype, dest_dtype = (torch.float16, torch.bfloat16) if to_bf16 else (torch.bfloat16, torch.float16)
+    src = bits.view(src_dtype)
+    want = src.to(dest_dtype)
+    for kernel in (KERNEL, generic):
+        got = kernel.convert(torch.empty(n, dtype=dest_dtype), src, threads=threads)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got[~want.isnan()], want[~want.isnan()])

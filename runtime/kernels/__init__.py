@@ -1,5 +1,6 @@
 """Native kernels the engine builds for the machine it runs on: ggml.c, `y = x @ W^T` over llama.cpp's q4_k / q6_k
-blocks as a GGUF stores them, and the same weights dequantized into a 16-bit or float32 copy (its header says how).
+blocks as a GGUF stores them, the same weights dequantized into a 16-bit or float32 copy, and float16 <-> bfloat16
+conversion (runtime/cast.py: a float16 tensor streamed for bfloat16 compute) (its header says how).
 
 The C source ships with the package and is compiled on first use by the system's C compiler (`$CC`, else `cc`) with
 `-O3 -march=native -ffp-contract=off` into a shared library cached under `$SPECOFFLOAD_KERNEL_CACHE` (default
@@ -152,6 +153,19 @@ class GGMLKernel:
         self._check(rc, kind, inputs)
         return out
 
+    def convert(self, dest: torch.Tensor, src: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """dest.copy_(src) between float16 and bfloat16 (contiguous CPU tensors of as many elements), as torch rounds
+        but for NaN payloads; returns dest."""
+        pair = (src.dtype, dest.dtype)
+        if pair not in ((torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)) or not (
+                src.is_contiguous() and dest.is_contiguous() and src.numel() == dest.numel()):
+            raise ValueError(f"convert takes contiguous float16 / bfloat16 tensors of one size, got {pair}")
+        rc = self.lib.specoffload_convert_16(src.data_ptr(), dest.data_ptr(), src.numel(),
+                                             int(dest.dtype == torch.bfloat16), threads or torch.get_num_threads())
+        if rc == -1:
+            raise ValueError(f"this build of the kernel cannot convert {src.dtype} to {dest.dtype}")
+        return dest
+
     @staticmethod
     def _blocks(blocks: torch.Tensor) -> torch.Tensor:
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.device.type != "cpu":
@@ -175,6 +189,8 @@ def _load(path: Path) -> GGMLKernel:
     lib.specoffload_ggml_dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.specoffload_ggml_dequantize.restype = ctypes.c_int
+    lib.specoffload_convert_16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.specoffload_convert_16.restype = ctypes.c_int
     lib.specoffload_ggml_vector.restype = ctypes.c_int
     return GGMLKernel(lib, path)
 
@@ -201,6 +217,12 @@ def probe(kernel: GGMLKernel) -> bool:
             got = kernel.matmul(kind, blocks, x, threads=2, dtype=dtype).double()
             if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
                 return False
+    bits = torch.randint(-(1 << 15), 1 << 15, (1000,), generator=g, dtype=torch.int16)  # every class of value
+    for src_dtype, dest_dtype in ((torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)):
+        src = bits.view(src_dtype)
+        want, got = src.to(dest_dtype), kernel.convert(torch.empty(1000, dtype=dest_dtype), src, threads=2)
+        if not (torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~want.isnan()], want[~want.isnan()])):
+            return False
     return True
 
 

@@ -305,8 +305,56 @@ static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, 
 #define HAVE_HALF 1
 #endif
 
+/* float16 <-> bfloat16 (`to_bf16` 1: float16 -> bfloat16, 0: the reverse), each value rounded once to nearest even,
+ * as torch's conversion rounds (through float32, which holds both exactly); a NaN stays a (quiet) NaN. */
+static void convert(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16) {
+    int64_t i = 0;
+#if VECTOR
+    uint16_t in[16], out[16];
+    for (; i < n; i += 16) {
+        int64_t left = n - i < 16 ? n - i : 16;
+        const uint16_t *s = src + i;
+        if (left < 16) { /* the tail through a whole vector */
+            memset(in, 0, sizeof(in));
+            memcpy(in, s, (size_t)left * 2);
+            s = in;
+        }
+        __m256i h = _mm256_loadu_si256((const __m256i *)s), r;
+        if (to_bf16) {
+            __m512 f = _mm512_cvtph_ps(h);
+            __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(rounded(f, 1)), 16);
+            bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+            r = _mm512_cvtepi32_epi16(bits);
+        } else {
+            __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            r = _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        }
+        if (left < 16) {
+            _mm256_storeu_si256((__m256i *)out, r);
+            memcpy(dst + i, out, (size_t)left * 2);
+        } else {
+            _mm256_storeu_si256((__m256i *)(dst + i), r);
+        }
+    }
+#else
+    for (; i < n; i++) {
+        uint8_t b[2] = {(uint8_t)(src[i] & 0xFF), (uint8_t)(src[i] >> 8)};
+        if (to_bf16) {
+            float f = half(b);
+            dst[i] = f != f ? 0x7FC0 : float_to_bf16_bits(f);
+        }
+#if HAVE_HALF
+        else {
+            _Float16 h = (_Float16)bf16_bits_to_float(src[i]);
+            memcpy(dst + i, &h, 2);
+        }
+#endif
+    }
+#endif
+}
+
 struct job {
-    int kind, round;
+    int kind, round; /* kind -1: convert (round: 1 to bfloat16, 0 to float16) values n0 .. n1 of w into y */
     const uint8_t *w;
     const float *x; /* NULL: dequantize rows n0 .. n1 into y (bytes per weight by round) */
     void *y;
@@ -315,6 +363,10 @@ struct job {
 
 static void *work(void *arg) {
     const struct job *j = arg;
+    if (j->kind < 0) {
+        convert((const uint16_t *)j->w + j->n0, (uint16_t *)j->y + j->n0, j->n1 - j->n0, j->round);
+        return NULL;
+    }
     int64_t nb = j->K / QK, row_bytes = nb * BLOCK_BYTES[j->kind];
     if (j->x == NULL) {
         int64_t size = j->round ? 2 : 4;
@@ -333,9 +385,10 @@ static void *work(void *arg) {
     return NULL;
 }
 
-/* The jobs over pairs of W rows on `threads` threads (the caller's one of them). */
+/* The jobs over pairs of W rows (or of values to convert) on `threads` threads (the caller's one of them). */
 static int run(struct job base, int threads) {
     int64_t pairs = (base.N + 1) / 2;
+    if (base.kind < 0 && threads > 1 && base.N < (int64_t)1 << 16) threads = 1; /* (a thread costs ~20 us) */
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > pairs) threads = pairs > 0 ? (int)pairs : 1;
@@ -376,4 +429,11 @@ int specoffload_ggml_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, co
 int specoffload_ggml_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, void *out, int threads, int round) {
     if (bad(kind, round, N, K, 0)) return -1;
     return run((struct job){kind, round, w, NULL, out, 0, N, K, 0, 0}, threads);
+}
+
+/* n values between float16 and bfloat16 (`to_bf16` 1: float16 src -> bfloat16 dst; 0: the reverse), as torch's
+ * dst.copy_(src) converts them but for NaN payloads. Returns as specoffload_ggml_matmul does. */
+int specoffload_convert_16(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16, int threads) {
+    if (n < 0 || to_bf16 < 0 || to_bf16 > 1 || (!to_bf16 && !HAVE_HALF)) return -1;
+    return run((struct job){-1, to_bf16, (const uint8_t *)src, NULL, dst, 0, n, 0, 0, 0}, threads);
 }
