@@ -118,6 +118,8 @@ def test_a_block_weight_stays_as_stored_and_multiplies(name, dtype):
     assert torch.equal(torch.cat([linear(x[0], h) for h in halves], -1), linear(x[0], w))
     one = torch.cat([linear(x.to(dtype)[0, r : r + 1], w) for r in range(5)])  # rows alone: the kernel's path
     assert torch.allclose(one.double(), y[0].double(), rtol=tol, atol=tol * float(want.abs().max()))
+    many = linear(x.to(dtype).reshape(10, 512), w)  # 10 rows: above BLOCKS_MAX_ROWS, the dequantized copy's GEMM
+    assert torch.allclose(many.double(), y.reshape(10, 70).double(), rtol=tol, atol=tol * float(want.abs().max()))
 
 
 @needs_kernel
@@ -129,8 +131,8 @@ def test_many_rows_multiply_the_same_weights_in_pieces(monkeypatch):
     fmt = weight_format("q6_k")
     raw = torch.from_numpy(random_blocks("q6_k", 100, 2, 5))
     w = fmt.packed_copy({"qweight": raw}, (100, 512), torch.float32)
-    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(1))
-    rows = torch.cat([w.matmul(x[r : r + 1]) for r in range(7)])
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(1))
+    rows = torch.cat([w.matmul(x[r : r + 1]) for r in range(11)])
     assert x.shape[0] > w.max_rows
     whole = w.matmul(x)
     monkeypatch.setattr(packed, "BLOCKS_DEQUANT", 30 * 512)  # pieces of 30 outputs: the last one of 10

@@ -374,10 +374,10 @@ static void *work(void *arg) {
             dequantize_row(j->kind, j->round, j->w + n * row_bytes, nb, (char *)j->y + n * j->K * size);
         return NULL;
     }
-    for (int64_t n = j->n0; n < j->n1; n += 2) {
-        int r = j->n1 - n >= 2 ? 2 : 1;
-        for (int64_t m = 0; m < j->M; m += TILE) {
-            int mt = j->M - m < TILE ? (int)(j->M - m) : TILE;
+    for (int64_t m = 0; m < j->M; m += TILE) { /* a tile of x stays in cache while the thread's W rows pass */
+        int mt = j->M - m < TILE ? (int)(j->M - m) : TILE;
+        for (int64_t n = j->n0; n < j->n1; n += 2) {
+            int r = j->n1 - n >= 2 ? 2 : 1;
             rows(j->kind, j->round, r, mt, j->w + n * row_bytes, row_bytes, nb, j->x + m * j->K, j->K,
                  (float *)j->y + m * j->N + n, j->N);
         }
