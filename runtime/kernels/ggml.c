@@ -1,5 +1,7 @@
 /* y [M, N] = x [M, K] @ W^T with W [N, K] held as llama.cpp's GGML blocks, exactly as a GGUF file stores them
- * (runtime/formats/ggml.py describes the layouts): no repacking, no 16-bit copy of the weight.
+ * (runtime/formats/ggml.py describes the layouts), multiplied where the blocks lie (`specoffload_ggml_matmul`: no
+ * repacking, no 16-bit copy), or W written into a 16-bit copy (`specoffload_ggml_dequantize`) for a GEMM over many
+ * rows; and float16 <-> bfloat16 conversion (`specoffload_convert_16`).
  *
  * Every block is decoded to float32 with llama.cpp's arithmetic (ggml-quants.c dequantize_row_*; a multiply then a
  * subtract, never fused, so each weight is bit for bit the reference's), then multiplied by x in float32 with
