@@ -48,7 +48,7 @@ from specoffload.planner.units import format_bytes, parse_bytes
 from specoffload.runtime import kernels
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
-from specoffload.runtime.formats import WeightFormat, weight_format
+from specoffload.runtime.formats import WeightFormat, ggml, weight_format
 from specoffload.runtime.prompts import humaneval_prompts
 from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
@@ -141,6 +141,7 @@ def ggml_kernel_off(off: bool) -> Iterator[None]:
     old = os.environ.get("SPECOFFLOAD_GGML_KERNEL")
     os.environ["SPECOFFLOAD_GGML_KERNEL"] = "off"
     kernels.ggml_kernel.cache_clear()
+    ggml.block_kernel.cache_clear()
     try:
         yield
     finally:
@@ -149,6 +150,7 @@ def ggml_kernel_off(off: bool) -> Iterator[None]:
         else:
             os.environ["SPECOFFLOAD_GGML_KERNEL"] = old
         kernels.ggml_kernel.cache_clear()
+        ggml.block_kernel.cache_clear()
 
 
 def overlap_bound(variant: dict, baseline: dict) -> float | None:
@@ -281,7 +283,7 @@ def main() -> int:
                                                                   / results["gguf_repack"]["tok_s_median"], 3)
         summary[f"gguf_q4km_kernel_over_repack_{regime}_per_rep"] = [
             round(a["tok_s"] / b["tok_s"], 3) for a, b in zip(results["gguf"]["runs"], results["gguf_repack"]["runs"])]
-        summary["ggml_kernel_vector"] = bool(kernels.ggml_kernel() and kernels.ggml_kernel().vector)
+        summary["ggml_kernel_vector"] = bool(ggml.block_kernel() and ggml.block_kernel().vector)
     if "int4k" in results and "int4kh" in results:  # the head compressed too: more of the budget for layers
         summary[f"int4kh_over_int4k_{regime}"] = round(results["int4kh"]["tok_s_median"]
                                                        / results["int4k"]["tok_s_median"], 3)

@@ -16,13 +16,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specoffload.runtime import kernels
-from specoffload.runtime.formats import dequantize, weight_format
+from specoffload.runtime.formats import dequantize, ggml, weight_format
 from specoffload.runtime.models.linear import linear
 from specoffload.runtime.models.packed import PackedBlocks, PackedInt4
 from tests.test_gguf import random_blocks
 
-KERNEL = kernels.ggml_kernel()
+KERNEL = ggml.block_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the ggml kernel is not built here")
+
+
+def clear() -> None:
+    """Forget the kernel each process loads once (and the formats' check of it)."""
+    kernels.ggml_kernel.cache_clear()
+    ggml.block_kernel.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +149,7 @@ def test_many_rows_multiply_the_same_weights_in_pieces(monkeypatch):
 
 def test_turned_off_or_without_a_compiler_the_formats_fall_back(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECOFFLOAD_GGML_KERNEL", "off")
-    kernels.ggml_kernel.cache_clear()
+    clear()
     try:
         assert kernels.ggml_kernel() is None
         fmt = weight_format("q4_k")
@@ -155,24 +161,31 @@ def test_turned_off_or_without_a_compiler_the_formats_fall_back(monkeypatch, tmp
         monkeypatch.setenv("SPECOFFLOAD_GGML_KERNEL", "on")
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
         monkeypatch.setenv("SPECOFFLOAD_KERNEL_CACHE", str(tmp_path / "cache"))
-        kernels.ggml_kernel.cache_clear()
-        assert kernels.ggml_kernel() is None
+        clear()
+        assert kernels.ggml_kernel() is None and ggml.block_kernel() is None
     finally:
-        kernels.ggml_kernel.cache_clear()
+        clear()
     monkeypatch.undo()
-    assert (kernels.ggml_kernel() is None) == (KERNEL is None)
+    assert (ggml.block_kernel() is None) == (KERNEL is None)
 
 
 @needs_kernel
-def test_a_probe_that_disagrees_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setattr(kernels, "probe", lambda kernel: False)
-    kernels.ggml_kernel.cache_clear()
+@pytest.mark.parametrize("where", ["library", "formats"])
+def test_a_probe_that_disagrees_turns_the_kernel_off(monkeypatch, where):
+    """The library's own probe (products against its dequantization, conversion against torch's), or the formats'
+    (its decoding against llama.cpp's reference): either failing, no weight is kept as blocks."""
+    if where == "library":
+        monkeypatch.setattr(kernels, "probe", lambda kernel: False)
+    else:
+        monkeypatch.setattr(ggml, "dequantize", lambda parts, fmt, shape, dtype: torch.zeros(shape, dtype=dtype))
+    clear()
     try:
-        assert kernels.ggml_kernel() is None
+        assert ggml.block_kernel() is None
+        assert not weight_format("q6_k").stays_packed((64, 256))
     finally:
         monkeypatch.undo()
-        kernels.ggml_kernel.cache_clear()
-    assert kernels.ggml_kernel() is not None
+        clear()
+    assert ggml.block_kernel() is not None
 
 
 @needs_kernel

@@ -95,7 +95,7 @@ def test_packed_q4_multiplies_as_its_dequantized_weight(name, shape, pack_rows, 
     (`PACK_ROWS`: the last block partly padding)."""
     if pack_rows is not None:
         monkeypatch.setattr("specoffload.runtime.formats.ggml.PACK_ROWS", pack_rows)
-    monkeypatch.setattr("specoffload.runtime.formats.ggml.ggml_kernel", lambda: None)  # (q4_k: repacked, not as stored)
+    monkeypatch.setattr("specoffload.runtime.formats.ggml.block_kernel", lambda: None)  # (q4_k repacked)
     fmt = weight_format(name)
     raw = torch.from_numpy(random_blocks(name, shape[0], shape[1] // fmt.block, 3))
     assert fmt.stays_packed(shape)
@@ -188,10 +188,10 @@ def test_bfloat16_streams_q4_blocks_packed(ggufs, ggml_kernel, monkeypatch):
     """In bfloat16 the q4_0 / q4_k / q8_0 weights a slot streams stay packed for the int4 kernel, or q4_k / q6_k as
     their blocks for the ggml kernel where it is built (runtime/kernels; the others are decoded into the slot); the
     run's tokens are the float32 run's on most positions (the kernel's bfloat16 scales, the rounded products)."""
-    from specoffload.runtime.kernels import ggml_kernel as built
+    from specoffload.runtime.formats.ggml import block_kernel as built
 
     if not ggml_kernel:
-        monkeypatch.setattr("specoffload.runtime.formats.ggml.ggml_kernel", lambda: None)
+        monkeypatch.setattr("specoffload.runtime.formats.ggml.block_kernel", lambda: None)
     elif built() is None:
         pytest.skip("no C compiler: the ggml kernel is not built here")
     companion = ggufs["qwen2_256"][0]
@@ -215,9 +215,10 @@ def test_a_gguf_target_kept_as_blocks_gives_transformers_tokens(ggufs):
     at the smallest budget (their bytes read straight into the slot); greedy tokens are transformers' on the decoded
     weights."""
     from specoffload.runtime import kernels
+    from specoffload.runtime.formats.ggml import block_kernel
     from specoffload.runtime.models.packed import PackedBlocks
 
-    if kernels.ggml_kernel() is None:
+    if block_kernel() is None:
         pytest.skip("no C compiler: the ggml kernel is not built here")
     companion, ref, _ = ggufs["qwen2_moe_256"]
     want = hf_greedy(ref, OFFLOAD_PROMPTS, 10)

@@ -15,8 +15,9 @@ implements in numpy: tests/test_gguf.py checks these against it bit for bit), in
     q6_k   210 B / 256: ql[128] nibbles, qh[64] 2-bit pairs, 16 int8 scales, d f16   w = (d * sc_j) * (q - 32), j per 16
     mxfp4  17 B / 32:   e8m0 exponent, 32 e2m1 nibbles                  w = 2^(e - 128) * kvalue(q) (kvalues doubled)
 
-Where the engine's own kernel for them is built (runtime/kernels: ggml.c, compiled for this CPU on first use), a
-streamed or resident q4_k / q6_k matrix stays as its blocks (runtime/models/packed.py `PackedBlocks`): the disk read
+Where the engine's own kernel for them is built (runtime/kernels: ggml.c, compiled for this CPU on first use) and
+decodes a probe's blocks exactly as this module does (`block_kernel`), a streamed or resident q4_k / q6_k matrix
+stays as its blocks (runtime/models/packed.py `PackedBlocks`): the disk read
 puts the file's bytes straight into the ring slot and the layer multiplies by them there, with llama.cpp's float32
 dequantization arithmetic inside the kernel, so a load does no work on them at all. Without it, as before:
 
@@ -33,14 +34,16 @@ These formats are read, not written: `specoffload quantize` writes int8 / int4 (
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
-from ..kernels import KINDS, ggml_kernel
+from ..kernels import BLOCK_LAYOUT, KINDS, GGMLKernel, ggml_kernel, random_blocks
 from ..models.packed import PackedBlocks, PackedInt4, PackedInt8Split, split_layout
-from . import WeightFormat, register_format
+from . import WeightFormat, dequantize, register_format
 from .int4 import Int4
 from .int8g import Int8Group
 
@@ -54,6 +57,30 @@ PACK_ROWS = 4096
 #: cast's cache-sized blocks (measured on a [1536, 8960] q6_k weight, 2 cores: 32 / 15 / 11 / 14 ms at 2^16 / 2^18 /
 #: 2^20 / 2^22 weights a step)
 DIRECT_ELEMENTS = 1 << 20
+
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def block_kernel() -> GGMLKernel | None:
+    """runtime/kernels' ggml kernel where it is built and decodes every kind it multiplies as this module does
+    (llama.cpp's reference, bit for bit) in every compute dtype on a probe; None otherwise (the formats then repack or
+    decode, as without it)."""
+    kernel = ggml_kernel()
+    if kernel is None:
+        return None
+    g = torch.Generator().manual_seed(1)
+    for kind in KINDS:
+        fmt = FORMATS_BY_NAME[kind]
+        blocks = random_blocks(kind, 5, 2, g)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            if not torch.equal(kernel.dequantize(kind, blocks, 2 * QK_K, dtype, threads=2),
+                               dequantize({"qweight": blocks}, fmt, (5, 2 * QK_K), dtype)):
+                log.warning("%s decodes %s blocks unlike llama.cpp's reference: GGUF weights are converted instead",
+                            kernel.path, kind)
+                return None
+    return kernel
 
 
 def _blocks(q: Tensor, block_bytes: int) -> Tensor:
@@ -151,12 +178,12 @@ class GGMLFormat(WeightFormat):
     def as_blocks(self, shape: tuple[int, ...]) -> bool:
         """A weight of `shape` stays as its stored blocks (`PackedBlocks`, module docstring): a matrix of a block type
         ggml.c multiplies, the kernel built for this machine."""
-        return self.name in KINDS and len(shape) == 2 and ggml_kernel() is not None
+        return self.name in KINDS and len(shape) == 2 and block_kernel() is not None
 
     @property
     def codes_in_slot(self) -> bool:  # type: ignore[override]
         """The disk read puts the blocks straight into the slot where they stay as stored."""
-        return self.name in KINDS and ggml_kernel() is not None
+        return self.name in KINDS and block_kernel() is not None
 
     def stays_packed(self, shape: tuple[int, ...]) -> bool:
         return self.as_blocks(shape) or (self.packed_as is not None and self.packed_as.stays_packed(shape))
@@ -413,3 +440,8 @@ class MXFP4(GGMLFormat):
         bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)  # ggml_e8m0_to_fp32_half
         values = _E2M1_X2[_nibbles(b[..., 1:], 16)[..., 0, :, :].long()].view(*b.shape[:2], 1, 32)
         return values, bits.view(torch.float32)[..., None], None
+
+
+#: the formats ggml.c multiplies, by name (their block layouts are the kernel's, `BLOCK_LAYOUT`)
+FORMATS_BY_NAME = {f.name: f(f.default_group) for f in (Q4_K, Q6_K)}
+assert all(BLOCK_LAYOUT[n] == (f.block_bytes, f.scales_at) for n, f in FORMATS_BY_NAME.items())

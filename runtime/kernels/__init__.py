@@ -7,8 +7,10 @@ The C source ships with the package and is compiled on first use by the system's
 ~/.cache/specoffload/kernels), in a folder named by a hash of the source, the compiler, the flags and the CPU's
 model and flags: another CPU or another source gets its own build, and a build is written under a temporary name
 and renamed, so processes starting together do not read a half-written library. It is loaded with ctypes (which
-releases the GIL for the call: the loader thread keeps reading while a layer multiplies) and checked once against
-the Python dequantization (runtime/formats/ggml.py) on a probe; a library that disagrees is not used.
+releases the GIL for the call: the loader thread keeps reading while a layer multiplies) and checked once on a
+probe (`probe`: its products against its own dequantization, its conversion against torch's; and by
+runtime/formats/ggml.py `block_kernel`, its decoding against the Python reference, before a weight is kept as
+blocks); a library that fails either is not used.
 
 No compiler, a failed build or a failed probe: `ggml_kernel()` is None, said once in the log, and the formats fall
 back to what they did without it (q4_k repacked for torch's int4 kernel, q6_k dequantized into the slot).
@@ -42,6 +44,8 @@ BUILD_TIMEOUT_S = 300
 KINDS = {"q4_k": 0, "q6_k": 1}
 #: inputs per block of every kind ggml.c multiplies
 BLOCK = 256
+#: bytes of a block of each kind, and the byte offsets of its float16 scales (runtime/formats/ggml.py's layouts)
+BLOCK_LAYOUT = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}
 #: ggml.c's `round`: the dtype each decoded weight is rounded to
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -196,23 +200,16 @@ def _load(path: Path) -> GGMLKernel:
 
 
 def probe(kernel: GGMLKernel) -> bool:
-    """On random blocks of every kind (3 rows, 5 outputs, 2 blocks): the kernel's weights in every dtype equal the
-    Python dequantization's, and its products equal x @ W^T with them, to float32 rounding."""
-    from ..formats import dequantize, weight_format
-
+    """On random blocks of every kind (3 rows, 5 outputs, 2 blocks) the kernel's products with weights rounded to each
+    dtype equal x @ W^T for its own dequantization in that dtype (to float32 rounding), and its 16-bit conversion of
+    every class of value is torch's. (That its decoding is llama.cpp's is checked by runtime/formats/ggml.py, which
+    holds the Python reference, before it keeps a weight as blocks.)"""
     g = torch.Generator().manual_seed(0)
     for kind in KINDS:
-        fmt = weight_format(kind)
-        blocks = torch.randint(0, 256, (5, 2, fmt.block_bytes), generator=g, dtype=torch.uint8)  # [N, nb, bytes]
-        for at in fmt.scales_at:  # finite, small block scales
-            scales = (torch.rand(5, 2, generator=g) * 0.01).to(torch.float16)
-            blocks[..., at : at + 2] = scales.view(torch.uint8).view(5, 2, 2)
-        blocks = blocks.view(5, -1)
+        blocks = random_blocks(kind, 5, 2, g)  # [N, nb * bytes]
         x = torch.randn(3, 2 * BLOCK, generator=g)
         for dtype in ROUNDING:
-            w = dequantize({"qweight": blocks}, fmt, (5, 2 * BLOCK), dtype)  # [N, K]
-            if not torch.equal(kernel.dequantize(kind, blocks, 2 * BLOCK, dtype, threads=2), w):
-                return False
+            w = kernel.dequantize(kind, blocks, 2 * BLOCK, dtype, threads=2)  # [N, K]
             want = x.double() @ w.double().T
             got = kernel.matmul(kind, blocks, x, threads=2, dtype=dtype).double()
             if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
@@ -224,6 +221,16 @@ def probe(kernel: GGMLKernel) -> bool:
         if not (torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~want.isnan()], want[~want.isnan()])):
             return False
     return True
+
+
+def random_blocks(kind: str, rows: int, blocks: int, g: torch.Generator) -> torch.Tensor:
+    """uint8 [rows, blocks * block bytes]: random `kind` blocks whose float16 scales are finite and small."""
+    nbytes, scales = BLOCK_LAYOUT[kind]
+    raw = torch.randint(0, 256, (rows, blocks, nbytes), generator=g, dtype=torch.uint8)
+    for at in scales:
+        d = (torch.rand(rows, blocks, generator=g) * 0.01).to(torch.float16)
+        raw[..., at : at + 2] = d.view(torch.uint8).view(rows, blocks, 2)
+    return raw.view(rows, -1)
 
 
 @functools.cache
