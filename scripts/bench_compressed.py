@@ -40,12 +40,12 @@ import statistics
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 from scripts.common import PERF, io_compute_seconds, median_spread, run_meta, timed_generate, write_json
 from scripts.get_models import model_dir
 from scripts.quant_accuracy import compare, held_out
 from specoffload.planner.units import format_bytes, parse_bytes
-from specoffload.runtime import kernels
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.formats import WeightFormat, ggml, weight_format
@@ -138,19 +138,12 @@ def ggml_kernel_off(off: bool) -> Iterator[None]:
     if not off:
         yield
         return
-    old = os.environ.get("SPECOFFLOAD_GGML_KERNEL")
-    os.environ["SPECOFFLOAD_GGML_KERNEL"] = "off"
-    kernels.ggml_kernel.cache_clear()
-    ggml.block_kernel.cache_clear()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SPECOFFLOAD_GGML_KERNEL", None)
-        else:
-            os.environ["SPECOFFLOAD_GGML_KERNEL"] = old
-        kernels.ggml_kernel.cache_clear()
-        ggml.block_kernel.cache_clear()
+    with mock.patch.dict(os.environ, {"SPECOFFLOAD_GGML_KERNEL": "off"}):
+        ggml.reload_kernel()
+        try:
+            yield
+        finally:
+            ggml.reload_kernel()
 
 
 def overlap_bound(variant: dict, baseline: dict) -> float | None:

@@ -25,11 +25,6 @@ KERNEL = ggml.block_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the ggml kernel is not built here")
 
 
-def clear() -> None:
-    """Forget the kernel each process loads once (and the formats' check of it)."""
-    kernels.ggml_kernel.cache_clear()
-    ggml.block_kernel.cache_clear()
-
 
 @pytest.fixture(scope="module")
 def generic():
@@ -149,7 +144,7 @@ def test_many_rows_multiply_the_same_weights_in_pieces(monkeypatch):
 
 def test_turned_off_or_without_a_compiler_the_formats_fall_back(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECOFFLOAD_GGML_KERNEL", "off")
-    clear()
+    ggml.reload_kernel()
     try:
         assert kernels.ggml_kernel() is None
         fmt = weight_format("q4_k")
@@ -161,10 +156,10 @@ def test_turned_off_or_without_a_compiler_the_formats_fall_back(monkeypatch, tmp
         monkeypatch.setenv("SPECOFFLOAD_GGML_KERNEL", "on")
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
         monkeypatch.setenv("SPECOFFLOAD_KERNEL_CACHE", str(tmp_path / "cache"))
-        clear()
+        ggml.reload_kernel()
         assert kernels.ggml_kernel() is None and ggml.block_kernel() is None
     finally:
-        clear()
+        ggml.reload_kernel()
     monkeypatch.undo()
     assert (ggml.block_kernel() is None) == (KERNEL is None)
 
@@ -178,13 +173,13 @@ def test_a_probe_that_disagrees_turns_the_kernel_off(monkeypatch, where):
         monkeypatch.setattr(kernels, "probe", lambda kernel: False)
     else:
         monkeypatch.setattr(ggml, "dequantize", lambda parts, fmt, shape, dtype: torch.zeros(shape, dtype=dtype))
-    clear()
+    ggml.reload_kernel()
     try:
         assert ggml.block_kernel() is None
         assert not weight_format("q6_k").stays_packed((64, 256))
     finally:
         monkeypatch.undo()
-        clear()
+        ggml.reload_kernel()
     assert ggml.block_kernel() is not None
 
 

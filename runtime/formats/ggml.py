@@ -83,6 +83,13 @@ def block_kernel() -> GGMLKernel | None:
     return kernel
 
 
+def reload_kernel() -> None:
+    """Forget the kernel this process loaded and checked (`ggml_kernel`, `block_kernel`): the next use reads
+    $SPECOFFLOAD_GGML_KERNEL and builds or loads it again."""
+    ggml_kernel.cache_clear()
+    block_kernel.cache_clear()
+
+
 def _blocks(q: Tensor, block_bytes: int) -> Tensor:
     """uint8 [..., nb * block_bytes] -> [R, nb, block_bytes]."""
     return q.reshape(-1, q.shape[-1] // block_bytes, block_bytes)
@@ -178,7 +185,7 @@ class GGMLFormat(WeightFormat):
     def as_blocks(self, shape: tuple[int, ...]) -> bool:
         """A weight of `shape` stays as its stored blocks (`PackedBlocks`, module docstring): a matrix of a block type
         ggml.c multiplies, the kernel built for this machine."""
-        return self.name in KINDS and len(shape) == 2 and block_kernel() is not None
+        return len(shape) == 2 and self.codes_in_slot
 
     @property
     def codes_in_slot(self) -> bool:  # type: ignore[override]

@@ -94,12 +94,11 @@ def build(generic: bool = False) -> Path | None:
         log.info("no C compiler ($CC or cc): GGUF q4_k / q6_k weights are converted for torch's kernels instead")
         return None
     cc, version = compiler
-    source = SOURCE.read_bytes()
+    source, cpu = SOURCE.read_bytes(), _cpu_signature().encode()
     defines = ("-DSPECOFFLOAD_GENERIC",) if generic else ()
     for arch in (NATIVE, ()):  # (a compiler without -march=native: the portable flags)
         flags = (*FLAGS, *arch, *defines)
-        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
-                                         _cpu_signature().encode()])).hexdigest()[:16]
+        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(), cpu])).hexdigest()[:16]
         lib = cache_dir() / key / "ggml.so"
         if lib.exists():
             return lib
