@@ -156,38 +156,51 @@ def attention_forward(
     Writes this call's keys/values at positions cache.lengths[b] + t and attends causally over positions
     0..lengths[b] + t. Does not advance the cache.
 
-    token_mask [B, T] bool (right padding: row b's first n_b positions are valid): the projections run on the
-    valid tokens only and the scores in two row groups (`_split_rows`), so a pass that prefills one prompt beside
-    decode rows (row refill) costs its tokens, not rows x its length; padded positions keep their input and write
-    junk K/V past the row's length that no valid query reads (and a later call overwrites).
+    token_mask [B, T] bool (right padding: row b's first n_b positions are valid): the norm, projections and RoPE
+    run on the valid tokens only (one row of n tokens) and the scores in two row groups (`_split_rows`), so a pass
+    that prefills one prompt beside decode rows (row refill), or a chunked prefill in a wide batch whose other rows
+    feed nothing, costs its tokens, not rows x its length; padded positions keep their input and write zero K/V
+    past the row's length that no valid query reads (and a later call overwrites).
     """
     batch, steps, _ = hidden.shape
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = norm(cfg, hidden, w.input_norm)  # [B, T, H]
     mask = padding_mask(token_mask, hidden.device) if steps > 1 else None  # [B, T] or None
-    q = _project(x, w.q, w.q_bias, mask)  # [B, T, heads * D]
-    k = _project(x, w.k, w.k_bias, mask)  # [B, T, kv * D]
-    v = _project(x, w.v, w.v_bias, mask)  # [B, T, kv * D]
+    positions = cache.device_lengths()[:, None] + torch.arange(steps, device=hidden.device)  # [B, T]
+    x = hidden if mask is None else hidden[mask][None]  # [B, T, H], or the valid tokens as one row [1, n, H]
+    rows, cols = x.shape[:2]
+    x = norm(cfg, x, w.input_norm)
+    q = linear(x, w.q, w.q_bias)  # [rows, cols, heads * D]
+    k = linear(x, w.k, w.k_bias)  # [rows, cols, kv * D]
+    v = linear(x, w.v, w.v_bias)  # [rows, cols, kv * D]
     if cfg.qk_norm == "all":  # OLMoE: over the whole projection
         q, k = norm(cfg, q, w.q_norm), norm(cfg, k, w.k_norm)
     if cfg.clip_qkv is not None:
         q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-    q = q.reshape(batch, steps, heads, dim)  # [B, T, heads, D]
-    k = k.reshape(batch, steps, kv_heads, dim)  # [B, T, kv, D]
+    q = q.reshape(rows, cols, heads, dim)  # [rows, cols, heads, D]
+    k = k.reshape(rows, cols, kv_heads, dim)  # [rows, cols, kv, D]
     if cfg.qk_norm == "head":  # Qwen3: each head over head_dim
         q, k = norm(cfg, q, w.q_norm), norm(cfg, k, w.k_norm)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, D], [B, kv, T, D]
-    v = v.reshape(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, kv, T, D]
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # [rows, heads, cols, D], [rows, kv, cols, D]
+    v = v.reshape(rows, cols, kv_heads, dim).transpose(1, 2)  # [rows, kv, cols, D]
 
-    positions = cache.device_lengths()[:, None] + torch.arange(steps, device=hidden.device)  # [B, T]
-    cos, sin = rope_cos_sin(rope, positions, x.dtype)  # [B, T, D]
+    cos, sin = rope_cos_sin(rope, positions if mask is None else positions[mask][None], x.dtype)  # [rows, cols, D]
     rotate = _rope_pairs if cfg.rope_interleaved else apply_rope  # (pairs: a llama GGUF's q / k rows as stored)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    if mask is not None:
+        q, k, v = (_unpack(t, mask) for t in (q, k, v))  # [B, heads or kv, T, D]
 
     cache.write(layer, k, v)
     out = _attend_cached(q, cache, layer, positions, cfg.window_of(layer), mask,
                          lambda q, keys, values, m: _attend(q, keys, values, m, cfg.scale, w.sinks))  # [B, heads, T, D]
     return _output(hidden, out.transpose(1, 2).reshape(batch, steps, heads * dim), w.o, w.o_bias, mask)
+
+
+def _unpack(t: Tensor, mask: Tensor) -> Tensor:
+    """The valid tokens' t [1, heads, n, D] at their places in [B, heads, T, D] (mask [B, T], n valid; zeros
+    elsewhere)."""
+    full = t.new_zeros((*mask.shape, t.shape[1], t.shape[3]))  # [B, T, heads, D]
+    full[mask] = t[0].transpose(0, 1)
+    return full.transpose(1, 2)
 
 
 def _attend_cached(q: Tensor, cache: KVCache, layer: int, positions: Tensor, window: int | None, mask: Tensor | None,

@@ -3,9 +3,10 @@
   - float32: (W @ x^T)^T for more than one row (MKL's small-M sgemm path behind F.linear is the slower one),
     F.linear at one row; a weight packed for oneDNN (`pack_weights`) goes through its packed GEMM.
   - bfloat16 / float16: F.linear where oneDNN has native 16-bit GEMMs (`native_16bit`: AVX512-BF16 / AMX,
-    AVX512-FP16); elsewhere F.linear below `UPCAST_MIN_ROWS` rows, from there W and x upcast to float32 (exact) and
-    one float32 GEMM (the summation order changes, not the precision class: oneDNN accumulates 16-bit GEMMs in
-    float32 too).
+    AVX512-FP16), above 32 rows over the rows padded to a bucket (runtime/models/row_buckets.py: a new row count
+    costs a kernel build); elsewhere F.linear below `UPCAST_MIN_ROWS` rows, from there W and x upcast to float32
+    (exact) and one float32 GEMM (the summation order changes, not the precision class: oneDNN accumulates 16-bit
+    GEMMs in float32 too).
   - an int8 or int4 weight kept packed in its ring slot (`PackedInt8`, `PackedInt4`, where `packed_kernel` holds):
     torch's weight-only int8 / int4 kernel at decode row counts (runtime/models/packed.py); a GGUF's q4_k / q6_k
     weight kept as its blocks (`PackedBlocks`): runtime/kernels/ggml.c at every row count.
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .packed import PackedBlocks, PackedInt4, PackedInt8, PackedWeight, packed_linear
+from .row_buckets import bucketed_linear
 
 W = TypeVar("W")
 
@@ -154,7 +156,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor 
     elif rows >= UPCAST_MIN_ROWS and not native_16bit(w.dtype):
         out = (w.float() @ x2.float().T).T.to(x.dtype)  # [N, out]
     else:
-        out = F.linear(x2, w)  # [N, out]
+        out = bucketed_linear(x2, w)  # [N, out], over a bucket of rows (runtime/models/row_buckets.py)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], w.shape[0])

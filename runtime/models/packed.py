@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
+from .row_buckets import bucketed_linear, pad_rows
+
 if TYPE_CHECKING:
     from .checkpoint import QuantRef
 
@@ -398,15 +400,16 @@ class PackedBlocks:
         name = self.fmt.name  # type: ignore[attr-defined]
         if x.shape[0] <= self.max_rows:
             return kernel.matmul(name, self.blocks, x.float(), dtype=self.compute).to(self.compute)
-        x, out = x.to(self.compute), self.blocks.shape[0]
+        rows, out = x.shape[0], self.blocks.shape[0]
+        x = pad_rows(x.to(self.compute))  # [bucket(N), in]
         step = max(1, BLOCKS_DEQUANT // self.inputs)  # outputs per dequantized piece
         if step >= out:
-            return F.linear(x, kernel.dequantize(name, self.blocks, self.inputs, self.compute))
-        y = torch.empty(x.shape[0], out, dtype=self.compute)  # [N, out]
+            return F.linear(x, kernel.dequantize(name, self.blocks, self.inputs, self.compute))[:rows]
+        y = torch.empty(x.shape[0], out, dtype=self.compute)  # [bucket(N), out]
         for start in range(0, out, step):
             w = kernel.dequantize(name, self.blocks[start : start + step], self.inputs, self.compute)  # [step, in]
             y[:, start : start + w.shape[0]] = F.linear(x, w)
-        return y
+        return y[:rows]
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in the compute dtype (llama.cpp's float32 values, rounded once)."""
@@ -423,7 +426,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if isinstance(w, PackedBlocks):
         return w.matmul(x)
     if isinstance(w, PackedInt4):  # (and PackedInt8Split)
-        return w.matmul(x) if x.shape[0] <= w.max_rows else F.linear(x.to(w.dtype), w.dequantize())
+        return w.matmul(x) if x.shape[0] <= w.max_rows else bucketed_linear(x.to(w.dtype), w.dequantize())
     if x.shape[0] <= PACKED_MAX_ROWS and packable(tuple(w.shape)):
         return torch._weight_int8pack_mm(x.to(w.dtype).contiguous(), w.qweight, w.scale)
-    return F.linear(x.to(w.dtype), w.dequantize())
+    return bucketed_linear(x.to(w.dtype), w.dequantize())
