@@ -21,11 +21,13 @@ mmap'd as stored) and ours (streaming, `--ours-device-memory`) each in a subproc
 trained model larger than the limit: the moefied MoE converted and quantized by llama.cpp's own tools,
 scripts/peers/moefied_gguf.sh) or by default a qwen3moe GGUF at Qwen3-30B-A3B's layer shapes (`write_shape_gguf`:
 random Q4_K_M-typed blocks, `--layers` layers, written once). Caveat (docs/perf `peers`): a random model repeats one
-token, so its routing does not vary as a trained one's. A system killed under the limit (for memory) is a result:
-its row says why (`failed`), it is not run again, and the summary lists it (`failed_under_limit`) with no ratio.
-Both run with MALLOC_ARENA_MAX=`--malloc-arena-max` (2: glibc's per-thread arenas otherwise keep ~0.2 GiB of our
-loader's and compute thread's freed buffers), ours with `--ours-prefill-chunk` prompt tokens per pass; ours' row
-says where its passes went (`per_pass`: loader busy, of it file reads and block conversion, and compute).
+token, so its routing does not vary as a trained one's. A system killed under the limit (for memory) is a result: its
+row says why (`failed`), it is not run again, and the summary lists it (`failed_under_limit`) with no ratio. Ours runs
+at `--budget-batch`, llama.cpp at each of `--llamacpp-budget-batches` (n_ubatch `--llamacpp-ubatch`), and the ratio is
+over llama.cpp's best. Both run with MALLOC_ARENA_MAX=`--malloc-arena-max` (2: glibc's per-thread arenas otherwise
+keep ~0.2 GiB of our loader's and compute thread's freed buffers), ours with `--ours-prefill-chunk` prompt tokens per
+pass; ours' row says where its passes went (`per_pass`: loader busy, of it file reads and block conversion, and
+compute).
 Per system: tokens/s with prefill counted (new tokens over the whole generate) and decode only (the tokens after
 the first over the time after the first: llama.cpp's own split; ours from a second call with one new token,
 T(N) - T(1)). Repetitions alternate systems. Greedy agreement with llama.cpp is reported (bfloat16 against
@@ -265,18 +267,19 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
     n_ctx = max(map(len, prompts)) + args.new_tokens + 8
     device_memory = parse_bytes(args.ours_device_memory)
     peers = ROOT / "scripts" / "peers"
+    llama_batches = [int(b) for b in (args.llamacpp_budget_batches or str(args.budget_batch)).split(",")]
     systems = {
-        f"llama.cpp b{args.budget_batch}": lambda: _llamacpp_result(limited(
+        f"llama.cpp b{b}": lambda b=b: _llamacpp_result(limited(
             [python, str(peers / "llamacpp_runner.py")],
             {"model": str(gguf), "prompts": prompts, "new_tokens": args.new_tokens, "threads": args.threads,
-             "n_ctx": n_ctx, "batch": args.budget_batch, "repack": False}, limit, gguf, args.malloc_arena_max),
-            len(prompts), args.new_tokens),
-        f"ours b{args.budget_batch}": lambda: _ours_result(limited(
-            [sys.executable, "-m", "scripts.peers.ours_runner"],  # (from ROOT: it imports scripts.common)
-            {"model": str(target), "prompts": prompts, "new_tokens": args.new_tokens, "batch": args.budget_batch,
-             "device_memory": device_memory, "packed_weights": "auto", "prefill_chunk": args.ours_prefill_chunk},
-            limit, gguf, args.malloc_arena_max), len(prompts), args.new_tokens),
-    }
+             "n_ctx": n_ctx, "batch": b, "repack": False, "ubatch": args.llamacpp_ubatch}, limit, gguf,
+            args.malloc_arena_max), len(prompts), args.new_tokens)
+        for b in llama_batches}
+    systems[f"ours b{args.budget_batch}"] = lambda: _ours_result(limited(
+        [sys.executable, "-m", "scripts.peers.ours_runner"],  # (from ROOT: it imports scripts.common)
+        {"model": str(target), "prompts": prompts, "new_tokens": args.new_tokens, "batch": args.budget_batch,
+         "device_memory": device_memory, "packed_weights": "auto", "prefill_chunk": args.ours_prefill_chunk},
+        limit, gguf, args.malloc_arena_max), len(prompts), args.new_tokens)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     failed: dict[str, str] = {}  # a system that cannot run under the limit (killed for memory): not run again
     for rep in range(args.reps):
@@ -301,14 +304,18 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
         results[name] = {"tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi, "decode_tok_s_median": dmed,
                          "decode_tok_s_min": dlo, "decode_tok_s_max": dhi,
                          "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rs]}
-    ours_name, llama_name = f"ours b{args.budget_batch}", f"llama.cpp b{args.budget_batch}"
+    ours_name = f"ours b{args.budget_batch}"
+    ran = [f"llama.cpp b{b}" for b in llama_batches if f"llama.cpp b{b}" not in failed and runs[f"llama.cpp b{b}"]]
+    llama_name = max(ran, key=lambda n: results[n]["tok_s_median"]) if ran else None  # llama.cpp at its best batch
+    llama_decode = max(ran, key=lambda n: results[n]["decode_tok_s_median"]) if ran else None
     summary = {"gguf": gguf.name, "memory_limit_bytes": limit, "model_bytes": gguf.stat().st_size,
-               "ours_device_memory": device_memory, "failed_under_limit": sorted(failed)}
+               "ours_device_memory": device_memory, "failed_under_limit": sorted(failed),
+               "best_llamacpp": llama_name}
     degenerate = [name for name, rs in runs.items() if rs and name not in failed and _degenerate(rs[0]["tokens"])]
     summary["degenerate_output"] = degenerate  # every row one repeated id (llama.cpp: NaN logits argmax to 0)
     for name in degenerate:
         results[name]["degenerate_output"] = True
-    if not failed:
+    if llama_name is not None and ours_name not in failed:
         reference = runs[llama_name][0]["tokens"]
         same = sum(a == b for x, y in zip(runs[ours_name][0]["tokens"], reference) for a, b in zip(x, y))
         results[ours_name]["greedy_agreement_with_llamacpp"] = same / max(sum(map(len, reference)), 1)
@@ -324,11 +331,11 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
                     "ours_compute_s_per_pass": per_pass["compute_s"],
                     "ours_io_over_compute": round(per_pass["load_s"] / per_pass["compute_s"], 3)
                     if per_pass["compute_s"] else None}
-    if not failed and not degenerate:  # a ratio only where both systems ran and computed the model
+    if llama_name is not None and ours_name not in failed and not degenerate:  # both ran and computed the model
         summary |= {"ours_over_llamacpp_budget": round(results[ours_name]["tok_s_median"]
                                                        / results[llama_name]["tok_s_median"], 3),
                     "ours_over_llamacpp_budget_decode": round(results[ours_name]["decode_tok_s_median"]
-                                                              / results[llama_name]["decode_tok_s_median"], 3)}
+                                                              / results[llama_decode]["decode_tok_s_median"], 3)}
     print(summary)
     name = f"scratch/{args.out}_budget_quick.json" if args.quick else f"{args.out}_budget.json"
     path = write_json(PERF / name, {"summary": summary, **meta, "end": utc_now(),
@@ -372,7 +379,12 @@ def main() -> int:
     ap.add_argument("--memory-limit", default="3GiB")
     ap.add_argument("--ours-device-memory", default="1.75GiB", help="ours' --device-memory under the limit")
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--budget-batch", type=int, default=8)
+    ap.add_argument("--budget-batch", type=int, default=8, help="ours' batch under the limit")
+    ap.add_argument("--llamacpp-budget-batches", default="",
+                    help="llama.cpp's sequences per batch under the limit, comma-separated (default: --budget-batch); "
+                         "the ratio is over its best")
+    ap.add_argument("--llamacpp-ubatch", type=int, default=0,
+                    help="llama.cpp's n_ubatch under the limit (0: a wave's whole prefill in one step)")
     ap.add_argument("--ours-prefill-chunk", type=int, default=256,
                     help="ours' prefill_chunk under the limit (prompt tokens per pass: bounds prefill activations)")
     ap.add_argument("--malloc-arena-max", type=int, default=2,

@@ -1,15 +1,16 @@
 """Run llama.cpp (llama-cpp-python) on token-id prompts, in the peer's own venv (scripts/setup_llamacpp.sh).
 
-Reads a JSON request on stdin: {"model": GGUF path, "prompts": [[ids]], "new_tokens": N, "threads": T,
-"n_ctx": C, "batch": B, "repack": R}. B = 1: each prompt is evaluated from an empty context (one sequence at a time:
-llama-cpp-python's high-level API), then N greedy tokens (the argmax of the last token's logits, read from the
-context as llama.cpp's own greedy sampler does; EOS not special), each evaluated in turn. B > 1: llama.cpp's
-low-level batch API, as its `batched` example does: the prompts in waves of B sequences, each wave's prompts
-decoded in one batch (a sequence id each, logits at each prompt's last token), then N - 1 steps of one batch of B
-tokens (one per sequence, at its own position); R false (B > 1 only) keeps the weights mmap'd as stored instead of
-repacked into llama.cpp's faster CPU layouts in heap memory (its `--no-repack`: how it runs a model larger than
-RAM). Writes {"tokens": [[ids]], "prefill_s": [...], "decode_s": [...],
-"version": ...} to stdout (one prefill / decode time per prompt, or per wave).
+Reads a JSON request on stdin: {"model": GGUF path, "prompts": [[ids]], "new_tokens": N, "threads": T, "n_ctx": C,
+"batch": B, "repack": R, "ubatch": U}. B = 1: each prompt is evaluated from an empty context (one sequence at a time:
+llama-cpp-python's high-level API), then N greedy tokens (the argmax of the last token's logits, read from the context
+as llama.cpp's own greedy sampler does; EOS not special), each evaluated in turn. B > 1: llama.cpp's low-level batch
+API, as its `batched` example does: the prompts in waves of B sequences, each wave's prompts decoded in one batch (a
+sequence id each, logits at each prompt's last token), then N - 1 steps of one batch of B tokens (one per sequence, at
+its own position); R false (B > 1 only) keeps the weights mmap'd as stored instead of repacked into llama.cpp's faster
+CPU layouts in heap memory (its `--no-repack`: how it runs a model larger than RAM); U (B > 1 only; absent or 0: the
+wave's whole prefill) is llama.cpp's n_ubatch, the tokens of one compute step within a decode call. Writes {"tokens":
+[[ids]], "prefill_s": [...], "decode_s": [...], "version": ...} to stdout (one prefill / decode time per prompt, or
+per wave).
 """
 
 import json
@@ -31,7 +32,8 @@ def batched(req: dict) -> dict:
     longest = max(map(len, req["prompts"]))
     cparams = L.llama_context_default_params()
     cparams.n_ctx = width * req["n_ctx"]
-    cparams.n_batch = cparams.n_ubatch = max(512, width * longest)
+    cparams.n_batch = max(512, width * longest)  # a wave's prompts in one llama_decode
+    cparams.n_ubatch = req.get("ubatch") or cparams.n_batch  # tokens per compute step (llama.cpp's default: 512)
     cparams.n_seq_max = width
     cparams.n_threads = cparams.n_threads_batch = req["threads"]
     ctx = L.llama_init_from_model(model, cparams)
