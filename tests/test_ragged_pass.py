@@ -60,6 +60,27 @@ def test_ragged_attention_projects_valid_tokens_only(tiny_models: dict[str, Path
     assert rows.count(12) >= 7 and max(rows) == 12
 
 
+def test_ragged_attention_norms_and_rotates_valid_tokens_only(tiny_models: dict[str, Path],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunked prefill in a wide batch (one row feeds its chunk, the others nothing): the input norm and RoPE
+    cost the valid tokens, not rows x the chunk."""
+    model = Transformer(tiny_models["qwen2_moe"])
+    normed: list[int] = []
+    rotated: list[int] = []
+    real_norm, real_rope = layers.norm, layers.apply_rope
+    monkeypatch.setattr(layers, "norm", lambda cfg, x, w: (normed.append(x.numel() // x.shape[-1]),
+                                                           real_norm(cfg, x, w))[1])
+    monkeypatch.setattr(layers, "apply_rope", lambda x, cos, sin: (rotated.append(x.shape[0] * x.shape[2]),
+                                                                   real_rope(x, cos, sin))[1])
+    hidden = torch.randn(8, 6, model.config.hidden_size)  # [B, T, H]
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 0, 0, 0, 0, 0, 0, 0])[:, None]  # [B, T]: 6 valid of 48
+    out = model.attention(0, hidden, model.new_cache(8, 16), mask)  # [B, T, H]
+    assert normed == [6] and rotated == [6, 6]  # q and k of the 6 valid tokens
+    assert torch.equal(out[~mask], hidden[~mask])  # padded positions keep their input
+    alone = model.attention(0, hidden[:1], model.new_cache(1, 16))  # the prefilling row by itself
+    torch.testing.assert_close(out[0], alone[0], rtol=1e-5, atol=1e-5)
+
+
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=24))
 def test_split_rows_covers_every_row_once_at_its_length(lengths: list[int]) -> None:
     steps = max(lengths)
