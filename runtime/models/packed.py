@@ -391,8 +391,8 @@ class PackedBlocks:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] @ W^T -> [N, out] in the compute dtype: up to `max_rows` rows the kernel over the blocks, above
-        that (a prefill) the weight dequantized by the kernel and one GEMM. Both multiply the same weights, each
-        rounded once to the compute dtype, accumulating in float32."""
+        that (a prefill) the weight dequantized by the kernel and one GEMM over a bucket of rows (`pad_rows`). Both
+        multiply the same weights, each rounded once to the compute dtype, accumulating in float32."""
         from ..kernels import ggml_kernel
 
         kernel = ggml_kernel()
