@@ -263,9 +263,12 @@ class Engine:
         """A profile this run's passes found off (offload/replan.py `check_profile`) is measured again before the
         next engine uses it (offload/profiler.py `mark_stale`). Exact mode's passes are slower than the profile's
         kernels by design (GEMMs in blocks of 32 rows, runtime/models/linear.py): slower passes then correct this
-        run's compute costs (replan.py) but leave the profile as it is."""
+        run's compute costs (replan.py) but leave the profile as it is; so do passes slowed by other processes
+        (replan.py `busy_cores`)."""
         off = self.replanner.profile_off
         if off is not None and self.config.exact and off > 1:
+            return
+        if self.replanner.busy_cores is not None:  # the machine is busy now: the profile measured quiet stands
             return
         if off is not None and not self._profile_marked:
             self._profile_marked = True

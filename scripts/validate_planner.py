@@ -170,11 +170,14 @@ def repredict(path: Path) -> int:
 
 @contextlib.contextmanager
 def core_burner(on: bool) -> Iterator[None]:
-    """While open (when `on`): a second process burning one core, a Python busy loop (the loaded machine)."""
+    """While open (when `on`): a second process burning one core, a Python busy loop (the loaded machine); killed
+    on close, and ending by itself if this process is killed first."""
     if not on:
         yield
         return
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # (it ends by itself when this process dies, however it dies: it spins while its parent is the one it had)
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    proc = subprocess.Popen([sys.executable, "-c", spin])
     try:
         yield
     finally:

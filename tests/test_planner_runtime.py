@@ -138,9 +138,13 @@ def test_a_job_that_finds_the_profile_off_marks_it_stale(tiny_models, profile_di
     assert cached is None and "marked stale" in why
 
 
-def test_the_warm_up_corrects_an_off_profile_before_the_job_is_planned(tiny_models, profile_dir, single_thread):
-    """The warm-up's passes check the profile (here ten times too fast): one line says the job is planned with its
-    compute costs scaled back, and the cached profile is stale (measured again by the next job)."""
+def test_the_warm_up_corrects_an_off_profile_before_the_job_is_planned(tiny_models, profile_dir, single_thread,
+                                                                      monkeypatch):
+    """The warm-up's drafted passes check the profile (replan.py's table). A profile measured slow (ten times, as on
+    a busy machine): one line says the job is planned with its compute costs scaled, and the cached profile is stale.
+    A profile that predicts the drafted passes faster than they run: on a quiet machine the cost model's error at
+    that shape (nothing scaled, the profile kept); with other processes busy, this job is planned with its costs
+    scaled and the profile, measured quiet, is kept."""
     from specoffload.runtime.models.model import Transformer
     from specoffload.runtime.planning import ModelPair
     from specoffload.runtime.warmup import plan_job
@@ -148,14 +152,27 @@ def test_the_warm_up_corrects_an_off_profile_before_the_job_is_planned(tiny_mode
     config = EngineConfig(tiny_models["llama"], draft=tiny_models["qwen2_draft"], device_memory="1GiB",
                           max_seq_len=48)
     profile = profiler.load_or_measure(config, quick=True, open_engine=Engine)
-    fast = profile.scaled_compute(0.1)
     models = ModelPair.for_config(config, Transformer(config.target), shares_kv=True)
     prompts = [[3 + i, 9, 27, 40 + i] for i in range(8)]
-    lines: list[str] = []
-    job = plan_job(config, models, prompts, GREEDY, 48, profile=fast, log=lines.append)
-    assert job.warmup is not None and job.warmup.compute_scale > 1.25
-    assert any(line.startswith("plan: searched with the profile's compute costs x") for line in lines)
-    assert profiler.cached(config)[0] is None  # the warm-up's engine marked it stale
+
+    def planned(prof):  # noqa: ANN001, ANN202
+        prof.save(profiler.profile_path(config))  # (cached: what a stale mark removes)
+        lines: list[str] = []
+        job = plan_job(config, models, prompts, GREEDY, 48, profile=prof, log=lines.append)
+        assert job.warmup is not None
+        scaled = any(line.startswith("plan: searched with the profile's compute costs x") for line in lines)
+        return job.warmup.compute_scale, scaled, profiler.cached(config)[0] is not None
+
+    scale, scaled, kept = planned(profile.scaled_compute(10.0))
+    assert scale < 1 / 1.25 and scaled and not kept  # measured slow: corrected, measured again next time
+    scale, scaled, kept = planned(profile.scaled_compute(0.1))
+    assert scale == 1.0 and not scaled and kept  # quiet: the drafted shape's error, the rates stand
+    real = profiler._busy_seconds
+    monkeypatch.setattr(profiler, "_busy_seconds", lambda: (lambda now: None if now is None else (
+        now[0] + 1.0 * time.monotonic(), now[1]))(real()))
+    monkeypatch.setattr(profiler, "OTHERS_LIMIT", 0.5)
+    scale, scaled, kept = planned(profile.scaled_compute(0.1))
+    assert scale > 1.25 and scaled and kept  # busy now: this job corrected, the profile kept
 
 
 def test_auto_policy_is_used_and_lossless(tiny_models, single_thread):
