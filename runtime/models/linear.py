@@ -19,6 +19,10 @@ k + 1 tokens or a batch of another size, and a near-tie of two logits can then f
 `linear` (and `rows_bmm`) multiply every block of EXACT_ROWS rows as one GEMM of exactly EXACT_ROWS rows (the last
 block padded with zero rows), so each row meets one kernel of one shape whatever its company: its result depends on
 its own values only. The attention core does the same per query (runtime/models/layers.py `_attend_cached`).
+A block's row may still compute differently by its place in the block: on an AVX2 EPYC (MKL), a float32 bmm with
+few output columns (e.g. 7) gives rows 2 and 3 of every 4 other last bits than rows 0 and 1 (184 of 2560 row
+places over 80 shapes; none in bfloat16). `rows_bmm` therefore multiplies a block transposed, b^T a^T, which puts
+the block's rows on the kernel's vector lanes: the same products in the same order for every lane (0 of 2560 there).
 
 oneDNN compiles a kernel per GEMM shape and keeps it in two caches (its own and ideep's, 1024 entries each by
 default, ~0.3-0.5 MB an entry); ragged batches (refill, chunked prefill) bring new row counts all job long, so those
@@ -113,10 +117,13 @@ def in_row_blocks(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], d
 
 
 def rows_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm(a [G, N, K], b [G, K, M]) -> [G, N, M]; in exact mode N in blocks (`in_row_blocks`)."""
+    """torch.bmm(a [G, N, K], b [G, K, M]) -> [G, N, M]; in exact mode N in blocks (`in_row_blocks`), each block
+    multiplied transposed, (b^T [G, M, K] @ block^T [G, K, EXACT_ROWS])^T, its rows on the vector lanes (module
+    docstring)."""
     if not exact_mode():
         return torch.bmm(a, b)
-    return in_row_blocks(a, lambda block: torch.bmm(block, b), dim=1)
+    bt = b.transpose(1, 2)  # [G, M, K]
+    return in_row_blocks(a, lambda block: torch.bmm(bt, block.transpose(1, 2)).transpose(1, 2), dim=1)
 
 
 KERNEL_CACHE = 128  # oneDNN primitives kept per cache (module docstring)
