@@ -120,7 +120,9 @@ def job_config(budget: str, max_seq_len: int, dtype: str) -> tuple[EngineConfig,
 def repredict(path: Path) -> int:
     """Predict a saved run's grid again with today's cost model, from what the run saved (its profile, the
     warm-up's curve, stream rate and mean output, the same prompts): measured against saved and new predictions,
-    and the median errors of each. Measures nothing."""
+    and the median errors of each; beside them, what each of the warm-up's corrections does ("measured": the
+    profile as measured, no correction; "scaled": the warm-up's compute scale and stream rate both, where the run
+    recorded the scale). Measures nothing."""
     from specoffload.planner import Workload
     from specoffload.planner.acceptance import AcceptanceCurve
     from specoffload.planner.profile import HardwareProfile
@@ -128,14 +130,16 @@ def repredict(path: Path) -> int:
     record = json.loads(path.read_text())
     meta = record["meta"]
     tok = load_tokenizer(model_dir("target"))
-    errors: dict[str, dict[str, list[float]]] = {"saved": {"draft": [], "no_draft": []},
-                                                 "now": {"draft": [], "no_draft": []}}
+    errors: dict[str, dict[str, list[float]]] = {name: {"draft": [], "no_draft": []}
+                                                 for name in ("saved", "now", "measured", "scaled")}
     rows: list[dict] = []
     for job in record["jobs"]:
         prompts = job_prompts(job["corpus"], tok, job["prompts"], meta.get("max_prompt_tokens", 1024))
         base, models = job_config(job["budget"], job["max_seq_len"], meta.get("dtype", "float32"))
         warm = job["warmup"]
-        profile = HardwareProfile.from_json(job["profile"])
+        if warm is None:  # (no model warm-up: nothing to predict the draft rows with)
+            continue
+        profile = measured_profile = HardwareProfile.from_json(job["profile"])
         if warm.get("stream_rate"):
             profile = replace(profile, stream_bytes_per_s=warm["stream_rate"])
         alpha = AcceptanceCurve(tuple(warm["curve"]), warm["alpha"], spread=warm["spread"],
@@ -150,13 +154,24 @@ def repredict(path: Path) -> int:
             placement = place_plan(fixed, plan, models)
             now = estimate_workload(profile, models.costs(plan.drafting), placement, batch, k, alpha, workload,
                                     refill=job.get("refill", False)).tokens_per_s  # (as the run predicted)
+            costs = models.costs(plan.drafting)
+            variants = {"measured": measured_profile}
+            if warm.get("compute_scale"):
+                variants["scaled"] = profile.scaled_compute(warm["compute_scale"])
+            other = {name: estimate_workload(prof, costs, placement, batch, k, alpha, workload,
+                                             refill=job.get("refill", False)).tokens_per_s
+                     for name, prof in variants.items()}
             measured, kind = row["measured"], "draft" if k else "no_draft"
             errors["saved"][kind].append(abs(row["predicted"] - measured) / measured)
             errors["now"][kind].append(abs(now - measured) / measured)
+            for name, value in other.items():
+                errors[name][kind].append(abs(value - measured) / measured)
             rows.append({"job": job["job"], "batch": batch, "k": k, "measured": measured,
-                         "predicted_saved": row["predicted"], "predicted_now": now})
+                         "predicted_saved": row["predicted"], "predicted_now": now,
+                         **{f"predicted_{name}": value for name, value in other.items()}})
             print(f"  batch {batch:3d} k {k}: measured {measured:6.2f}, predicted saved {row['predicted']:6.2f} "
-                  f"({100 * errors['saved'][kind][-1]:.0f}%), now {now:6.2f} ({100 * errors['now'][kind][-1]:.0f}%)")
+                  f"({100 * errors['saved'][kind][-1]:.0f}%), now {now:6.2f} ({100 * errors['now'][kind][-1]:.0f}%)"
+                  + "".join(f", {name} {value:6.2f}" for name, value in other.items()))
     summary = {f"median_error_{kind}_{model}": statistics.median(v) for model, kinds in errors.items()
                for kind, v in kinds.items() if v}
     for model, kinds in errors.items():

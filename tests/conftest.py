@@ -12,6 +12,20 @@ from specoffload.planner.placement import ModelShape
 from specoffload.planner.shapes import PartKey
 
 
+def has_int4_kernel() -> bool:
+    from specoffload.runtime.models.packed import int4_kernel_ok
+
+    return int4_kernel_ok()
+
+
+#: tests of int4 weights multiplied packed by torch's CPU int4 kernel in the layout `kernel_layout` writes (the
+#: AVX-512 one): where this torch's kernel reads another (AVX2: 32-channel blocks), `int4_kernel_ok` is false and
+#: int4 / int8g / Q4 weights are held dequantized instead, which the other tests cover
+needs_int4_kernel = pytest.mark.skipif(not has_int4_kernel(), reason="this torch's CPU int4 kernel reads another "
+                                       "layout here (AVX2): int4 weights are held dequantized")
+
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> checkpoint dir: mixtral(_fused), qwen2_moe(_fused, _windowed), llama(_sharded, _tied),

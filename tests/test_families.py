@@ -16,7 +16,7 @@ from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.errors import UnsupportedModelError
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.sampling import SamplingParams
-from tests.conftest import offload_greedy, tight_config
+from tests.conftest import has_int4_kernel, offload_greedy, tight_config
 from tests.test_engine import PROMPTS, hf_greedy
 
 FAMILIES = ["qwen3", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
@@ -57,7 +57,8 @@ def test_lowbit_self_draft_is_lossless(tiny_models, resident_greedy, target):
     out, engine = offload_greedy(tight_config(tiny_models[target], drafter="lowbit"))
     assert out == resident_greedy(target)
     stats = engine.last_stats
-    assert engine.workers.drafter.copies > 0 and 0 < stats.num_accepted <= stats.num_drafted
+    assert engine.workers.drafter.copies > 0 or not has_int4_kernel()  # (int4 held dequantized: all resident)
+    assert 0 < stats.num_accepted <= stats.num_drafted
     engine.close()
 
 

@@ -35,7 +35,7 @@ from specoffload.runtime.models.packed import (
 from specoffload.runtime.offload.streamer import WeightStreamer
 from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
-from tests.conftest import OFFLOAD_PROMPTS
+from tests.conftest import OFFLOAD_PROMPTS, needs_int4_kernel
 
 
 def _weight(out: int, inputs: int, dtype: torch.dtype, seed: int) -> PackedInt8:
@@ -189,6 +189,7 @@ def test_packed_weights_setting_is_checked():
 @settings(max_examples=30, deadline=None)
 @given(blocks=st.integers(1, 3), groups=st.integers(1, 4), group=st.sampled_from([32, 64, 128]),
        seed=st.integers(0, 2**31 - 1))
+@needs_int4_kernel
 def test_int4_kernel_layout_is_atens_and_inverts(blocks, groups, group, seed):
     """The byte permutation the loader applies is aten's own converter's output, and `stored_layout` undoes it."""
     n, k = INT4_BLOCK * blocks, group * groups
@@ -214,6 +215,7 @@ def _int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> tuple[Pa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, INT4_MAX_ROWS, INT4_MAX_ROWS + 3])
 @pytest.mark.parametrize(("n", "k", "group"), [(128, 192, 64), (96, 100, 32), (80, 96, 64)])
+@needs_int4_kernel
 def test_packed_int4_linear_is_the_product_with_its_weight(dtype, rows, n, k, group):
     """Both regimes (the kernel up to INT4_MAX_ROWS rows, dequantize + GEMM above) multiply by the same weight,
     (q - 8) * scale + zero, which is the format's q * scale + min up to the compute dtype's rounding of the scales;
@@ -235,6 +237,7 @@ def test_packed_int4_linear_is_the_product_with_its_weight(dtype, rows, n, k, gr
             w.chunk(2)
 
 
+@needs_int4_kernel
 def test_int4_weights_the_kernel_cannot_take_are_not_packed():
     fmt = weight_format("int4", 64)
     assert fmt.stays_packed((128, 192)) and fmt.stays_packed((64, 64))
@@ -250,6 +253,7 @@ def int4(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source", ["disk", "ram"])
+@needs_int4_kernel
 def test_streamer_keeps_int4_weights_packed_in_the_slot(int4, source, single_thread):
     """The tiny Llama's MLP weights ([128, 64], [64, 128]) stay packed: codes permuted into the kernel's layout, the
     scales beside them; the layers' weight is the loader's dequantized one (float32: to rounding)."""
@@ -274,6 +278,7 @@ def test_streamer_keeps_int4_weights_packed_in_the_slot(int4, source, single_thr
 
 @pytest.mark.parametrize("scheme", ["int4", "int8g"])
 @pytest.mark.parametrize("target", ["llama", "mixtral"])
+@needs_int4_kernel
 def test_speculation_on_a_packed_int4_or_int8g_target_is_lossless(tiny_models, scheme, target, single_thread,
                                                                   request):
     """An int4 (int8g) target whose streamed weights stay packed (the Mixtral's experts [96, 64] padded to a whole
@@ -303,6 +308,7 @@ def test_speculation_on_a_packed_int4_or_int8g_target_is_lossless(tiny_models, s
 
 
 @pytest.mark.parametrize("target", ["llama", "mixtral"])
+@needs_int4_kernel
 def test_resident_parts_stay_packed(tiny_models, int4, target, single_thread):
     """packed_weights "on": the resident parts are held as the slots hold them (int4 codes for the kernel), the
     placement counts their packed bytes (a smaller footprint than "slots" at the same budget, everything resident),
@@ -334,6 +340,7 @@ def test_resident_parts_pack_by_default_only_under_a_budget():
         .packed_resident and replace(tight, packed_weights="slots").packed_slots
 
 
+@needs_int4_kernel
 def test_the_profiler_times_the_streamed_ffn_as_the_slots_hold_it(int4, single_thread):
     """With packed slots the profiler's streamed FFN is the slot's (int4 codes for the kernel); without, none (the
     loader's dequantized weights are what a slot holds)."""
@@ -359,6 +366,7 @@ def int4k(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source", ["disk", "ram"])
+@needs_int4_kernel
 def test_int4k_codes_go_into_the_slot_as_stored(int4, int4k, source, single_thread, monkeypatch):
     """An int4k checkpoint's codes are read into the slot as they are (no permutation on the load path: the
     converter is made to fail), and the packed weights are the int4 checkpoint's, byte for byte."""
@@ -413,6 +421,7 @@ def test_an_int4k_target_gives_the_int4_targets_tokens(int4, int4k, target, sing
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, INT8G_MAX_ROWS, INT8G_MAX_ROWS + 3])
 @pytest.mark.parametrize(("n", "k", "group"), [(128, 192, 64), (96, 100, 32)])
+@needs_int4_kernel
 def test_packed_int8g_linear_is_the_product_with_its_weight(dtype, rows, n, k, group):
     """Both regimes (the int4 kernel over [x, x] and the halves H | L up to INT8G_MAX_ROWS rows, dequantize + GEMM
     above) multiply by q * scale, the format's weight up to the compute dtype's rounding of the scales; padded
@@ -446,6 +455,7 @@ def int8g(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source", ["disk", "ram"])
+@needs_int4_kernel
 def test_int8g_codes_go_into_the_slot_as_stored(int8g, source, single_thread, monkeypatch):
     """The stored codes are the slot's bytes (nothing re-lays them out on the load path: the layout functions are
     made to fail), with H's scales (16 scale, 0) and L's (scale, 8 scale) beside them."""

@@ -20,6 +20,7 @@ from specoffload.runtime.formats import (
     weight_format,
 )
 from specoffload.runtime.formats.int4 import INT4_LEVELS
+from tests.conftest import needs_int4_kernel
 
 SPECS = st.one_of(st.just(weight_format("int8")),
                   st.sampled_from([2, 4, 8, 32, 64]).map(lambda g: weight_format("int4", g)),
@@ -176,6 +177,7 @@ def test_int4k_takes_only_the_kernels_groups():
 
 @settings(max_examples=40, deadline=None)
 @given(blocks=st.integers(1, 3), pairs=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+@needs_int4_kernel
 def test_int8g_split_layout_is_the_int4_kernels_h_then_l_and_inverts(blocks: int, pairs: int, seed: int) -> None:
     """`split_layout` writes q + 128 = 16 h + l as aten's own int4 packing of the codes [H | L] (every int8 code,
     -128 included), and `split_codes` undoes it."""

@@ -23,7 +23,7 @@ from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload.streamer import WeightStreamer
 from specoffload.runtime.quantize import quantize_checkpoint
 from specoffload.runtime.sampling import SamplingParams
-from tests.conftest import OFFLOAD_PROMPTS
+from tests.conftest import OFFLOAD_PROMPTS, needs_int4_kernel
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
 # group 32: the tiny models' FFN widths are 96, 128, 32 and 48 (the last pads its second group)
@@ -283,6 +283,7 @@ def test_a_format_declared_in_a_test_file_quantizes_streams_and_loads(tiny_model
         FORMATS.pop("test-int8rows", None)
 
 
+@needs_int4_kernel
 def test_the_untied_head_is_compressed_on_request_and_runs_packed(tiny_models, tmp_path, single_thread):
     """`quantize --head`: the LM head stored as int4k beside the FFN; resident (dequantized, or packed under a budget)
     and streamed at the minimum budget give the same greedy tokens (float32), the packed head is the kernel's weight,
