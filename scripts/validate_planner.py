@@ -33,8 +33,9 @@ end-to-end run. Reported per job:
 A job spec `corpus@budget+load` runs that job on a loaded machine: a second process burns one core (a Python
 busy loop) from before its planning to after its auto run, as another user's work would. The hardware profile is
 the one cached by the jobs before it (or measured under the load, when there is none: the profiler then says it was
-disturbed); the job-time check (runtime/offload/replan.py `check_profile`) is what corrects it. Jobs whose prompts
-are fewer than the grid's largest batch check that the pick never plans rows the job does not have.
+disturbed); the job-time check (runtime/offload/replan.py `check_profile`) is what corrects it. Each job
+records the rows its pick puts in flight over its prompts (the summary's `pick_rows_over_prompts_max`: above 1,
+the planner planned rows the job does not have).
 
 Writes docs/perf/planner_validation.json ("summary": the worst pick / best and auto / best over the jobs, quiet
 and loaded apart, the median errors over the quiet jobs, the seconds planning added to a job), a plot of predicted
@@ -152,9 +153,9 @@ def repredict(path: Path) -> int:
             plan = fixed_plan(batch, k, job["max_seq_len"])
             fixed = replace(base, max_batch_size=batch, num_draft_tokens=k)
             placement = place_plan(fixed, plan, models)
-            now = estimate_workload(profile, models.costs(plan.drafting), placement, batch, k, alpha, workload,
-                                    refill=job.get("refill", False)).tokens_per_s  # (as the run predicted)
             costs = models.costs(plan.drafting)
+            now = estimate_workload(profile, costs, placement, batch, k, alpha, workload,
+                                    refill=job.get("refill", False)).tokens_per_s  # (as the run predicted)
             variants = {"measured": measured_profile}
             if warm.get("compute_scale"):
                 variants["scaled"] = profile.scaled_compute(warm["compute_scale"])

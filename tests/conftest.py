@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,21 @@ def has_int4_kernel() -> bool:
 needs_int4_kernel = pytest.mark.skipif(not has_int4_kernel(), reason="this torch's CPU int4 kernel reads another "
                                        "layout here (AVX2): int4 weights are held dequantized")
 
+
+def one_more_core_busy(monkeypatch: pytest.MonkeyPatch) -> Callable[[], tuple[float, float] | None]:
+    """Other processes keep one more core busy all the time (simulated in profiler.py's /proc/stat reading), with
+    the disturbance limit at 0.5 cores; returns the real reading (set it back to go quiet again)."""
+    from specoffload.runtime.offload import profiler
+
+    real = profiler._busy_seconds
+
+    def busy() -> tuple[float, float] | None:
+        now = real()
+        return None if now is None else (now[0] + 1.0 * time.monotonic(), now[1])  # + one core, all the time
+
+    monkeypatch.setattr(profiler, "_busy_seconds", busy)
+    monkeypatch.setattr(profiler, "OTHERS_LIMIT", 0.5)
+    return real
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import time
 from dataclasses import replace as dc_replace
 
 import pytest
@@ -33,7 +32,7 @@ from specoffload.planner.acceptance import (
     t_quantile,
 )
 from specoffload.planner.placement import PlacementPolicy, place
-from tests.conftest import dense_shape
+from tests.conftest import dense_shape, one_more_core_busy
 
 # --- the between-prompt error --------------------------------------------------------------------------------
 
@@ -311,10 +310,7 @@ def test_a_profile_off_by_more_than_the_margin_is_corrected_and_said(caplog, mon
         assert not observe(replanner, factor, k)  # checked once per run: no second line
     # other processes busy over the passes (simulated: one extra core busy all the time): drafted passes slower are
     # corrected, for this run only
-    real = profiler._busy_seconds
-    monkeypatch.setattr(profiler, "_busy_seconds", lambda: (lambda now: None if now is None else (
-        now[0] + 1.0 * time.monotonic(), now[1]))(real()))
-    monkeypatch.setattr(profiler, "OTHERS_LIMIT", 0.5)
+    real = one_more_core_busy(monkeypatch)
     busy = Replanner(plan, interval=1, profile=compute_bound, costs=costs, placement=placement)
     warned = observe(busy, 2.0, 2)
     assert len(warned) == 1 and busy.profile_off == pytest.approx(2.0, rel=1e-6) and busy.shape_off is None

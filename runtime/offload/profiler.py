@@ -231,17 +231,32 @@ def _busy_seconds() -> tuple[float, float] | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"), own.user + own.system
 
 
+BusyMark = tuple[float, float, float]  # (`_busy_seconds`, monotonic seconds)
+
+
+def busy_mark() -> BusyMark | None:
+    """`_busy_seconds` with the monotonic time it was read at; None where /proc/stat cannot be read."""
+    busy = _busy_seconds()
+    return None if busy is None else (*busy, time.monotonic())
+
+
+def others_cores(start: BusyMark | None, end: BusyMark | None) -> float | None:
+    """Cores other processes kept busy between two `busy_mark`s: (busy - own CPU seconds) / wall seconds (None:
+    unknown)."""
+    if start is None or end is None or end[2] <= start[2]:
+        return None
+    return max(0.0, (end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2])
+
+
 class _Others:
-    """Cores other processes kept busy over a `with` block: (busy - own CPU seconds) / wall seconds (None: unknown)."""
+    """Cores other processes kept busy over a `with` block (`others_cores`; None: unknown)."""
 
     def __enter__(self) -> _Others:
-        self.start, self.wall, self.cores = _busy_seconds(), time.monotonic(), None
+        self.start, self.cores = busy_mark(), None
         return self
 
     def __exit__(self, *exc: object) -> None:
-        end, wall = _busy_seconds(), time.monotonic() - self.wall
-        if self.start is not None and end is not None and wall > 0:
-            self.cores: float | None = max(0.0, (end[0] - self.start[0]) - (end[1] - self.start[1])) / wall
+        self.cores: float | None = others_cores(self.start, busy_mark())
 
 
 def disturbed(conditions: dict[str, Any]) -> str | None:

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 
@@ -112,8 +111,8 @@ class Replanner:
         self.shape_off: float | None = None  # the same, for drafted passes the profile's rates stand for
         self.busy_cores: float | None = None  # other processes' cores over the checked passes, when above the limit
         self.checked = False
-        #: (busy CPU seconds of every process, own CPU seconds, monotonic seconds) at each observed pass
-        self._busy_log: deque[tuple[float, float, float]] = deque(maxlen=CHECK_PASSES + 1)
+        #: profiler.py `busy_mark` at each of the last passes observed before the check
+        self._busy_log: deque[profiler.BusyMark] = deque(maxlen=CHECK_PASSES + 1)
 
     @property
     def active(self) -> bool:
@@ -126,9 +125,9 @@ class Replanner:
         if seconds > 0 and rows > 0:
             self.pass_log.append((seconds, k, rows, max(0.0, load_s)))
             if not self.checked:
-                busy = profiler._busy_seconds()
-                if busy is not None:
-                    self._busy_log.append((*busy, time.monotonic()))
+                mark = profiler.busy_mark()
+                if mark is not None:
+                    self._busy_log.append(mark)
                 if len(self.pass_log) >= CHECK_PASSES:
                     self.check_profile()
 
@@ -195,8 +194,7 @@ class Replanner:
         """Cores other processes kept busy over the passes observed before the check (None: not measurable)."""
         if len(self._busy_log) < 2:
             return None
-        (busy0, own0, t0), (busy1, own1, t1) = self._busy_log[0], self._busy_log[-1]
-        return max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0) if t1 > t0 else None
+        return profiler.others_cores(self._busy_log[0], self._busy_log[-1])
 
     def calibrated_profile(self) -> HardwareProfile | None:
         """The profile at the stream rate the job's last decode passes show (module docstring); the profile itself
