@@ -19,11 +19,11 @@ def has_int4_kernel() -> bool:
     return int4_kernel_ok()
 
 
-#: tests of int4 weights multiplied packed by torch's CPU int4 kernel in the layout `kernel_layout` writes (the
-#: AVX-512 one): where this torch's kernel reads another (AVX2: 32-channel blocks), `int4_kernel_ok` is false and
-#: int4 / int8g / Q4 weights are held dequantized instead, which the other tests cover
-needs_int4_kernel = pytest.mark.skipif(not has_int4_kernel(), reason="this torch's CPU int4 kernel reads another "
-                                       "layout here (AVX2): int4 weights are held dequantized")
+#: tests of int4 weights multiplied packed by torch's CPU int4 kernel: where this torch has none whose layout
+#: `kernel_block` knows (AVX-512: 64-channel blocks, AVX2: 32), `int4_kernel_ok` is false and int4 / int8g / Q4
+#: weights are held dequantized instead, which the other tests cover
+needs_int4_kernel = pytest.mark.skipif(not has_int4_kernel(), reason="this torch has no CPU int4 kernel whose layout "
+                                       "is known: int4 weights are held dequantized")
 
 
 def one_more_core_busy(monkeypatch: pytest.MonkeyPatch) -> Callable[[], tuple[float, float] | None]:

@@ -24,12 +24,14 @@ from specoffload.runtime.models.packed import (
     INT4_BLOCK,
     INT4_MAX_ROWS,
     INT8G_MAX_ROWS,
+    KERNEL_BLOCKS,
     PACKED_MAX_ROWS,
     PackedInt4,
     PackedInt8,
     PackedInt8Split,
     kernel_layout,
     packable,
+    relayout,
     stored_layout,
 )
 from specoffload.runtime.offload.streamer import WeightStreamer
@@ -191,7 +193,9 @@ def test_packed_weights_setting_is_checked():
        seed=st.integers(0, 2**31 - 1))
 @needs_int4_kernel
 def test_int4_kernel_layout_is_atens_and_inverts(blocks, groups, group, seed):
-    """The byte permutation the loader applies is aten's own converter's output, and `stored_layout` undoes it."""
+    """The byte permutation the loader applies is aten's own converter's output (this machine's block: 64 under
+    AVX-512, 32 under AVX2), `stored_layout` undoes it at either block, and `relayout` takes the file layout (blocks
+    of 64) to this machine's."""
     n, k = INT4_BLOCK * blocks, group * groups
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)  # [N, K]
@@ -199,6 +203,11 @@ def test_int4_kernel_layout_is_atens_and_inverts(blocks, groups, group, seed):
     packed = kernel_layout(stored)
     assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
     assert torch.equal(stored_layout(packed), stored)
+    for block in KERNEL_BLOCKS:
+        assert torch.equal(stored_layout(kernel_layout(stored, block=block), block), stored)
+    file_layout = kernel_layout(stored, block=INT4_BLOCK)
+    assert torch.equal(relayout(file_layout), packed)
+    assert torch.equal(relayout(file_layout, out=torch.empty_like(packed)), packed)
 
 
 def _int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> tuple[PackedInt4, torch.Tensor]:
@@ -368,8 +377,9 @@ def int4k(tiny_models, tmp_path_factory):
 @pytest.mark.parametrize("source", ["disk", "ram"])
 @needs_int4_kernel
 def test_int4k_codes_go_into_the_slot_as_stored(int4, int4k, source, single_thread, monkeypatch):
-    """An int4k checkpoint's codes are read into the slot as they are (no permutation on the load path: the
-    converter is made to fail), and the packed weights are the int4 checkpoint's, byte for byte."""
+    """An int4k checkpoint's codes are read into the slot as they are where this machine's kernel reads the stored
+    layout (AVX-512), re-laid by `relayout` where not (AVX2) (int4's permutation of stored codes is made to fail),
+    and the packed weights are the int4 checkpoint's, byte for byte."""
     from specoffload.runtime.formats import int4 as int4_module
 
     plain, kernel = Transformer(int4("mixtral")), Transformer(int4k("mixtral"))
@@ -457,8 +467,9 @@ def int8g(tiny_models, tmp_path_factory):
 @pytest.mark.parametrize("source", ["disk", "ram"])
 @needs_int4_kernel
 def test_int8g_codes_go_into_the_slot_as_stored(int8g, source, single_thread, monkeypatch):
-    """The stored codes are the slot's bytes (nothing re-lays them out on the load path: the layout functions are
-    made to fail), with H's scales (16 scale, 0) and L's (scale, 8 scale) beside them."""
+    """The stored codes are the slot's bytes in this machine's kernel layout (the stored bytes under AVX-512,
+    `relayout`'s under AVX2; the int8g layout functions are made to fail on the load path), with H's scales
+    (16 scale, 0) and L's (scale, 8 scale) beside them."""
     from specoffload.runtime.formats import int8g as int8g_module
 
     target = Transformer(int8g("mixtral"))
@@ -475,7 +486,8 @@ def test_int8g_codes_go_into_the_slot_as_stored(int8g, source, single_thread, mo
                 for name in ("gate", "up", "down"):
                     w, ref = getattr(got[key], name), refs[name]
                     parts = ckpt.stored_parts(ref.name, ref.index)
-                    assert isinstance(w, PackedInt8Split) and torch.equal(w.codes, parts["qweight"]), (key, name)
+                    assert isinstance(w, PackedInt8Split) and torch.equal(w.codes, relayout(parts["qweight"])), (
+                        key, name)
                     scale = parts["scale"].float().T  # [groups, out]
                     groups, out = scale.shape
                     assert torch.equal(w.scales_zeros[:groups, :out, 0], 16 * scale)

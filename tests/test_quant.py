@@ -164,7 +164,7 @@ def test_int4k_is_int4_with_its_codes_in_the_kernels_layout(w: torch.Tensor, gro
         s: (t.dtype, tuple(t.shape)) for s, t in b.items()}
     assert b["qweight"].shape == (*lead, out_p, half)
     first = torch.cat([a["qweight"].reshape(-1, out, half)[0], a["qweight"].new_zeros(out_p - out, half)])
-    assert torch.equal(b["qweight"].reshape(-1, out_p, half)[0], kernel_layout(first))
+    assert torch.equal(b["qweight"].reshape(-1, out_p, half)[0], kernel_layout(first, block=INT4_BLOCK))
     shape = tuple(w.shape)
     assert torch.equal(dequantize(b, kernel, shape, dtype), dequantize(a, plain, shape, dtype))
 
@@ -180,16 +180,18 @@ def test_int4k_takes_only_the_kernels_groups():
 @needs_int4_kernel
 def test_int8g_split_layout_is_the_int4_kernels_h_then_l_and_inverts(blocks: int, pairs: int, seed: int) -> None:
     """`split_layout` writes q + 128 = 16 h + l as aten's own int4 packing of the codes [H | L] (every int8 code,
-    -128 included), and `split_codes` undoes it."""
-    from specoffload.runtime.models.packed import INT4_BLOCK, split_codes, split_layout
+    -128 included) at this machine's kernel block, and `split_codes` undoes the file layout's (blocks of 64)."""
+    from specoffload.runtime.models.packed import INT4_BLOCK, kernel_block, relayout, split_codes, split_layout
 
     n, k = INT4_BLOCK * blocks, 2 * pairs
     q = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
     u = q + 128
     codes = torch.cat([u >> 4, u & 15], dim=1)  # [N, 2K]: H, then L
-    packed = split_layout(q.to(torch.int8))
+    stored = split_layout(q.to(torch.int8))
+    packed = split_layout(q.to(torch.int8), block=kernel_block())
     assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
-    assert torch.equal(split_codes(packed), q.to(torch.int8))
+    assert torch.equal(relayout(stored), packed)
+    assert torch.equal(split_codes(stored), q.to(torch.int8))
 
 
 def test_int8g_takes_only_the_kernels_groups_and_is_8_5_bits_at_32():

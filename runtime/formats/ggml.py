@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 
 from ..kernels import BLOCK_LAYOUT, KINDS, GGMLKernel, ggml_kernel, random_blocks
-from ..models.packed import PackedBlocks, PackedInt4, PackedInt8Split, split_layout
+from ..models.packed import PackedBlocks, PackedInt4, PackedInt8Split, kernel_block, split_layout
 from . import WeightFormat, dequantize, register_format
 from .int4 import Int4
 from .int8g import Int8Group
@@ -263,7 +263,7 @@ class Q8_0(GGMLFormat):
         assert isinstance(view, PackedInt8Split)
         b = _blocks(q, self.block_bytes)  # [n, nb, 34]
         codes = _padded(b[..., 2:].reshape(b.shape[0], -1), view.codes.shape[0])  # [out_p, in] uint8: int8 bytes
-        view.codes.copy_(split_layout(codes.view(torch.int8)))
+        view.codes.copy_(split_layout(codes.view(torch.int8), block=kernel_block()))
         self.packed_as.fill_packed(view, {"scale": _f16(b[..., :2])[..., 0]}, codes_there=True)  # scale [n, nb]
 
 
@@ -292,26 +292,28 @@ class _Int4Blocks(GGMLFormat):
 
     def _fill_block(self, view: PackedInt4, q: Tensor) -> None:
         """The codes straight from the blocks into the kernel's layout (runtime/models/packed.py `kernel_layout`:
-        per block of 64 outputs and per input e, the byte code(channel j, e) | code(channel 32 + j, e) << 4): the
-        two nibble planes of channel pairs (j, 32 + j) combined on whole rows as words (`_words`), then each plane
-        moved to its place in one strided copy; per group (scale, min + 8 * scale) in the compute dtype (padded
-        outputs: 0, 0)."""
+        per block of kb outputs, 64 or 32 by `kernel_block`, and per input e, the byte code(channel j, e) |
+        code(channel kb / 2 + j, e) << 4): the two nibble planes of channel pairs (j, kb / 2 + j) combined on whole
+        rows as words (`_words`), then each plane moved to its place in one strided copy; per group (scale, min + 8
+        * scale) in the compute dtype (padded outputs: 0, 0)."""
         n, nb, out_p = q.shape[0], q.shape[1] // self.block_bytes, view.codes.shape[0]
+        kb = kernel_block()
+        half = kb // 2
         rows = _padded(q, out_p)  # [out_p, row bytes]
         if rows.shape[1] % 4 == 0:
             x, low_mask, high_mask = _words(rows), LOW_NIBBLES, HIGH_NIBBLES
         else:  # (rows of an odd number of 18-byte q4_0 blocks: byte by byte)
             x, low_mask, high_mask = rows, 0x0F, 0xF0
-        pairs = x.view(out_p // 64, 2, 32, -1)  # [blocks, channel half, j, row]
+        pairs = x.view(out_p // kb, 2, half, -1)  # [blocks, channel half, j, row]
         first, second = pairs[:, 0], pairs[:, 1]
-        low = first & low_mask  # low nibbles: code(j) | code(32 + j) << 4
+        low = first & low_mask  # low nibbles: code(j) | code(half + j) << 4
         part = torch.bitwise_left_shift(second, 4)
         low |= part.bitwise_and_(high_mask)
         high = torch.bitwise_right_shift(first, 4).bitwise_and_(low_mask)  # high nibbles
         high |= torch.bitwise_and(second, high_mask, out=part)
-        d = view.codes.view(out_p // 64, nb, self.chunks, 2, self.run, 32)  # [blocks, nb, chunks, nibble, run, j]
+        d = view.codes.view(out_p // kb, nb, self.chunks, 2, self.run, half)  # [blocks, nb, chunks, nibble, run, j]
         for nibble, plane in enumerate((low, high)):
-            src = plane.view(torch.uint8).view(out_p // 64, 32, nb, self.block_bytes)[..., self.qs_at :]
+            src = plane.view(torch.uint8).view(out_p // kb, half, nb, self.block_bytes)[..., self.qs_at :]
             d[:, :, :, nibble].copy_(src.unflatten(-1, (self.chunks, self.run)).permute(0, 2, 3, 4, 1))
         scale, low_value = self.scales(_blocks(q, self.block_bytes))  # [n, in / 32]
         if n < out_p:

@@ -7,12 +7,13 @@ streamed at a tight budget). Stored already permuted, the codes go from the file
 ring slot (`codes_in_slot`, as int8's do) and a load converts only the scale and min (an eighth of the bytes at
 group 64) into the kernel's (scale, min + 8 * scale) pairs.
 
-Stored: W.qweight U8 [..., out_p, in_p / 2] (int4's codes in `kernel_layout` per matrix; out_p: the outputs padded
-to whole kernel blocks of 64 with code 0), W.scale F16 [..., out, groups] and W.zero F16 [..., out, groups] as int4
-stores them. The group is one the kernel takes (32, 64, 128 or 256). Dequantization inverts the permutation
-(`stored_layout`, plain bit operations on any device) and applies int4's arithmetic, so the weight is the int4
-weight bit for bit; where this torch's kernel does not read the layout (`int4_kernel_ok` false) the weight is
-dequantized into its slot as int4's is.
+Stored: W.qweight U8 [..., out_p, in_p / 2] (int4's codes in `kernel_layout` per matrix at blocks of 64, the
+AVX-512 kernel's; out_p: the outputs padded to whole blocks of 64 with code 0; where torch runs its AVX2 kernel,
+whose blocks are 32 channels, a load re-lays the codes, `relayout`), W.scale F16 [..., out, groups] and W.zero
+F16 [..., out, groups] as int4 stores them. The group is one the kernel takes (32, 64, 128 or 256).
+Dequantization inverts the permutation (`stored_layout`, plain bit operations on any device) and applies int4's
+arithmetic, so the weight is the int4 weight bit for bit; where this torch has no int4 kernel whose layout is known
+(`int4_kernel_ok` false) the weight is dequantized into its slot as int4's is.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.packed import INT4_GROUPS, int4_padded, kernel_layout, stored_layout
+from ..models.packed import INT4_BLOCK, INT4_GROUPS, int4_padded, kernel_block, kernel_layout, relayout, stored_layout
 from . import WeightFormat, dequantize_into, register_format
 from .int4 import DEFAULT_GROUP, Int4
 
@@ -33,11 +34,16 @@ class Int4Kernel(Int4):
 
     name = "int4k"
     default_group = DEFAULT_GROUP
-    codes_in_slot = True
 
     def __post_init__(self) -> None:
         if self.group not in INT4_GROUPS:
             raise ValueError(f"int4k's group is one the int4 kernel takes, {INT4_GROUPS}; got {self.group}")
+
+    @property
+    def codes_in_slot(self) -> bool:  # type: ignore[override]
+        """The disk read puts the codes straight into the slot: where this machine's kernel reads the stored layout
+        (`kernel_block` 64, AVX-512); under AVX2 (blocks of 32) a load re-lays them (`relayout`)."""
+        return kernel_block() == INT4_BLOCK
 
     def components(self, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
         comps = super().components(shape)
@@ -54,7 +60,7 @@ class Int4Kernel(Int4):
         pad = int4_padded((out, x.shape[-1]), self.group)[0] - out
         if pad:
             codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-2], pad, half)], dim=-2)
-        parts["qweight"] = kernel_layout(codes.reshape(-1, half).contiguous()).view(codes.shape)
+        parts["qweight"] = kernel_layout(codes.reshape(-1, half).contiguous(), block=INT4_BLOCK).view(codes.shape)
         return parts
 
     def int4_parts(self, parts: dict[str, torch.Tensor], out: int) -> dict[str, torch.Tensor]:
@@ -62,7 +68,7 @@ class Int4Kernel(Int4):
         of `out` outputs."""
         codes = parts["qweight"]  # [..., out_p, in_p / 2], whole blocks of INT4_BLOCK per matrix
         half = codes.shape[-1]
-        pairs = stored_layout(codes.reshape(-1, half).contiguous()).view(codes.shape)
+        pairs = stored_layout(codes.reshape(-1, half).contiguous(), INT4_BLOCK).view(codes.shape)
         return {**parts, "qweight": pairs[..., :out, :]}
 
     def components_as(self, fmt: WeightFormat, parts: dict[str, torch.Tensor],
@@ -82,8 +88,9 @@ class Int4Kernel(Int4):
         return True
 
     def fill_packed(self, view: object, parts: dict[str, torch.Tensor], codes_there: bool = False) -> None:
-        """The stored codes copied into the slot as they are (unless the disk read put them there), then int4's
-        per-group (scale, min + 8 * scale) in the compute dtype."""
+        """The stored codes copied into the slot in this machine's kernel layout (`relayout`: as they are where it is
+        the stored one; unless the disk read put them there), then int4's per-group (scale, min + 8 * scale) in the
+        compute dtype."""
         if not codes_there:
-            view.codes.copy_(parts["qweight"])  # type: ignore[attr-defined]
+            relayout(parts["qweight"], out=view.codes)  # type: ignore[attr-defined]
         self.fill_scales(view, parts)

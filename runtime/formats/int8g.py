@@ -12,7 +12,8 @@ No torch kernel multiplies int8 codes with a scale per group, so the codes are s
 `PackedInt8Split`: one kernel call, twice an int4 weight's work, docs/perf int8g_kernel). Stored: W.qweight U8 [...,
 out_p, in_p] (`split_layout` per matrix: out_p the outputs padded to whole kernel blocks of 64 with code 0, in_p the
 inputs to whole groups), W.scale F16 [..., out, groups]. A streamed matrix's codes go from the file straight into
-its ring slot (`codes_in_slot`); a load writes only the scales, (16 scale, 0) for H and (scale, 8 scale) for L, in
+its ring slot (`codes_in_slot`; where torch runs its AVX2 kernel, whose layout blocks are 32 channels, a load
+re-lays them); a load writes only the scales, (16 scale, 0) for H and (scale, 8 scale) for L, in
 the compute dtype. Where this torch's kernel does not read the layout the weight is dequantized into its slot.
 """
 
@@ -23,7 +24,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..models.packed import INT4_GROUPS, PackedInt8Split, int4_packable, int4_padded, split_codes, split_layout
+from ..models.packed import (
+    INT4_BLOCK,
+    INT4_GROUPS,
+    PackedInt8Split,
+    int4_packable,
+    int4_padded,
+    kernel_block,
+    relayout,
+    split_codes,
+    split_layout,
+)
 from . import WeightFormat, dequantize_into, register_format, round_up
 from .int8 import INT8_MAX
 
@@ -38,11 +49,16 @@ class Int8Group(WeightFormat):
 
     name = "int8g"
     default_group = DEFAULT_GROUP
-    codes_in_slot = True
 
     def __post_init__(self) -> None:
         if self.group not in INT4_GROUPS:
             raise ValueError(f"int8g's group is one the int4 kernel takes, {INT4_GROUPS}; got {self.group}")
+
+    @property
+    def codes_in_slot(self) -> bool:  # type: ignore[override]
+        """The disk read puts the codes straight into the slot where this machine's kernel reads the stored layout
+        (AVX-512); under AVX2 a load re-lays them (`relayout`)."""
+        return kernel_block() == INT4_BLOCK
 
     @property
     def label(self) -> str:
@@ -110,11 +126,12 @@ class Int8Group(WeightFormat):
         return PackedInt8Split(region[: out * inputs].view(out, inputs), sz, self.group, shape[0], shape[1])
 
     def fill_packed(self, view: object, parts: dict[str, torch.Tensor], codes_there: bool = False) -> None:
-        """The stored codes copied into the slot as they are (unless the disk read put them there); per group H's
+        """The stored codes copied into the slot in this machine's kernel layout (`relayout`; unless the disk read put
+        them there); per group H's
         (16 scale, 0) and L's (scale, 8 scale) in the compute dtype (padded outputs: 0, 0)."""
         assert isinstance(view, PackedInt8Split)
         if not codes_there:
-            view.codes.copy_(parts["qweight"])
+            relayout(parts["qweight"], out=view.codes)
         scale = parts["scale"].float().T  # [groups, out]
         groups, n = scale.shape
         sz = view.scales_zeros  # [2 groups, out_p, 2]

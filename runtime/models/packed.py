@@ -57,8 +57,11 @@ PACKED_MAX_ROWS = 16
 PACKED_ALIGN = 16
 #: rows up to which the int4 kernel beats dequantize + GEMM (module docstring: equal near 200 rows)
 INT4_MAX_ROWS = 128
-#: output channels per block of the int4 kernel's layout, and the groups it takes
+#: output channels per block of the int4 kernel's layout as the file formats store it (int4k, int8g: the AVX-512
+#: kernel's), the unit int4 weights' outputs are padded to, and the groups the kernel takes
 INT4_BLOCK = 64
+#: the blocks of the layouts torch's CPU int4 kernel reads (AVX-512, AVX2: `kernel_block`)
+KERNEL_BLOCKS = (64, 32)
 INT4_GROUPS = (32, 64, 128, 256)
 #: rows up to which the split int8 kernel (`PackedInt8Split`: twice the int4 kernel's work) beats dequantize + GEMM
 INT8G_MAX_ROWS = 32
@@ -131,46 +134,72 @@ class PackedInt8:
         return _by_blocks(fill, out, inputs, 1, inputs, self.dtype, align=1)
 
 
-def kernel_layout(qweight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def kernel_layout(qweight: torch.Tensor, out: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     """Stored int4 codes (uint8 [N, K / 2], input 2i in the low nibble and 2i + 1 in the high one:
     runtime/formats/int4.py) in the layout the CPU int4 kernel reads (torch 2.13, probed with single codes; checked
-    against aten's converter by `int4_kernel_ok`): per block of INT4_BLOCK output channels, for each pair of inputs
-    (2i, 2i + 1), 64 bytes: byte p * 32 + j holds input 2i + p of channel j in its low nibble and of channel 32 + j
-    in its high one. N a multiple of INT4_BLOCK; written into `out` (uint8 [N, K / 2]) when given."""
+    against aten's converter by `kernel_block`): per block of `block` output channels, for each pair of inputs
+    (2i, 2i + 1), `block` bytes: byte p * block / 2 + j holds input 2i + p of channel j in its low nibble and of
+    channel block / 2 + j in its high one. The kernel's block is 64 channels where torch runs its AVX-512 code and
+    32 under AVX2; `block` defaults to this machine's (`kernel_block`). N a multiple of INT4_BLOCK (so of either
+    block); written into `out` (uint8 [N, K / 2]) when given."""
+    b = block or kernel_block() or INT4_BLOCK
     n, half = qweight.shape
-    a = qweight.view(n // INT4_BLOCK, 2, INT4_BLOCK // 2, half)  # [blocks, channel half h, j, input pair i]
-    even = (a[:, 0] & 0xF) | (a[:, 1] << 4)  # [blocks, j, i]: input 2i of channels j (low nibble), 32 + j (high)
+    a = qweight.view(n // b, 2, b // 2, half)  # [blocks, channel half h, j, input pair i]
+    even = (a[:, 0] & 0xF) | (a[:, 1] << 4)  # [blocks, j, i]: input 2i of channels j (low nibble), b / 2 + j (high)
     odd = (a[:, 0] >> 4) | (a[:, 1] & 0xF0)  # [blocks, j, i]: input 2i + 1
     dest = torch.empty_like(qweight) if out is None else out
-    d = dest.view(n // INT4_BLOCK, half, 2, INT4_BLOCK // 2)  # [blocks, i, p, j]
+    d = dest.view(n // b, half, 2, b // 2)  # [blocks, i, p, j]
     d[:, :, 0].copy_(even.transpose(1, 2))
     d[:, :, 1].copy_(odd.transpose(1, 2))
     return dest
 
 
-def stored_layout(codes: torch.Tensor) -> torch.Tensor:
-    """The inverse of `kernel_layout`: the kernel's codes [N, K / 2] back in the stored nibble order."""
+def stored_layout(codes: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """The inverse of `kernel_layout` (the same `block`): the kernel's codes [N, K / 2] back in the stored nibble
+    order."""
+    b = block or kernel_block() or INT4_BLOCK
     n, half = codes.shape
-    d = codes.view(n // INT4_BLOCK, half, 2, INT4_BLOCK // 2).transpose(1, 3)  # [blocks, j, p, i]
+    d = codes.view(n // b, half, 2, b // 2).transpose(1, 3)  # [blocks, j, p, i]
     even, odd = d[:, :, 0], d[:, :, 1]  # [blocks, j, i]
     low = (even & 0xF) | (odd << 4)  # channels j: inputs 2i (low), 2i + 1 (high)
-    high = (even >> 4) | (odd & 0xF0)  # channels 32 + j
+    high = (even >> 4) | (odd & 0xF0)  # channels b / 2 + j
     return torch.stack((low, high), dim=1).reshape(n, half)  # [blocks, h, j, i]
 
 
+def relayout(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes [N, K / 2] in the file layout (`kernel_layout` at INT4_BLOCK: what int4k and int8g store) in this
+    machine's kernel layout (`kernel_block`): a copy where the blocks agree, else a permutation through the stored
+    order."""
+    block = kernel_block() or INT4_BLOCK
+    if block == INT4_BLOCK:
+        return codes.clone() if out is None else out.copy_(codes)
+    return kernel_layout(stored_layout(codes, INT4_BLOCK), out=out, block=block)
+
+
 @functools.cache
-def int4_kernel_ok() -> bool:
-    """This torch has the CPU int4 kernel and reads `kernel_layout`'s bytes: aten's own converter agrees on a probe."""
+def kernel_block() -> int:
+    """Output channels per block of the layout this torch's CPU int4 kernel reads (64 under AVX-512, 32 under
+    AVX2): the one of `kernel_layout`'s blocks that aten's own converter agrees with on a probe; 0 where this torch
+    has no CPU int4 kernel or its layout is neither."""
     convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
     if convert is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return False
+        return 0
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (2 * INT4_BLOCK, 64), generator=g, dtype=torch.int32)  # [N, K]
     stored = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # [N, K / 2]
     try:
-        return bool(torch.equal(convert(codes, 2), kernel_layout(stored)))
+        packed = convert(codes, 2)
     except RuntimeError:
-        return False
+        return 0
+    for block in KERNEL_BLOCKS:
+        if torch.equal(packed, kernel_layout(stored, block=block)):
+            return block
+    return 0
+
+
+def int4_kernel_ok() -> bool:
+    """This torch has the CPU int4 kernel and `kernel_layout` writes the layout it reads (`kernel_block`)."""
+    return kernel_block() != 0
 
 
 def int4_packable(shape: tuple[int, ...], group: int) -> bool:
@@ -289,13 +318,15 @@ class PackedInt8Split(PackedInt4):
         groups = self.scales_zeros.shape[0] // 2
         scale = self.scales_zeros[groups:, :, 0].float().T  # [out_p, groups]
 
+        kb = kernel_block() or INT4_BLOCK  # the codes' layout block
+
         def fill(block: torch.Tensor, rows: slice) -> None:  # block [n, groups, group] float32, n whole blocks
             n, half = block.shape[0], self.codes.shape[1] // 2
-            b = self.codes[rows].view(n // INT4_BLOCK, 2 * half, 2, INT4_BLOCK // 2)  # [blocks, pair i, p, j]
-            high, low = b[:, :half], b[:, half:]  # H's and L's bytes: inputs 2i + p of channels j and 32 + j
-            d = block.view(n // INT4_BLOCK, 2, INT4_BLOCK // 2, half, 2)  # [blocks, channel half, j, i, p]
+            b = self.codes[rows].view(n // kb, 2 * half, 2, kb // 2)  # [blocks, pair i, p, j]
+            high, low = b[:, :half], b[:, half:]  # H's and L's bytes: inputs 2i + p of channels j and kb / 2 + j
+            d = block.view(n // kb, 2, kb // 2, half, 2)  # [blocks, channel half, j, i, p]
             d[:, 0].copy_((((high & 0xF) << 4) | (low & 0xF)).permute(0, 3, 1, 2))  # q + 128 of channels j
-            d[:, 1].copy_(((high & 0xF0) | (low >> 4)).permute(0, 3, 1, 2))  # of channels 32 + j
+            d[:, 1].copy_(((high & 0xF0) | (low >> 4)).permute(0, 3, 1, 2))  # of channels kb / 2 + j
             block.sub_(128).mul_(scale[rows, :, None])
 
         return _by_blocks(fill, self.out, self.inputs, groups, self.group, self.dtype)
@@ -317,21 +348,22 @@ def _by_blocks(fill, out: int, inputs: int, groups: int, group: int, dtype: torc
     return dest
 
 
-def split_layout(q: torch.Tensor) -> torch.Tensor:
+def split_layout(q: torch.Tensor, block: int = INT4_BLOCK) -> torch.Tensor:
     """int8 codes [N, K] (N a multiple of INT4_BLOCK, K even) -> uint8 [N, K]: the nibbles h, l of q + 128 = 16 h + l
-    as the int4 codes [H | L] of 2K inputs in `kernel_layout` (`PackedInt8Split`)."""
+    as the int4 codes [H | L] of 2K inputs in `kernel_layout` at `block`: by default the file layout (INT4_BLOCK;
+    `relayout` puts it in this machine's for `PackedInt8Split`)."""
     u = q.view(torch.uint8) ^ 0x80  # q + 128, as a byte
     n, k = u.shape
     pairs = torch.empty(n, k, dtype=torch.uint8)  # [N, 2K / 2]: H's pairs, then L's; input 2i in the low nibble
     even, odd = u[:, 0::2], u[:, 1::2]  # [N, K / 2]
     torch.bitwise_or(even >> 4, odd & 0xF0, out=pairs[:, : k // 2])  # h(2i) | h(2i + 1) << 4
     torch.bitwise_or(even & 0x0F, odd << 4, out=pairs[:, k // 2 :])  # l(2i) | l(2i + 1) << 4
-    return kernel_layout(pairs)
+    return kernel_layout(pairs, block=block)
 
 
 def split_codes(codes: torch.Tensor) -> torch.Tensor:
-    """The inverse of `split_layout`: uint8 [N, K] -> the int8 codes [N, K]."""
-    pairs = stored_layout(codes)  # [N, K]: H's pairs, then L's
+    """The inverse of `split_layout`: uint8 [N, K] in the file layout -> the int8 codes [N, K]."""
+    pairs = stored_layout(codes, INT4_BLOCK)  # [N, K]: H's pairs, then L's
     n, k = pairs.shape
     high, low = pairs[:, : k // 2], pairs[:, k // 2 :]  # [N, K / 2]
     u = torch.empty(n, k, dtype=torch.uint8)
