@@ -62,6 +62,11 @@ INT4_MAX_ROWS = 128
 INT4_BLOCK = 64
 #: the blocks of the layouts torch's CPU int4 kernel reads (AVX-512, AVX2: `kernel_block`)
 KERNEL_BLOCKS = (64, 32)
+#: the activation dtype of the weight-only kernels' vector code (torch 2.13's CPU int4 and int8 kernels vectorize
+#: bfloat16 only; in float32 they run a scalar loop: a [8960, 1536] weight took 16.3 ms a row (int4) and 12.6 ms
+#: (int8) in float32 against 1.17 and 1.21 ms in bfloat16 on a 2-core AVX2 EPYC, where a float32 GEMM took 3.8 ms);
+#: what a low-bit draft copy multiplies in whatever the target's dtype (runtime/offload/drafters/lowbit.py)
+KERNEL_DTYPE = torch.bfloat16
 INT4_GROUPS = (32, 64, 128, 256)
 #: rows up to which the split int8 kernel (`PackedInt8Split`: twice the int4 kernel's work) beats dequantize + GEMM
 INT8G_MAX_ROWS = 32

@@ -6,7 +6,8 @@ What it holds. The target's architecture with each part the target streams (atte
 expert, routed expert, head: every one, so the draft routes through all experts as the target does) as an int4
 (group `lowbit_group`) or int8 copy of its matrices (`COPIED_FIELDS`; norms, biases and the router's own gate as
 stored), made at load time from the checkpoint and multiplied by torch's weight-only kernels
-(runtime/models/packed.py `PackedInt4`, `PackedInt8`); a compressed checkpoint already stored in that format gives
+(runtime/models/packed.py `PackedInt4`, `PackedInt8`) in bfloat16 whatever the target's dtype (`KERNEL_DTYPE`:
+in float32 the kernels run a scalar loop, ~10x slower); a compressed checkpoint already stored in that format gives
 its components as they are (no second rounding). A part the target keeps resident is drafted with as the target
 holds it (exact, no copy); so is the embedding (the attention worker's rows).
 
@@ -35,6 +36,7 @@ from ...errors import ConfigError
 from ...formats import WeightFormat, dequantize, quantize, weight_format
 from ...kv_cache import KVCache
 from ...models.model import Transformer
+from ...models.packed import KERNEL_DTYPE
 from ...models.weights import ATTENTION_MATRICES, TRANSPOSED_EXPERT_FIELDS, WeightLoader, Weights
 from ..wire import wire
 from . import DrafterTraits, DraftFootprint, TargetShare, option, register_drafter
@@ -136,8 +138,9 @@ class LowbitDrafter(SharedKV, DrafterTraits):
 
 
 def copies_packed(fmt: WeightFormat, shape: tuple[int, ...], device: torch.device) -> bool:
-    """A copy of a matrix of `shape` is held packed (its codes, multiplied by the format's kernel): on the CPU where
-    the kernel takes the shape; elsewhere it is held dequantized in the compute dtype (the same values, no saving)."""
+    """A copy of a matrix of `shape` is held packed (its codes, multiplied by the format's kernel in KERNEL_DTYPE,
+    whatever the target's dtype: the kernels' vector code is bfloat16's); on the CPU where the kernel takes the shape;
+    elsewhere it is held dequantized in the compute dtype (the same values, no saving)."""
     return device.type == "cpu" and fmt.stays_packed(shape)
 
 
@@ -175,7 +178,7 @@ def lowbit_part(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> Weight
 def _copy(fmt: WeightFormat, components: dict[str, Tensor], shape: tuple[int, ...], dtype: torch.dtype,
           device: torch.device) -> object:
     if copies_packed(fmt, shape, device):
-        return fmt.packed_copy(components, shape, dtype)
+        return fmt.packed_copy(components, shape, KERNEL_DTYPE)
     return dequantize(components, fmt, shape, dtype, device)
 
 
@@ -199,7 +202,7 @@ def lowbit_nbytes(loader: WeightLoader, key: PartKey, fmt: WeightFormat) -> int:
 
 def _matrix_nbytes(fmt: WeightFormat, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
     if copies_packed(fmt, shape, device):
-        return fmt.packed_nbytes(shape, dtype)
+        return fmt.packed_nbytes(shape, KERNEL_DTYPE)
     return math.prod(shape) * dtype.itemsize
 
 
