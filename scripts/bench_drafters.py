@@ -187,6 +187,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="see the module docstring")
     ap.add_argument("--no-pick", action="store_true", help="skip the planner's pick (--drafter auto)")
     ap.add_argument("--tag", default="", help="suffix of every summary key, e.g. _roomy")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the target's compute dtype (float32 where the CPU has no native bfloat16 GEMM)")
     ap.add_argument("--out", default="drafters")
     ap.add_argument("--resummarize", metavar="JSON", help="only rewrite the summary of a saved run from its rows "
                                                           "(this script's summary keys changed after it ran)")
@@ -208,7 +210,7 @@ def main() -> int:
     from specoffload.runtime.models.config import ModelConfig
 
     moe = bool(ModelConfig.from_dir(target).num_experts)
-    meta = run_meta("bfloat16")  # machine, torch, dtype, commit, argv, start: before the runs
+    meta = run_meta(args.dtype)  # machine, torch, dtype, commit, argv, start: before the runs
     entries = (args.systems.split(",") if args.systems else
                ["none", "ngram", "suffix", "lowbit", "self" if moe else "model"])
     systems = [e.split("@")[0] for e in entries]
@@ -227,7 +229,7 @@ def main() -> int:
         prompts = sorted((p for p in encoded if len(p) <= args.max_prompt_tokens), key=len)[: args.prompts]
         print(f"\n{workload}: {len(prompts)} prompts (mean {statistics.fmean(map(len, prompts)):.0f} tokens), up to "
               f"{args.new_tokens} new, budget {format_bytes(budget)}, {args.reps} reps", flush=True)
-        base = dict(target=target, device_memory=budget, replan_interval=0, dtype="bfloat16", trace=True,
+        base = dict(target=target, device_memory=budget, replan_interval=0, dtype=args.dtype, trace=True,
                     max_seq_len=max(map(len, prompts)) + args.new_tokens)
         for batch in map(int, args.batches.split(",")):
             runs: dict[tuple[str, int], list[dict]] = {cell: [] for cell in grid}

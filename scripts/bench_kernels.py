@@ -5,10 +5,11 @@ at 1, 8, 32 and 128 rows, per weight format, the weight as a streamed slot holds
 
 Per format and row count, two ways of multiplying (each the engine's, runtime/models/packed.py):
 
-    kernel    the format's packed weight through its torch kernel: bf16 F.linear on a 16-bit weight; int8 (per
+    kernel    the format's packed weight through its torch kernel: bf16 the engine's `linear` on a 16-bit weight
+              (F.linear; where the CPU has no native bfloat16 GEMM, float32 from 48 rows); int8 (per
               channel) `_weight_int8pack_mm`; int4k g32 / g128 `_weight_int4pack_mm_for_cpu`; int8g g32 / g64 the
               int4 kernel over [x, x] and the halves H | L (`PackedInt8Split`)
-    dequant   the packed weight dequantized to bfloat16, then F.linear (what `packed_linear` does above the format's
+    dequant   the packed weight dequantized to bfloat16, then `linear` (what `packed_linear` does above the format's
               row limit, and what a loader without packed slots pays per weight per pass)
 
 The table gives layer tokens/s (rows / the three GEMMs' seconds) and the milliseconds; `engine` is the way
@@ -16,7 +17,7 @@ The table gives layer tokens/s (rows / the three GEMMs' seconds) and the millise
 (`<label>_kernel_over_bf16_<rows>`), int8g's kernel against int8's (`int8g32_over_int8_<rows>`), and the crossover
 row count of the int8g kernel against dequant (`int8g32_kernel_faster_up_to_rows`: the largest measured row count
 where the kernel wins; INT8G_MAX_ROWS is set from it). Median of REPS timings, min and max beside. A quick run
-(one row count pair, 3 reps) writes docs/perf/scratch/kernels_quick.json.
+(one row count pair, 3 reps) writes docs/perf/scratch/<out>_quick.json; --out names the file (default kernels).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import sys
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from scripts.common import PERF, median_spread, run_meta, timed_samples, write_json
 from specoffload.runtime.formats import weight_format
+from specoffload.runtime.models.linear import linear
 from specoffload.runtime.models.packed import (
     INT8G_MAX_ROWS,
     PACKED_MAX_ROWS,
@@ -51,11 +52,11 @@ def _kernel(w: object, x: torch.Tensor) -> torch.Tensor:
         return w.matmul(x)
     if isinstance(w, PackedInt8):
         return torch._weight_int8pack_mm(x, w.qweight, w.scale)
-    return F.linear(x, w)  # type: ignore[arg-type]
+    return linear(x, w)  # type: ignore[arg-type]
 
 
 def _dequant(w: object, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w.dequantize()) if isinstance(w, (PackedInt4, PackedInt8)) else F.linear(x, w)  # type: ignore
+    return linear(x, w.dequantize()) if isinstance(w, (PackedInt4, PackedInt8)) else linear(x, w)  # type: ignore
 
 
 def _layer(fn, weights: list[object], x_in: list[torch.Tensor]) -> None:  # noqa: ANN001
@@ -66,6 +67,7 @@ def _layer(fn, weights: list[object], x_in: list[torch.Tensor]) -> None:  # noqa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="rows 1 and 8, 3 reps: a smoke run (scratch/)")
+    ap.add_argument("--out", default="kernels", help="docs/perf/<out>.json (another machine's table: its own name)")
     args = ap.parse_args()
     if not (int4_kernel_ok() and hasattr(torch, "_weight_int8pack_mm")):
         print("this torch has no CPU int4 / int8 weight-only kernel: nothing to measure", file=sys.stderr)
@@ -114,7 +116,7 @@ def main() -> int:
             print(f"| {label} | {rows} | {rows / k * 1e3:.0f} | {k:.2f} | {'' if d is None else f'{d:.2f}'} | "
                   f"{used} |")
     print(summary)
-    path = write_json(PERF / ("scratch/kernels_quick.json" if args.quick else "kernels.json"),
+    path = write_json(PERF / (f"scratch/{args.out}_quick.json" if args.quick else f"{args.out}.json"),
                       {"summary": summary, **meta, "reps": reps, "shapes": LAYER, "rows": table})
     print(f"wrote {path}", file=sys.stderr)
     return 0

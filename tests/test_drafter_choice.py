@@ -134,8 +134,8 @@ def test_auto_weighs_the_lowbit_drafter_where_no_text_repeats(slow_disk) -> None
     wins here depends on the quick profile of a tiny model: not asserted. At 4 rows the target is resident, so the
     drafter drafts with the target's own parts; its copies of streamed parts are tested in test_lowbit_draft.py.)"""
     config, profile = slow_disk
-    # 800 KiB: where this torch's int4 kernel does not read the packed layout (int4_kernel_ok: AVX2), the copies are
-    # held dequantized and the warm-up's two batches of 4 rows need 747 KiB
+    # 800 KiB: where this torch has no int4 kernel whose layout is known (int4_kernel_ok false), the copies are held
+    # dequantized and the warm-up's two batches of 4 rows need 747 KiB
     config = replace(config, max_batch_size=4, interleave="auto", device_memory=800 * 1024)
     choice = choose_drafter(config, Transformer(config.target), RANDOM, PARAMS, 100, profile, quick=True)
     by_name = {c.drafter: c for c in choice.candidates}
