@@ -67,10 +67,12 @@ def native_16bit(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def packed_kernel(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether streamed int8 / int4 weights stay packed in their slots by default: bfloat16 compute on a CPU whose
-    oneDNN has native bfloat16 GEMMs (the kernels' fast path), and a torch that has the int8 kernel (int4 weights
-    also need the int4 kernel, runtime/models/packed.py `int4_kernel_ok`)."""
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and native_16bit(torch.bfloat16)
+    """Whether streamed int8 / int4 weights stay packed in their slots by default: bfloat16 compute on the CPU (the
+    kernels vectorize bfloat16 only: runtime/models/packed.py KERNEL_DTYPE) and a torch that has the int8 kernel
+    (int4 weights also need the int4 kernel, runtime/models/packed.py `int4_kernel_ok`). With native bfloat16 GEMMs
+    (AMX) the kernels win at decode row counts once the loader's dequantization is counted; without (AVX2) they beat
+    the bfloat16 GEMM itself at every row count to 128 (docs/perf kernels_avx2: int4 1.2-4.1x, int8 1.1-3.4x)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16
             and hasattr(torch, "_weight_int8pack_mm"))
 
 

@@ -31,7 +31,7 @@ Numerics: the scale is the stored float32 scale rounded to the compute dtype (th
 dtype); both row regimes compute with it (`dequantize` rounds q * s once), so a packed target is one fixed model up
 to the summation order of its GEMMs, as any bfloat16 target is across batch shapes (the kernel computes each row on
 its own, so a row's result does not depend on the rows beside it). Used by default (`EngineConfig.packed_weights`
-"auto") only where `linear.packed_kernel` holds: bfloat16 on a CPU with native 16-bit GEMMs. Which weights a format
+"auto") only where `linear.packed_kernel` holds: bfloat16 compute on the CPU. Which weights a format
 keeps packed is the format's (runtime/formats/ `stays_packed`). The measurements behind the row limit and the
 default: docs/perf/README.md, "kernel choices".
 """
