@@ -8,7 +8,8 @@ Per FFN weight shape of the real 1.5B ([8960, 1536] gate / up, [1536, 8960] down
     load      what the loader spends on one weight before the layer can use it: today's dequantization of the
               stored int4 codes (runtime/formats/int4.py) into the bfloat16 slot, against turning the same stored
               codes into the kernel's layout: through aten's converter (`_convert_weight_to_int4pack_for_cpu`,
-              from int32 codes) or by the byte permutation `kernel_layout` below (checked equal to aten's)
+              from int32 codes) or by the engine's byte permutation (runtime/models/packed.py `kernel_layout`, at
+              this machine's block: checked equal to aten's)
 
 On a CPU-only machine the loader and the layers share the cores, so a pass pays load + compute: the summary's
 `int4_kernel_over_dequant_<rows>` is (dequantize + bf16 GEMM) / (permute + int4 kernel) per weight (> 1: the kernel
@@ -30,26 +31,12 @@ import torch.nn.functional as F
 
 from scripts.common import PERF, median_spread, run_meta, timed_samples, write_json
 from specoffload.runtime.formats import dequantize_into, weight_format
+from specoffload.runtime.models.packed import kernel_layout
 
 SHAPES = ((8960, 1536), (1536, 8960))
 ROWS = (1, 4, 8, 16, 32, 64)
 GROUP = 64
 REPS = 7
-BLOCK_N = 64  # output channels per block of the kernel's layout (probed: module docstring of `kernel_layout`)
-
-
-def kernel_layout(qweight: torch.Tensor) -> torch.Tensor:
-    """The stored int4 codes (uint8 [N, K / 2], input 2i in the low nibble, 2i + 1 in the high one:
-    runtime/formats/int4.py) in the layout `_weight_int4pack_mm_for_cpu` reads (torch 2.13, probed with single
-    codes): per block of 64 output channels, for each pair of inputs (2i, 2i + 1), 64 bytes: byte p * 32 + j holds
-    input 2i + p of channel j in its low nibble and of channel 32 + j in its high one. N a multiple of 64."""
-    n, half = qweight.shape
-    a = qweight.view(n // BLOCK_N, 2, BLOCK_N // 2, half)  # [blocks, channel half h, j, input pair i]
-    even = (a[:, 0] & 0xF) | (a[:, 1] << 4)  # [blocks, j, i]: input 2i of channels j (low) and 32 + j (high)
-    odd = (a[:, 0] >> 4) | (a[:, 1] & 0xF0)  # [blocks, j, i]: input 2i + 1
-    return torch.stack((even.transpose(1, 2), odd.transpose(1, 2)), dim=2).reshape(n, half)  # [blocks, i, p, j]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one shape, three row counts: a smoke run (scratch/)")

@@ -8,8 +8,9 @@ weight-only int8 kernel reads the codes as they are:
   `torch._weight_int8pack_mm(x, q, s)` = (x @ q^T) * s, x [N, in] bfloat16, q [out, in] int8, s [out] bfloat16.
 
 `PackedInt4`: int4 codes (half a byte a weight) in the layout torch's CPU int4 kernel reads (`kernel_layout`: a
-byte permutation of the stored codes, 1.8-2.4 ms for a [8960, 1536] weight against 16.5 ms to dequantize it,
-docs/perf int4_kernel), and per group of inputs a scale and a zero point in the compute dtype:
+byte permutation of the stored codes in blocks of 64 output channels under AVX-512 and 32 under AVX2, probed by
+`kernel_block`; 1.8-2.4 ms for a [8960, 1536] weight against 16.5 ms to dequantize it, docs/perf int4_kernel), and
+per group of inputs a scale and a zero point in the compute dtype (a low-bit draft copy's: KERNEL_DTYPE):
 
   `torch.ops.aten._weight_int4pack_mm_for_cpu(x, codes, group, scales_zeros)` = x @ W'^T,
   W'[n, i] = (q[n, i] - 8) * scale[i / group, n] + zero[i / group, n],
@@ -259,7 +260,8 @@ class PackedInt4:
 
     @property
     def qweight(self) -> torch.Tensor:
-        """The codes as a checkpoint in the kernel's layout stores them (format int4k): where a disk read puts them."""
+        """The codes as a checkpoint in the kernel's layout stores them (format int4k): where a disk read puts them
+        (where this machine's kernel block is the file's, `relayout`)."""
         return self.codes
 
     def chunk(self, chunks: int, dim: int = 0) -> list[PackedInt4]:
