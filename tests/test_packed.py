@@ -54,8 +54,8 @@ def test_packed_linear_is_the_product_with_the_dequantized_weight(rows, width, o
     x = torch.randn(rows, 16 * width, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)  # [N, in]
     y = linear(x, w)  # [N, out]
     assert y.dtype == dtype and y.shape == (rows, out)
-    if rows > PACKED_MAX_ROWS:  # prefill-sized: dequantized on the spot, then an ordinary GEMM
-        assert torch.equal(y, F.linear(x, w.dequantize()))
+    if rows > PACKED_MAX_ROWS:  # prefill-sized: dequantized on the spot, then the engine's GEMM for a dense weight
+        assert torch.equal(y, linear(x, w.dequantize()))
         return
     exact = x.double() @ (w.qweight.double() * w.scale.double()[:, None]).T  # [N, out]
     ulp = 2.0**-23 if dtype == torch.float32 else 2.0**-8  # one rounding of the output, one of each product sum

@@ -152,7 +152,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor | PackedWeight, bias: torch.Tensor 
     """`linear` in one call, the kernel chosen by the shape (module docstring)."""
     if isinstance(w, (PackedInt8, PackedInt4, PackedBlocks)):
         rows = x.numel() // x.shape[-1]
-        out = packed_linear(x.reshape(rows, x.shape[-1]), w).to(x.dtype)  # [N, out]
+        out = packed_linear(x.reshape(rows, x.shape[-1]), w, dense=_linear).to(x.dtype)  # [N, out]
         return (out if bias is None else out + bias).reshape(*x.shape[:-1], w.shape[0])
     if x.device.type != "cpu":
         return F.linear(x, w, bias)

@@ -40,6 +40,7 @@ default: docs/perf/README.md, "kernel choices".
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -460,12 +461,16 @@ class PackedBlocks:
 PackedWeight = PackedInt8 | PackedInt4 | PackedBlocks
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [N, in] @ W'^T -> [N, out] in the compute dtype."""
+def packed_linear(x: torch.Tensor, w: PackedWeight,
+                  dense: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = bucketed_linear) -> torch.Tensor:
+    """x [N, in] @ W'^T -> [N, out] in the weight's dtype: its kernel up to its row limit; above it (a prefill)
+    `dense(x, W')` on the weight dequantized (runtime/models/linear.py passes its own dense GEMM: in float32 from 48
+    rows where the CPU has no native bfloat16 GEMM, which on AVX2 is several times a bfloat16 F.linear there)."""
     if isinstance(w, PackedBlocks):
         return w.matmul(x)
     if isinstance(w, PackedInt4):  # (and PackedInt8Split)
-        return w.matmul(x) if x.shape[0] <= w.max_rows else bucketed_linear(x.to(w.dtype), w.dequantize())
-    if x.shape[0] <= PACKED_MAX_ROWS and packable(tuple(w.shape)):
+        if x.shape[0] <= w.max_rows:
+            return w.matmul(x)
+    elif x.shape[0] <= PACKED_MAX_ROWS and packable(tuple(w.shape)):
         return torch._weight_int8pack_mm(x.to(w.dtype).contiguous(), w.qweight, w.scale)
-    return bucketed_linear(x.to(w.dtype), w.dequantize())
+    return dense(x.to(w.dtype), w.dequantize())
