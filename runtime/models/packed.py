@@ -23,11 +23,13 @@ INT4_MAX_ROWS rows it multiplies and above (a prefill) the weight is dequantized
 takes as they are, held as the int4 weight [H | L] of twice the inputs (q + 128 = 16 h + l): one call of the int4
 kernel over [x, x] is x @ W'^T, at twice an int4 weight's compute (docs/perf `kernels`: 0.6-0.8x the per-channel
 int8 kernel's rate on the Xeon with AMX, 8-128 rows), reading one byte a weight. It
-multiplies up to INT8G_MAX_ROWS rows (a layer's three FFN GEMMs: the kernel wins at 32 rows, loses at 48), and
+multiplies up to INT8G_MAX_ROWS rows (a layer's three FFN GEMMs with native bfloat16 GEMMs: the kernel wins at 32
+rows, loses at 48; without, at 64 rows), and
 above that the weight is dequantized on the spot.
 
 The kernel is a row loop, so above `PACKED_MAX_ROWS` rows (prefill) the weight is dequantized on the spot and
-F.linear used. Only weights whose input width is a multiple of `PACKED_ALIGN` are packed (the kernel's limit).
+multiplied by the engine's dense GEMM (runtime/models/linear.py `linear`). Only weights whose input width is a
+multiple of `PACKED_ALIGN` are packed (the kernel's limit).
 Numerics: the scale is the stored float32 scale rounded to the compute dtype (the kernel takes the activation
 dtype); both row regimes compute with it (`dequantize` rounds q * s once), so a packed target is one fixed model up
 to the summation order of its GEMMs, as any bfloat16 target is across batch shapes (the kernel computes each row on
@@ -52,8 +54,19 @@ from .row_buckets import bucketed_linear, pad_rows
 if TYPE_CHECKING:
     from .checkpoint import QuantRef
 
-#: rows up to which the int8 kernel beats dequantize + F.linear (module docstring: equal near 24-32 rows)
-PACKED_MAX_ROWS = 16
+
+
+def _native_bf16_gemm() -> bool:
+    """oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 / AMX; runtime/models/linear.py `native_16bit`,
+    which imports this module): the machines the row limits below were first measured on. Without (AVX2) a bfloat16
+    GEMM runs at a fraction of their rate and the kernels win at more rows (docs/perf kernels_avx2)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+_NATIVE_BF16 = _native_bf16_gemm()
+#: rows up to which the int8 kernel beats dequantize + the dense GEMM: equal near 24-32 rows with native bfloat16
+#: GEMMs (module docstring); without, it won at every measured count to 128 (docs/perf kernels_avx2)
+PACKED_MAX_ROWS = 16 if _NATIVE_BF16 else 128
 #: the kernel's input width must be a multiple of this: torch 2.13's bfloat16 kernel returns garbage for 8 or 24
 #: inputs and crashes for 17 (measured); such weights are never packed (`packable`)
 PACKED_ALIGN = 16
@@ -71,7 +84,8 @@ KERNEL_BLOCKS = (64, 32)
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUPS = (32, 64, 128, 256)
 #: rows up to which the split int8 kernel (`PackedInt8Split`: twice the int4 kernel's work) beats dequantize + GEMM
-INT8G_MAX_ROWS = 32
+#: (native bfloat16 GEMMs: 32; without: 64, docs/perf kernels_avx2 `int8g32_kernel_faster_up_to_rows`)
+INT8G_MAX_ROWS = 32 if _NATIVE_BF16 else 64
 #: rows up to which the ggml kernel over a q4_k / q6_k weight's blocks beats the kernel's dequantization + a bfloat16
 #: GEMM (the Xeon with AMX, 2 cores, one run: [8960, 1536] 3.5 / 5.4 ms against 5.6 / 5.9 at 4 / 8 rows, 7.8 against
 #: 5.5 at 12; [3584, 1536] 0.8 / 1.2 against 2.2 / 2.7, 4.0 against 2.1 at 12; a [336, 1536] expert 0.18 against 0.26
