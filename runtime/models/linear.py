@@ -44,25 +44,12 @@ import torch
 import torch.nn.functional as F
 
 from .packed import PackedBlocks, PackedInt4, PackedInt8, PackedWeight, packed_linear
-from .row_buckets import bucketed_linear
+from .row_buckets import bucketed_linear, native_16bit
 
 W = TypeVar("W")
 
 #: rows from which a 16-bit CPU matmul is done in float32 where the CPU has no native 16-bit GEMM (docstring)
 UPCAST_MIN_ROWS = 48
-
-
-@functools.cache
-def native_16bit(dtype: torch.dtype) -> bool:
-    """oneDNN computes `dtype` (bfloat16 / float16) GEMMs natively on this CPU (AVX512 / AMX kernels), so F.linear
-    beats upcasting to float32 at every row count (module docstring)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return False
 
 
 @functools.cache

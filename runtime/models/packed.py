@@ -49,24 +49,14 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from .row_buckets import bucketed_linear, pad_rows
+from .row_buckets import bucketed_linear, native_16bit, pad_rows
 
 if TYPE_CHECKING:
     from .checkpoint import QuantRef
 
-
-
-def _native_bf16_gemm() -> bool:
-    """oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 / AMX; runtime/models/linear.py `native_16bit`,
-    which imports this module): the machines the row limits below were first measured on. Without (AVX2) a bfloat16
-    GEMM runs at a fraction of their rate and the kernels win at more rows (docs/perf kernels_avx2)."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-_NATIVE_BF16 = _native_bf16_gemm()
 #: rows up to which the int8 kernel beats dequantize + the dense GEMM: equal near 24-32 rows with native bfloat16
 #: GEMMs (module docstring); without, it won at every measured count to 128 (docs/perf kernels_avx2)
-PACKED_MAX_ROWS = 16 if _NATIVE_BF16 else 128
+PACKED_MAX_ROWS = 16 if native_16bit(torch.bfloat16) else 128
 #: the kernel's input width must be a multiple of this: torch 2.13's bfloat16 kernel returns garbage for 8 or 24
 #: inputs and crashes for 17 (measured); such weights are never packed (`packable`)
 PACKED_ALIGN = 16
@@ -85,7 +75,7 @@ KERNEL_DTYPE = torch.bfloat16
 INT4_GROUPS = (32, 64, 128, 256)
 #: rows up to which the split int8 kernel (`PackedInt8Split`: twice the int4 kernel's work) beats dequantize + GEMM
 #: (native bfloat16 GEMMs: 32; without: 64, docs/perf kernels_avx2 `int8g32_kernel_faster_up_to_rows`)
-INT8G_MAX_ROWS = 32 if _NATIVE_BF16 else 64
+INT8G_MAX_ROWS = 32 if native_16bit(torch.bfloat16) else 64
 #: rows up to which the ggml kernel over a q4_k / q6_k weight's blocks beats the kernel's dequantization + a bfloat16
 #: GEMM (the Xeon with AMX, 2 cores, one run: [8960, 1536] 3.5 / 5.4 ms against 5.6 / 5.9 at 4 / 8 rows, 7.8 against
 #: 5.5 at 12; [3584, 1536] 0.8 / 1.2 against 2.2 / 2.7, 4.0 against 2.1 at 12; a [336, 1536] expert 0.18 against 0.26
@@ -163,7 +153,7 @@ def kernel_layout(qweight: torch.Tensor, out: torch.Tensor | None = None, block:
     channel block / 2 + j in its high one. The kernel's block is 64 channels where torch runs its AVX-512 code and
     32 under AVX2; `block` defaults to this machine's (`kernel_block`). N a multiple of INT4_BLOCK (so of either
     block); written into `out` (uint8 [N, K / 2]) when given."""
-    b = block or kernel_block() or INT4_BLOCK
+    b = block or layout_block()
     n, half = qweight.shape
     a = qweight.view(n // b, 2, b // 2, half)  # [blocks, channel half h, j, input pair i]
     even = (a[:, 0] & 0xF) | (a[:, 1] << 4)  # [blocks, j, i]: input 2i of channels j (low nibble), b / 2 + j (high)
@@ -178,7 +168,7 @@ def kernel_layout(qweight: torch.Tensor, out: torch.Tensor | None = None, block:
 def stored_layout(codes: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """The inverse of `kernel_layout` (the same `block`): the kernel's codes [N, K / 2] back in the stored nibble
     order."""
-    b = block or kernel_block() or INT4_BLOCK
+    b = block or layout_block()
     n, half = codes.shape
     d = codes.view(n // b, half, 2, b // 2).transpose(1, 3)  # [blocks, j, p, i]
     even, odd = d[:, :, 0], d[:, :, 1]  # [blocks, j, i]
@@ -187,11 +177,17 @@ def stored_layout(codes: torch.Tensor, block: int | None = None) -> torch.Tensor
     return torch.stack((low, high), dim=1).reshape(n, half)  # [blocks, h, j, i]
 
 
+def layout_block() -> int:
+    """The block packed int4 codes are laid out in on this machine: the kernel's (`kernel_block`), INT4_BLOCK where
+    this torch has none whose layout is known (nothing is then multiplied by it)."""
+    return kernel_block() or INT4_BLOCK
+
+
 def relayout(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Codes [N, K / 2] in the file layout (`kernel_layout` at INT4_BLOCK: what int4k and int8g store) in this
     machine's kernel layout (`kernel_block`): a copy where the blocks agree, else a permutation through the stored
     order."""
-    block = kernel_block() or INT4_BLOCK
+    block = layout_block()
     if block == INT4_BLOCK:
         return codes.clone() if out is None else out.copy_(codes)
     return kernel_layout(stored_layout(codes, INT4_BLOCK), out=out, block=block)
@@ -340,7 +336,7 @@ class PackedInt8Split(PackedInt4):
         groups = self.scales_zeros.shape[0] // 2
         scale = self.scales_zeros[groups:, :, 0].float().T  # [out_p, groups]
 
-        kb = kernel_block() or INT4_BLOCK  # the codes' layout block
+        kb = layout_block()  # the codes' layout block
 
         def fill(block: torch.Tensor, rows: slice) -> None:  # block [n, groups, group] float32, n whole blocks
             n, half = block.shape[0], self.codes.shape[1] // 2

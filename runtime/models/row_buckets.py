@@ -20,6 +20,8 @@ it (runtime/models/linear.py, "exact arithmetic"; exact mode does not pad: its b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -46,3 +48,17 @@ def bucketed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu":
         return F.linear(x, w)
     return F.linear(pad_rows(x), w)[: x.shape[0]]
+
+
+@functools.cache
+def native_16bit(dtype: torch.dtype) -> bool:
+    """oneDNN computes `dtype` (bfloat16 / float16) GEMMs natively on this CPU (AVX512 / AMX kernels), so F.linear
+    beats upcasting to float32 at every row count (runtime/models/linear.py's module docstring; the packed kernels'
+    row limits depend on it too, runtime/models/packed.py)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
