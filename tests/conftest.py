@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +12,35 @@ import torch
 
 from specoffload.planner.placement import ModelShape
 from specoffload.planner.shapes import PartKey
+
+#: the test files that start or join Ray (a cluster of their own, a local instance, or `connect`'s "join the one found
+#: on this machine"): one pytest-xdist work unit, so no two of them run at once (a second instance finds the first's
+#: GCS, its ports race the first's), collected first, so that one worker takes them while the other takes the rest
+#: file by file (scripts/test.sh: --dist loadfile); they are also the suite's longest files (minutes on 2 cores)
+RAY_FILES = ("test_ray_job.py", "test_actors.py", "test_ray_data.py", "test_readme_snippets.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """RAY_FILES first, in that order; every other test in its collected order."""
+    rank = {name: i for i, name in enumerate(RAY_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(RAY_FILES)))
+
+
+if importlib.util.find_spec("xdist") is not None:  # the hook exists only with pytest-xdist installed
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+        """--dist loadfile with RAY_FILES as one unit (pytest-xdist's own --dist loadgroup marks do not group on
+        pytest 9: its worker renames items through a private attribute that pytest 9 no longer reads)."""
+        if config.getvalue("dist") != "loadfile":
+            return None
+        from xdist.scheduler import LoadFileScheduling
+
+        class RayFilesTogether(LoadFileScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                file = super()._split_scope(nodeid)
+                return "ray" if Path(file).name in RAY_FILES else file
+
+        return RayFilesTogether(config, log)
 
 
 def has_int4_kernel() -> bool:
@@ -26,19 +56,19 @@ needs_int4_kernel = pytest.mark.skipif(not has_int4_kernel(), reason="this torch
                                        "is known: int4 weights are held dequantized")
 
 
-def one_more_core_busy(monkeypatch: pytest.MonkeyPatch) -> Callable[[], tuple[float, float] | None]:
-    """Other processes keep one core busy all the time (simulated in profiler.py's /proc/stat reading: every
-    process's busy seconds are this process's own plus one core's, whatever the machine's real others do: /proc/stat
+def other_cores_busy(monkeypatch: pytest.MonkeyPatch, cores: float = 1.0) -> Callable[[], tuple[float, float] | None]:
+    """Other processes keep `cores` cores busy all the time (simulated in profiler.py's /proc/stat reading: every
+    process's busy seconds are this process's own plus `cores` cores', whatever the machine's real others do: /proc/stat
     counts in 10 ms ticks, so over the few milliseconds a test's passes take, a real reading is noise; own CPU a tick
-    ahead of the total once read 0.3 cores in CI), with the disturbance limit at 0.5 cores; returns the real reading
-    (set it back to go quiet again)."""
+    ahead of the total once read 0.3 cores in CI, and the suite's other pytest-xdist worker is a real busy core), with
+    the disturbance limit at 0.5 cores; `cores=0` simulates a quiet machine. Returns the real reading."""
     from specoffload.runtime.offload import profiler
 
     real = profiler._busy_seconds
 
     def busy() -> tuple[float, float] | None:
         now = real()
-        return None if now is None else (now[1] + 1.0 * time.monotonic(), now[1])  # own + one core, all the time
+        return None if now is None else (now[1] + cores * time.monotonic(), now[1])  # own + `cores`, all the time
 
     monkeypatch.setattr(profiler, "_busy_seconds", busy)
     monkeypatch.setattr(profiler, "OTHERS_LIMIT", 0.5)

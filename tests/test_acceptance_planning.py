@@ -32,7 +32,7 @@ from specoffload.planner.acceptance import (
     t_quantile,
 )
 from specoffload.planner.placement import PlacementPolicy, place
-from tests.conftest import dense_shape, one_more_core_busy
+from tests.conftest import dense_shape, other_cores_busy
 
 # --- the between-prompt error --------------------------------------------------------------------------------
 
@@ -310,7 +310,7 @@ def test_a_profile_off_by_more_than_the_margin_is_corrected_and_said(caplog, mon
         assert not observe(replanner, factor, k)  # checked once per run: no second line
     # other processes busy over the passes (simulated: one extra core busy all the time): drafted passes slower are
     # corrected, for this run only
-    real = one_more_core_busy(monkeypatch)
+    real = other_cores_busy(monkeypatch)
     busy = Replanner(plan, interval=1, profile=compute_bound, costs=costs, placement=placement)
     warned = observe(busy, 2.0, 2)
     assert len(warned) == 1 and busy.profile_off == pytest.approx(2.0, rel=1e-6) and busy.shape_off is None

@@ -403,11 +403,16 @@ def test_device_flag_errors_are_one_line(tiny_models, tmp_path, capsys):
         assert "sees no CUDA GPU" in err and "Traceback" not in err
 
 
-def test_plan_and_generate_give_the_same_plan_for_the_same_job(tiny_models, tmp_path, capsys):
+def test_plan_and_generate_give_the_same_plan_for_the_same_job(tiny_models, tmp_path, capsys, monkeypatch):
     """`generate` plans a planned job as `plan` does (the warm-up on the job's prompts, then the search over its
-    workload), so the batch and k it runs are the ones `plan` prints; neither is larger than the job."""
+    workload), so the batch and k it runs are the ones `plan` prints; neither is larger than the job. The warm-up's
+    pass times do not correct the (cached, shared) profile here: on a busy machine two runs' times differ, and a
+    correction in one but not the other moved k between 1 and 2 (replan.py `check_profile`, tested on its own)."""
     import re
 
+    from specoffload.runtime.offload import replan
+
+    monkeypatch.setattr(replan, "PROFILE_MARGIN", float("inf"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"token_ids": [1, 5 + i, 9, 5 + i]}) + "\n" for i in range(6)))
     common = ["--model", str(tiny_models["llama"]), "--prompts", str(prompts), "--drafter", "ngram",

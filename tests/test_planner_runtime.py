@@ -11,7 +11,7 @@ from specoffload.runtime.config import ConfigError, EngineConfig
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.offload import profiler
 from specoffload.runtime.sampling import SamplingParams
-from tests.conftest import one_more_core_busy
+from tests.conftest import other_cores_busy
 
 PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -86,7 +86,7 @@ def test_a_disturbed_measurement_is_taken_again_then_marked(tiny_models, profile
     are taken MEASURE_TRIES times, the last is used for the job, saved as disturbed, and measured again by the next
     load; a quiet machine's profile is kept."""
     config = EngineConfig(tiny_models["llama"], device_memory="1GiB")
-    real = one_more_core_busy(monkeypatch)
+    other_cores_busy(monkeypatch)
     tries = []
     real_isolated = profiler._isolated
     monkeypatch.setattr(profiler, "_isolated", lambda *a, **k: tries.append(1) or real_isolated(*a, **k))
@@ -99,7 +99,7 @@ def test_a_disturbed_measurement_is_taken_again_then_marked(tiny_models, profile
         profiler.MEASURE_TRIES - 1
     assert lines[-1].startswith("profile: disturbed (other processes kept")
     assert profiler.cached(config)[0] is None and "busy machine" in profiler.cached(config)[1]
-    monkeypatch.setattr(profiler, "_busy_seconds", real)  # quiet again
+    other_cores_busy(monkeypatch, 0.0)  # quiet again
     tries.clear()
     quiet = profiler.load_or_measure(config, quick=True, open_engine=Engine, log=lines.append)
     assert tries == [1] and not quiet.provenance["conditions"].get("disturbed")
@@ -160,7 +160,7 @@ def test_the_warm_up_corrects_an_off_profile_before_the_job_is_planned(tiny_mode
     assert scale < 1 / 1.25 and scaled and not kept  # measured slow: corrected, measured again next time
     scale, scaled, kept = planned(profile.scaled_compute(0.1))
     assert scale == 1.0 and not scaled and kept  # quiet: the drafted shape's error, the rates stand
-    one_more_core_busy(monkeypatch)
+    other_cores_busy(monkeypatch)
     scale, scaled, kept = planned(profile.scaled_compute(0.1))
     assert scale > 1.25 and scaled and kept  # busy now: this job corrected, the profile kept
 
