@@ -29,6 +29,7 @@ from specoffload.runtime.models.packed import (
     PackedInt4,
     PackedInt8,
     PackedInt8Split,
+    halve_blocks,
     kernel_layout,
     packable,
     relayout,
@@ -208,6 +209,23 @@ def test_int4_kernel_layout_is_atens_and_inverts(blocks, groups, group, seed):
     file_layout = kernel_layout(stored, block=INT4_BLOCK)
     assert torch.equal(relayout(file_layout), packed)
     assert torch.equal(relayout(file_layout, out=torch.empty_like(packed)), packed)
+
+
+@settings(max_examples=30, deadline=None)
+@given(blocks=st.integers(1, 3), half=st.sampled_from([1, 2, 8, 16, 24, 48]), offset=st.sampled_from([0, 1, 8]),
+       seed=st.integers(0, 2**31 - 1))
+def test_halving_the_blocks_is_going_through_the_stored_order(blocks, half, offset, seed):
+    """`halve_blocks` (the file's blocks of 64 to AVX2's 32, on every load there) equals the layout at 32 of the
+    stored order of the layout at 64, on any machine: on int64 lanes (contiguous, 8-byte aligned) and on bytes
+    (a view at an odd offset), into a new tensor or `out`."""
+    n = INT4_BLOCK * blocks
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randint(0, 256, (offset + n * half,), generator=g, dtype=torch.uint8)
+    codes = flat[offset:].view(n, half)  # [N, K / 2] in the file layout (any bytes are some codes)
+    expected = kernel_layout(stored_layout(codes, INT4_BLOCK), block=INT4_BLOCK // 2)
+    assert torch.equal(halve_blocks(codes), expected)
+    out = torch.empty(offset + n * half, dtype=torch.uint8)[offset:].view(n, half)
+    assert halve_blocks(codes, out) is out and torch.equal(out, expected)
 
 
 def _int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> tuple[PackedInt4, torch.Tensor]:

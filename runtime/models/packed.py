@@ -185,12 +185,40 @@ def layout_block() -> int:
 
 def relayout(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Codes [N, K / 2] in the file layout (`kernel_layout` at INT4_BLOCK: what int4k and int8g store) in this
-    machine's kernel layout (`kernel_block`): a copy where the blocks agree, else a permutation through the stored
-    order."""
+    machine's kernel layout (`kernel_block`): a copy where the blocks agree, else `halve_blocks` (AVX2's 32)."""
     block = layout_block()
     if block == INT4_BLOCK:
         return codes.clone() if out is None else out.copy_(codes)
-    return kernel_layout(stored_layout(codes, INT4_BLOCK), out=out, block=block)
+    if block != INT4_BLOCK // 2:
+        return kernel_layout(stored_layout(codes, INT4_BLOCK), out=out, block=block)
+    return halve_blocks(codes, out)
+
+
+#: the low and the high nibble of every byte of an int64 lane (the high: 0xF0...F0's bits as a signed int64)
+_LOW_NIBBLES, _HIGH_NIBBLES = 0x0F0F0F0F0F0F0F0F, 0xF0F0F0F0F0F0F0F0 - (1 << 64)
+
+
+def halve_blocks(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`kernel_layout` codes [N, K / 2] at blocks of 2b output channels (INT4_BLOCK) in the layout at blocks of b,
+    without going through the stored order. At 2b, byte (i, p, j) of a block holds input 2i + p of channel j in its
+    low nibble and of channel b + j in its high one (j < b); at b, of channels j and b / 2 + j (j < b / 2). So the
+    first b-block's byte (i, p, j) is (lo of 2b-byte (i, p, j)) | (lo of (i, p, b / 2 + j)) << 4, and the second's
+    (hi of (i, p, j)) | (hi of (i, p, b / 2 + j)) << 4: nibble operations on runs of b / 2 bytes, no transpose (on
+    int64 lanes where the bytes allow it). Written into `out` (uint8 [N, K / 2]) when given."""
+    n, half = codes.shape
+    b = INT4_BLOCK // 2
+    dest = torch.empty_like(codes) if out is None else out
+    lanes = (b // 2) % 8 == 0 and all(t.is_contiguous() and t.storage_offset() % 8 == 0 for t in (codes, dest))
+    src = codes.view(-1).view(torch.int64) if lanes else codes  # (N is a multiple of 64: whole lanes)
+    dst = dest.view(-1).view(torch.int64) if lanes else dest
+    run = b // 2 // (8 if lanes else 1)  # a run of b / 2 bytes, in elements
+    low, high = (_LOW_NIBBLES, _HIGH_NIBBLES) if lanes else (0x0F, 0xF0)
+    s = src.view(n // INT4_BLOCK, half, 2, 2, run)  # [2b-blocks, i, p, first / second half of j, run]
+    first, second = s[:, :, :, 0], s[:, :, :, 1]
+    d = dst.view(n // INT4_BLOCK, 2, half, 2, run)  # [2b-blocks, b-block, i, p, run]
+    torch.bitwise_or(first & low, (second & low) << 4, out=d[:, 0])
+    torch.bitwise_or((first >> 4) & low, second & high, out=d[:, 1])  # (int64 >> is arithmetic: masked after)
+    return dest
 
 
 @functools.cache
