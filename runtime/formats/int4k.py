@@ -9,9 +9,8 @@ group 64) into the kernel's (scale, min + 8 * scale) pairs.
 
 Stored: W.qweight U8 [..., out_p, in_p / 2] (int4's codes in `kernel_layout` per matrix at blocks of 64, the
 AVX-512 kernel's; out_p: the outputs padded to whole blocks of 64 with code 0; where torch runs its AVX2 kernel,
-whose blocks are 32 channels, a load re-lays the codes: `relayout`, nibble operations on runs of bytes,
-packed.py `halve_blocks`), W.scale F16 [..., out, groups] and W.zero
-F16 [..., out, groups] as int4 stores them. The group is one the kernel takes (32, 64, 128 or 256).
+whose blocks are 32 channels, a load re-lays the codes by nibble operations, `relayout`), W.scale F16 [..., out,
+groups] and W.zero F16 [..., out, groups] as int4 stores them. The group is one the kernel takes (32, 64, 128 or 256).
 Dequantization inverts the permutation (`stored_layout`, plain bit operations on any device) and applies int4's
 arithmetic, so the weight is the int4 weight bit for bit; where this torch has no int4 kernel whose layout is known
 (`int4_kernel_ok` false) the weight is dequantized into its slot as int4's is.

@@ -185,12 +185,10 @@ def layout_block() -> int:
 
 def relayout(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Codes [N, K / 2] in the file layout (`kernel_layout` at INT4_BLOCK: what int4k and int8g store) in this
-    machine's kernel layout (`kernel_block`): a copy where the blocks agree, else `halve_blocks` (AVX2's 32)."""
-    block = layout_block()
-    if block == INT4_BLOCK:
+    machine's kernel layout (`kernel_block`, one of KERNEL_BLOCKS): a copy where the blocks agree, else
+    `halve_blocks` (AVX2's 32)."""
+    if layout_block() == INT4_BLOCK:
         return codes.clone() if out is None else out.copy_(codes)
-    if block != INT4_BLOCK // 2:
-        return kernel_layout(stored_layout(codes, INT4_BLOCK), out=out, block=block)
     return halve_blocks(codes, out)
 
 
@@ -208,7 +206,7 @@ def halve_blocks(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     n, half = codes.shape
     b = INT4_BLOCK // 2
     dest = torch.empty_like(codes) if out is None else out
-    lanes = (b // 2) % 8 == 0 and all(t.is_contiguous() and t.storage_offset() % 8 == 0 for t in (codes, dest))
+    lanes = all(t.is_contiguous() and t.storage_offset() % 8 == 0 for t in (codes, dest))  # (runs: 2 lanes)
     src = codes.view(-1).view(torch.int64) if lanes else codes  # (N is a multiple of 64: whole lanes)
     dst = dest.view(-1).view(torch.int64) if lanes else dest
     run = b // 2 // (8 if lanes else 1)  # a run of b / 2 bytes, in elements
