@@ -16,8 +16,16 @@ The table gives layer tokens/s (rows / the three GEMMs' seconds) and the millise
 `packed_linear` picks at that row count. The summary: per format and rows the kernel's tokens/s over bf16's
 (`<label>_kernel_over_bf16_<rows>`), int8g's kernel against int8's (`int8g32_over_int8_<rows>`), and the crossover
 row count of the int8g kernel against dequant (`int8g32_kernel_faster_up_to_rows`: the largest measured row count
-where the kernel wins; INT8G_MAX_ROWS is set from it). Median of REPS timings, min and max beside. A quick run
-(one row count pair, 3 reps) writes docs/perf/scratch/<out>_quick.json; --out names the file (default kernels).
+where the kernel wins; INT8G_MAX_ROWS is set from it). Median of REPS timings, min and max beside.
+
+GGUF blocks (q4_k, q6_k: random blocks of the same shapes; `PackedBlocks`, runtime/kernels/ggml.c) at BLOCK_ROWS:
+`kernel` is the engine's build of ggml.c (its vector path for this CPU: AVX-512 or AVX2, `ggml_isa` in the summary),
+`portable` the same source built without a vector path (what this CPU ran before it had one), `dequant` the
+native build's bfloat16 copy then `linear`. Summary: `<kind>_kernel_over_portable_<rows>`,
+`<kind>_kernel_over_bf16_<rows>` and `_over_int4g32_<rows>` (torch's int4 kernel, what a q4_k weight is repacked for
+without the ggml kernel; at the row counts both were measured), and `<kind>_kernel_faster_up_to_rows`
+(BLOCKS_MAX_ROWS is set from it). `--blocks-only` measures these with bf16 and int4 g32 only. A quick
+run (one row count pair, 3 reps) writes docs/perf/scratch/<out>_quick.json; --out names the file (default kernels).
 """
 
 from __future__ import annotations
@@ -29,9 +37,12 @@ from functools import partial
 import torch
 
 from scripts.common import PERF, median_spread, run_meta, timed_samples, write_json
+from specoffload.runtime import kernels
 from specoffload.runtime.formats import weight_format
+from specoffload.runtime.formats.ggml import block_kernel
 from specoffload.runtime.models.linear import linear
 from specoffload.runtime.models.packed import (
+    BLOCKS_MAX_ROWS,
     INT8G_MAX_ROWS,
     PACKED_MAX_ROWS,
     PackedInt4,
@@ -41,6 +52,8 @@ from specoffload.runtime.models.packed import (
 
 LAYER = ((8960, 1536), (8960, 1536), (1536, 8960))  # gate, up, down of Qwen2.5-Coder-1.5B
 ROWS = (1, 8, 32, 48, 64, 96, 128)
+#: row counts of the GGUF block kinds (the ggml kernel's range and the crossover with dequant + GEMM)
+BLOCK_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96)
 REPS = 7
 FORMATS = (("bf16", None), ("int8", weight_format("int8")), ("int8g32", weight_format("int8g", 32)),
            ("int8g64", weight_format("int8g", 64)), ("int4g32", weight_format("int4k", 32)),
@@ -64,21 +77,64 @@ def _layer(fn, weights: list[object], x_in: list[torch.Tensor]) -> None:  # noqa
         fn(w, x)
 
 
+def _blocks(summary: dict, table: list[dict], ms: dict, rows_list: tuple[int, ...], reps: int,
+            g: torch.Generator) -> bool:
+    """The GGUF block kinds' rows of the table (module docstring); False where the ggml kernel is not built here."""
+    native, path = block_kernel(), kernels.build(generic=True)
+    if native is None or path is None:
+        print("no ggml kernel here (no C compiler): the GGUF block rows are not measured", file=sys.stderr)
+        return False
+    portable = kernels._load(path)
+    summary["ggml_isa"] = native.isa
+    for kind in kernels.KINDS:
+        nb = [shape[1] // kernels.BLOCK for shape in LAYER]
+        blocks = [kernels.random_blocks(kind, shape[0], n, g) for shape, n in zip(LAYER, nb)]
+        ways = {"kernel": lambda b, x, k=kind: native.matmul(k, b, x, dtype=torch.bfloat16),
+                "portable": lambda b, x, k=kind: portable.matmul(k, b, x, dtype=torch.bfloat16),
+                "dequant": lambda b, x, k=kind: linear(x.bfloat16(), native.dequantize(k, b, x.shape[1],
+                                                                                        torch.bfloat16))}
+        for rows in rows_list:
+            x_in = [torch.randn(rows, shape[1], generator=g) for shape in LAYER]  # float32: the kernel's input
+            for way, fn in ways.items():
+                med, lo, hi = median_spread(timed_samples(partial(_layer, fn, blocks, x_in), reps))
+                ms[kind, way, rows] = med * 1e3
+                table.append({"format": kind, "way": way, "rows": rows, "ms": med * 1e3, "min_ms": lo * 1e3,
+                              "max_ms": hi * 1e3, "tok_s": rows / med,
+                              "engine": way == ("kernel" if rows <= BLOCKS_MAX_ROWS else "dequant")})
+                print(f"{kind:9} {way:8} {rows:4} rows: {med * 1e3:8.2f} ms ({lo * 1e3:.2f}-{hi * 1e3:.2f})",
+                      file=sys.stderr)
+            kernel_ms = ms[kind, "kernel", rows]
+            summary[f"{kind}_kernel_over_portable_{rows}"] = round(ms[kind, "portable", rows] / kernel_ms, 3)
+            for other in ("bf16", "int4g32"):  # (where measured at these rows)
+                if (other, "kernel", rows) in ms:
+                    summary[f"{kind}_kernel_over_{other}_{rows}"] = round(ms[other, "kernel", rows] / kernel_ms, 3)
+        wins = [r for r in rows_list if ms[kind, "kernel", r] < ms[kind, "dequant", r]]
+        summary[f"{kind}_kernel_faster_up_to_rows"] = max(wins) if wins else 0
+    summary["blocks_max_rows_in_engine"] = BLOCKS_MAX_ROWS
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="rows 1 and 8, 3 reps: a smoke run (scratch/)")
     ap.add_argument("--out", default="kernels", help="docs/perf/<out>.json (another machine's table: its own name)")
+    ap.add_argument("--blocks-only", action="store_true",
+                    help="the GGUF block kinds, with bf16 and int4 g32 beside them at BLOCK_ROWS, no other format")
     args = ap.parse_args()
     if not (int4_kernel_ok() and hasattr(torch, "_weight_int8pack_mm")):
         print("this torch has no CPU int4 / int8 weight-only kernel: nothing to measure", file=sys.stderr)
         return 1
     meta = run_meta("bfloat16")
     reps, rows_list = (3, ROWS[:2]) if args.quick else (REPS, ROWS)
+    blocks_rows = BLOCK_ROWS[:3:2] if args.quick else BLOCK_ROWS
+    formats = FORMATS
+    if args.blocks_only:
+        formats, rows_list = tuple(f for f in FORMATS if f[0] in ("bf16", "int4g32")), blocks_rows
     g = torch.Generator().manual_seed(0)
     source = [torch.randn(shape, generator=g) * 0.02 for shape in LAYER]  # [out, in] float32
     table: list[dict] = []
     ms: dict[tuple[str, str, int], float] = {}
-    for label, fmt in FORMATS:
+    for label, fmt in formats:
         if fmt is None:
             weights: list[object] = [w.bfloat16() for w in source]
         else:
@@ -98,23 +154,30 @@ def main() -> int:
                       file=sys.stderr)
     summary: dict[str, object] = {"layer": "3 FFN GEMMs of Qwen2.5-Coder-1.5B", "dtype": "bfloat16",
                                   "quick": args.quick}
-    for label, _ in FORMATS[1:]:
+    for label, _ in formats[1:]:
         for rows in rows_list:
             summary[f"{label}_kernel_over_bf16_{rows}"] = round(ms["bf16", "kernel", rows] / ms[label, "kernel", rows],
                                                                 3)
-    for rows in rows_list:
-        summary[f"int8g32_over_int8_{rows}"] = round(ms["int8", "kernel", rows] / ms["int8g32", "kernel", rows], 3)
-    wins = [r for r in rows_list if ms["int8g32", "kernel", r] < ms["int8g32", "dequant", r]]
-    summary["int8g32_kernel_faster_up_to_rows"] = max(wins) if wins else 0
-    summary["int8g_max_rows_in_engine"] = INT8G_MAX_ROWS
-    print("\n| format | rows | kernel tok/s | kernel ms | dequant + GEMM ms | engine uses |")
-    print("|---|---:|---:|---:|---:|---|")
-    for label, _ in FORMATS:
+    if not args.blocks_only:
         for rows in rows_list:
+            summary[f"int8g32_over_int8_{rows}"] = round(ms["int8", "kernel", rows] / ms["int8g32", "kernel", rows],
+                                                         3)
+        wins = [r for r in rows_list if ms["int8g32", "kernel", r] < ms["int8g32", "dequant", r]]
+        summary["int8g32_kernel_faster_up_to_rows"] = max(wins) if wins else 0
+        summary["int8g_max_rows_in_engine"] = INT8G_MAX_ROWS
+    if _blocks(summary, table, ms, blocks_rows, reps, g):
+        rows_list = [*rows_list, *(r for r in blocks_rows if r not in rows_list)]
+    print("\n| format | rows | kernel tok/s | kernel ms | dequant + GEMM ms | portable build ms | engine uses |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for label in [f for f, _ in formats] + [k for k in kernels.KINDS if (k, "kernel", blocks_rows[0]) in ms]:
+        for rows in rows_list:
+            if (label, "kernel", rows) not in ms:
+                continue
             k, d = ms[label, "kernel", rows], ms.get((label, "dequant", rows))
             used = next(r["way"] for r in table if r["format"] == label and r["rows"] == rows and r["engine"])
+            p = ms.get((label, "portable", rows))
             print(f"| {label} | {rows} | {rows / k * 1e3:.0f} | {k:.2f} | {'' if d is None else f'{d:.2f}'} | "
-                  f"{used} |")
+                  f"{'' if p is None else f'{p:.2f}'} | {used} |")
     print(summary)
     path = write_json(PERF / (f"scratch/{args.out}_quick.json" if args.quick else f"{args.out}.json"),
                       {"summary": summary, **meta, "reps": reps, "shapes": LAYER, "rows": table})

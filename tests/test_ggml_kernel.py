@@ -1,10 +1,10 @@
 """runtime/kernels/ggml.c: x @ W^T over a GGUF's q4_k / q6_k blocks as stored (`PackedBlocks`).
 
 Its products equal x @ W^T with W from the Python dequantization (llama.cpp's values, bit for bit: test_gguf.py) to
-float32 summation, in the AVX-512 build and in the portable one; a row's result does not depend on the rows beside it
-nor on the thread count; a q4_k / q6_k weight stays as its blocks in a slot (read there by the disk read, no work at
-load; a tiny GGUF target run so: test_gguf.py); without a compiler, or turned off, the formats fall back to what they
-did before.
+float32 summation, in the vector build this CPU takes (AVX-512 or AVX2) and in the portable one; a row's result does
+not depend on the rows beside it nor on the thread count; a q4_k / q6_k weight stays as its blocks in a slot (read
+there by the disk read, no work at load; a tiny GGUF target run so: test_gguf.py); without a compiler, or turned
+off, the formats fall back to what they did before.
 """
 
 from __future__ import annotations
@@ -28,13 +28,21 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the ggm
 
 @pytest.fixture(scope="module")
 def generic():
-    """The portable build of ggml.c (no AVX-512), loaded beside the default one."""
+    """The portable build of ggml.c (no vector path), loaded beside the default one."""
     path = kernels.build(generic=True)
     if path is None:
         pytest.skip("no C compiler")
     kernel = kernels._load(path)
-    assert not kernel.vector
+    assert not kernel.vector and kernel.isa == "portable"
     return kernel
+
+
+@needs_kernel
+def test_the_build_takes_the_widest_vector_path_this_cpu_has():
+    flags = set(kernels._cpu_signature().split())
+    want = ("avx512" if {"avx512f", "avx512bw"} <= flags else "avx2" if {"avx2", "fma", "f16c"} <= flags
+            else "portable")
+    assert KERNEL.isa == want and KERNEL.vector == (want != "portable")
 
 
 def product(kernel, name: str, raw: np.ndarray, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
@@ -99,7 +107,8 @@ def test_bad_arguments_are_refused():
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(kernels.KINDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_block_weight_stays_as_stored_and_multiplies(name, dtype):
+def test_a_block_weight_stays_as_stored_and_multiplies(name, dtype, monkeypatch):
+    monkeypatch.setattr(PackedBlocks, "max_rows", 8)  # (the AMX machine's limit: 10 rows go through the GEMM)
     fmt = weight_format(name)
     shape = (70, 512)
     raw = torch.from_numpy(random_blocks(name, *shape[:1], 2, 3))
@@ -119,7 +128,7 @@ def test_a_block_weight_stays_as_stored_and_multiplies(name, dtype):
     assert torch.equal(torch.cat([linear(x[0], h) for h in halves], -1), linear(x[0], w))
     one = torch.cat([linear(x.to(dtype)[0, r : r + 1], w) for r in range(5)])  # rows alone: the kernel's path
     assert torch.allclose(one.double(), y[0].double(), rtol=tol, atol=tol * float(want.abs().max()))
-    many = linear(x.to(dtype).reshape(10, 512), w)  # 10 rows: above BLOCKS_MAX_ROWS, the dequantized copy's GEMM
+    many = linear(x.to(dtype).reshape(10, 512), w)  # 10 rows: above max_rows, the dequantized copy's GEMM
     assert torch.allclose(many.double(), y.reshape(10, 70).double(), rtol=tol, atol=tol * float(want.abs().max()))
 
 
@@ -129,6 +138,7 @@ def test_many_rows_multiply_the_same_weights_in_pieces(monkeypatch):
     GEMM: the product equals the one-row kernel path's to float32 summation (float32 compute), whole or in pieces."""
     from specoffload.runtime.models import packed
 
+    monkeypatch.setattr(PackedBlocks, "max_rows", 8)  # (11 rows: above it on every machine)
     fmt = weight_format("q6_k")
     raw = torch.from_numpy(random_blocks("q6_k", 100, 2, 5))
     w = fmt.packed_copy({"qweight": raw}, (100, 512), torch.float32)

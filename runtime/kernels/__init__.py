@@ -15,7 +15,7 @@ blocks); a library that fails either is not used.
 No compiler, a failed build or a failed probe: `ggml_kernel()` is None, said once in the log, and the formats fall
 back to what they did without it (q4_k repacked for torch's int4 kernel, q6_k dequantized into the slot).
 `SPECOFFLOAD_GGML_KERNEL=off` turns the kernel off (a baseline for benchmarks); `=generic` builds the portable
-path of ggml.c instead of its AVX-512 one (tests of that path).
+path of ggml.c instead of its vector one, AVX-512 or AVX2 (tests of that path; `GGMLKernel.isa` says which).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ KINDS = {"q4_k": 0, "q6_k": 1}
 BLOCK = 256
 #: bytes of a block of each kind, and the byte offsets of its float16 scales (runtime/formats/ggml.py's layouts)
 BLOCK_LAYOUT = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}
+#: ggml.c's `specoffload_ggml_vector()`: the vector path a build has
+ISAS = {1: "avx512", 2: "avx2", 0: "portable"}
 #: ggml.c's `round`: the dtype each decoded weight is rounded to
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -128,8 +130,13 @@ class GGMLKernel:
 
     @property
     def vector(self) -> bool:
-        """The library runs its AVX-512 path (False: the portable one)."""
+        """The library runs a vector path, AVX-512 or AVX2 (False: the portable one)."""
         return bool(self.lib.specoffload_ggml_vector())
+
+    @property
+    def isa(self) -> str:
+        """The path the library was built with for this CPU: "avx512", "avx2" or "portable"."""
+        return ISAS.get(self.lib.specoffload_ggml_vector(), "portable")
 
     def matmul(self, kind: str, blocks: torch.Tensor, x: torch.Tensor, threads: int | None = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -14,9 +14,11 @@
  *   q4_k  144 B / 256: w = (d * sc_j) * q - (dmin * m_j), j the sub-block of 32
  *   q6_k  210 B / 256: w = (d * sc_j) * (q - 32), j the sub-block of 16
  *
- * With AVX-512 (compiled with -march=native on a CPU that has it): tiles of up to 8 rows of x by 2 rows of W held
- * in 16 accumulators, each block decoded once per tile; otherwise a portable loop the compiler vectorizes. The
- * output rows are split over `threads` POSIX threads (each writes its own columns of y).
+ * With AVX-512 (compiled with -march=native on a CPU that has it; `specoffload_ggml_vector` 1): tiles of up to 8
+ * rows of x by 2 rows of W held in 16 accumulators of 16 lanes, each block decoded once per tile. With AVX2, FMA and
+ * F16C and no AVX-512 (2): the same decoding and tiles in vectors of 8 lanes, up to 4 rows of x by 2 rows of W (8
+ * accumulators). Otherwise (0) a portable loop the compiler vectorizes. The output rows are split over `threads`
+ * POSIX threads (each writes its own columns of y).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -25,13 +27,18 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(SPECOFFLOAD_GENERIC)
 #include <immintrin.h>
 #define VECTOR 1
+#define TILE 8                         /* rows of x per tile */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SPECOFFLOAD_GENERIC)
+#include <immintrin.h>
+#define VECTOR 2
+#define TILE 8                         /* rows of x per tile: 8 accumulators of 8 lanes, half of the 16 registers */
 #else
 #define VECTOR 0
+#define TILE 8
 #endif
 
 enum { KIND_Q4_K = 0, KIND_Q6_K = 1, KINDS = 2 };
 #define QK 256                         /* inputs per block */
-#define TILE 8                         /* rows of x per tile */
 #define MAX_THREADS 64
 static const int64_t BLOCK_BYTES[KINDS] = {144, 210};
 
@@ -39,6 +46,9 @@ int specoffload_ggml_vector(void) { return VECTOR; }
 
 static float half(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+#if VECTOR == 2
+    return _cvtsh_ss((unsigned short)h); /* F16C: the same exact conversion in one instruction */
+#else
     uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
     float f;
     if (e == 0) { /* zero or subnormal: m * 2^-24 */
@@ -48,6 +58,7 @@ static float half(const uint8_t *p) {
     bits = e == 31 ? (s | 0x7f800000u | (m << 13)) : (s | ((e + 112) << 23) | (m << 13));
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 /* A block's per-sub-block factors: q4_k scale[8] = d * sc_j, low[8] = dmin * m_j; q6_k scale[16] = d * sc_j. */
@@ -74,7 +85,7 @@ static inline void factors(int kind, const uint8_t *b, float *scale, float *low)
     }
 }
 
-#if VECTOR
+#if VECTOR == 1
 #if defined(__clang__)
 #define UNROLL _Pragma("unroll")
 #elif defined(__GNUC__)
@@ -209,6 +220,164 @@ static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, 
         }
     }
 }
+#elif VECTOR == 2
+#if defined(__clang__)
+#define UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define UNROLL _Pragma("GCC unroll 16")
+#else
+#define UNROLL
+#endif
+
+/* w rounded to bfloat16 (round == 1, to nearest even: torch's conversion for finite values) or float16 (2). */
+static inline __attribute__((always_inline)) __m256 rounded(__m256 w, int round) {
+    if (round == 1) {
+        __m256i bits = _mm256_castps_si256(w);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        bits = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+        return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xFFFF0000u)));
+    }
+    if (round == 2) return _mm256_cvtph_ps(_mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return w;
+}
+
+/* The bytes of inputs 64c .. 64c + 31 (lo) and 64c + 32 .. 64c + 63 (hi) of a block, one code per byte. */
+static inline __attribute__((always_inline)) void codes(int kind, const uint8_t *b, int c, __m256i *lo, __m256i *hi) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    if (kind == KIND_Q4_K) { /* 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1 */
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+        *lo = _mm256_and_si256(q, nibble);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
+    } else { /* half h = c / 2: ql[64], qh[32]; even c: low nibbles + qh bits 0-3, odd c: high nibbles + bits 4-7 */
+        const uint8_t *ql = b + 64 * (c >> 1), *qh = b + 128 + 32 * (c >> 1);
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+        if (c & 1) {
+            *lo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
+                                  _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+            *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble),
+                                  _mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi8((char)0xC0)), 2));
+        } else {
+            *lo = _mm256_or_si256(_mm256_and_si256(l0, nibble),
+                                  _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4));
+            *hi = _mm256_or_si256(_mm256_and_si256(l1, nibble),
+                                  _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x0C)), 2));
+        }
+    }
+}
+
+/* Inputs 64c + 8v .. 64c + 8v + 7 of a block (v < 8) as 8 weights, from its `codes`. */
+static inline __attribute__((always_inline)) __m256 weights(int kind, int round, __m256i lo, __m256i hi,
+                                                            const float *scale, const float *low, int c, int v) {
+    __m256i half = v < 4 ? lo : hi;
+    __m128i lane = (v & 2) ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half);
+    __m256i q = _mm256_cvtepu8_epi32((v & 1) ? _mm_srli_si128(lane, 8) : lane);
+    __m256 w;
+    if (kind == KIND_Q4_K) {
+        int j = 2 * c + (v >> 2);
+        w = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(scale[j]), _mm256_cvtepi32_ps(q)), _mm256_set1_ps(low[j]));
+    } else {
+        w = _mm256_mul_ps(_mm256_set1_ps(scale[4 * c + (v >> 1)]),
+                          _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))));
+    }
+    return rounded(w, round);
+}
+
+/* The 8 lanes' sum, in the same order for every vector. */
+static inline __attribute__((always_inline)) float lanes_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* y rows m < MT, column of the W row at w (8 accumulators of 8 lanes and the operands fit AVX2's 16 registers, so
+ * a tile holds one W row: each block is decoded once per tile). Up to 2 rows of x the weights go from the decoding
+ * to the multiply-adds in registers; from 3 rows a block is decoded into wb (in L1) first, and the multiply-adds
+ * read it there: the compiler keeps the accumulators in registers. */
+static inline __attribute__((always_inline)) void tile(int kind, int round, int MT, const uint8_t *w, int64_t nb,
+                                                       const float *x, int64_t K, float *y, int64_t N) {
+    __m256 acc[TILE];
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+    float wb[QK] __attribute__((aligned(32)));
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const uint8_t *b = w + blk * BLOCK_BYTES[kind];
+        const float *xb = x + blk * QK;
+        float scale[16], low[8];
+        factors(kind, b, scale, low);
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            codes(kind, b, c, &lo, &hi);
+            UNROLL for (int v = 0; v < 8; v++) {
+                __m256 wv = weights(kind, round, lo, hi, scale, low, c, v);
+                if (MT <= 2)
+                    UNROLL for (int m = 0; m < MT; m++)
+                        acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + m * K + 64 * c + 8 * v), acc[m]);
+                else _mm256_store_ps(wb + 64 * c + 8 * v, wv);
+            }
+        }
+        if (MT > 2)
+            for (int i = 0; i < QK; i += 8) {
+                __m256 wv = _mm256_load_ps(wb + i);
+                UNROLL for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + m * K + i), acc[m]);
+            }
+    }
+    for (int m = 0; m < MT; m++) y[m * N] = lanes_sum(acc[m]);
+}
+
+#define TILES(kind, round)                                                                                    \
+    switch (mt) {                                                                                             \
+    case 1: tile(kind, round, 1, w, nb, x, K, y, N); break;                                                   \
+    case 2: tile(kind, round, 2, w, nb, x, K, y, N); break;                                                   \
+    case 3: tile(kind, round, 3, w, nb, x, K, y, N); break;                                                   \
+    case 4: tile(kind, round, 4, w, nb, x, K, y, N); break;                                                   \
+    case 5: tile(kind, round, 5, w, nb, x, K, y, N); break;                                                   \
+    case 6: tile(kind, round, 6, w, nb, x, K, y, N); break;                                                   \
+    case 7: tile(kind, round, 7, w, nb, x, K, y, N); break;                                                   \
+    default: tile(kind, round, 8, w, nb, x, K, y, N); break;                                                  \
+    }
+
+#define ROUNDS(kind)                                                                                          \
+    if (round == 1) { TILES(kind, 1) } else if (round == 2) { TILES(kind, 2) } else { TILES(kind, 0) }
+
+/* y's columns of the r W rows from w0 (the tile of mt rows of x at x), one W row at a time. */
+static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, int64_t nb,
+                 const float *x, int64_t K, float *y, int64_t N) {
+    for (int i = 0; i < r; i++) {
+        const uint8_t *w = w0 + i * row_bytes;
+        if (kind == KIND_Q4_K) { ROUNDS(KIND_Q4_K) } else { ROUNDS(KIND_Q6_K) }
+        y++;
+    }
+}
+
+/* 8 bfloat16 bit patterns (the high halves of rounded float32 values) as 16-bit words, in order. */
+static inline __attribute__((always_inline)) __m128i high_halves(__m256 rounded_w) {
+    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(rounded_w), 16); /* each < 2^16: packus keeps it */
+    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
+/* Row n's weights, rounded (`round`), into out (float32, bfloat16 or float16 bits: `round` 0, 1, 2). */
+static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, void *out) {
+    for (int64_t blk = 0; blk < nb; blk++) {
+        float scale[16], low[8];
+        const uint8_t *b = row + blk * BLOCK_BYTES[kind];
+        factors(kind, b, scale, low);
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            if (kind == KIND_Q4_K) codes(KIND_Q4_K, b, c, &lo, &hi);
+            else codes(KIND_Q6_K, b, c, &lo, &hi);
+            for (int v = 0; v < 8; v++) {
+                int64_t at = blk * QK + 64 * c + 8 * v;
+                __m256 w = kind == KIND_Q4_K ? weights(KIND_Q4_K, 0, lo, hi, scale, low, c, v)
+                                             : weights(KIND_Q6_K, 0, lo, hi, scale, low, c, v);
+                if (round == 0) _mm256_storeu_ps((float *)out + at, w);
+                else if (round == 2)
+                    _mm_storeu_si128((__m128i *)((uint16_t *)out + at),
+                                     _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                else _mm_storeu_si128((__m128i *)((uint16_t *)out + at), high_halves(rounded(w, 1)));
+            }
+        }
+    }
+}
 #else
 /* The portable path: one W row at a time, the block decoded into 256 floats, then TILE rows of x in 16 lanes. */
 static float bf16_bits_to_float(uint32_t bits) {
@@ -311,7 +480,7 @@ static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, 
  * as torch's conversion rounds (through float32, which holds both exactly); a NaN stays a (quiet) NaN. */
 static void convert(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16) {
     int64_t i = 0;
-#if VECTOR
+#if VECTOR == 1
     uint16_t in[16], out[16];
     for (; i < n; i += 16) {
         int64_t left = n - i < 16 ? n - i : 16;
@@ -336,6 +505,32 @@ static void convert(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16) 
             memcpy(dst + i, out, (size_t)left * 2);
         } else {
             _mm256_storeu_si256((__m256i *)(dst + i), r);
+        }
+    }
+#elif VECTOR == 2
+    uint16_t in[8], out[8];
+    for (; i < n; i += 8) {
+        int64_t left = n - i < 8 ? n - i : 8;
+        const uint16_t *s = src + i;
+        if (left < 8) { /* the tail through a whole vector */
+            memset(in, 0, sizeof(in));
+            memcpy(in, s, (size_t)left * 2);
+            s = in;
+        }
+        __m128i h = _mm_loadu_si128((const __m128i *)s), r;
+        if (to_bf16) {
+            __m256 f = _mm256_cvtph_ps(h);
+            __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+            r = high_halves(_mm256_blendv_ps(rounded(f, 1), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+        } else {
+            __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            r = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        }
+        if (left < 8) {
+            _mm_storeu_si128((__m128i *)out, r);
+            memcpy(dst + i, out, (size_t)left * 2);
+        } else {
+            _mm_storeu_si128((__m128i *)(dst + i), r);
         }
     }
 #else
