@@ -26,7 +26,8 @@ per pass over the variant's max(load, compute) per pass, `overlap_bound`). The v
 default: fetched by scripts/get_models.py), named `gguf_q4km_*` in the summary; its q4_k / q6_k weights stay as
 their blocks, multiplied by the engine's ggml kernel (runtime/kernels) where it builds. "gguf_repack" runs the same
 file with that kernel off (`SPECOFFLOAD_GGML_KERNEL=off`: q4_k repacked for torch's int4 kernel and q6_k dequantized
-on every load, as before the kernel), in the same run: `gguf_q4km_kernel_over_repack_*`.
+on every load, as before the kernel), in the same run: `gguf_q4km_kernel_over_repack_*`; "gguf_portable" with the
+kernel's portable build (`SPECOFFLOAD_GGML_KERNEL=generic`: no AVX-512 / AVX2 path), `gguf_q4km_kernel_over_portable_*`.
 Accuracy beside the speed: scripts/quant_accuracy.py against the source (top-1 agreement, mean KL, greedy 32 tokens;
 --quick: 4 windows, 4 prompts). JSON under docs/perf/ with a top-level "summary" holding the ratios the issue names.
 """
@@ -57,7 +58,7 @@ TARGETS = {"dense": "target", "moefied": "qwen2.5-coder-1.5b-moefied"}
 VARIANTS = {"fp16": None, "bf16": None, "int8": weight_format("int8"), "int4": weight_format("int4", 64),
             "int8a": weight_format("int8"), "int4u": weight_format("int4", 64), "int8u": weight_format("int8"),
             "int4k": weight_format("int4k", 64), "int4kh": weight_format("int4k", 64), "gguf": None,
-            "gguf_repack": None,
+            "gguf_repack": None, "gguf_portable": None,
             "int8_g32": weight_format("int8g", 32), "int4_g32": weight_format("int4k", 32),
             "int8ah": weight_format("int8"), "int4kah": weight_format("int4k", 64)}
 #: the compressed variants the summary reports against the baselines (fp16, bf16)
@@ -75,7 +76,7 @@ def variant_dir(source: Path, name: str, spec: WeightFormat | None, where: Path 
                 gguf: Path | None = None) -> Path:
     """The checkpoint of a variant: the source for fp16, the GGUF's companion directory for gguf, else its
     compressed copy (built once)."""
-    if name in ("gguf", "gguf_repack"):
+    if name in GGUF_KEYS:
         from scripts.get_models import SPECS, default_cache, fetch_gguf
         from specoffload.runtime.models.gguf import resolve_model
 
@@ -127,18 +128,19 @@ def bf16_copy(source: Path, out: Path) -> None:
 
 
 #: summary names of the GGUF variants
-GGUF_KEYS = {"gguf": "gguf_q4km", "gguf_repack": "gguf_q4km_repack"}
-#: variants run with the ggml kernel off (runtime/kernels): the GGUF's blocks converted on every load
-KERNEL_OFF = {"gguf_repack"}
+GGUF_KEYS = {"gguf": "gguf_q4km", "gguf_repack": "gguf_q4km_repack", "gguf_portable": "gguf_q4km_portable"}
+#: variants run with another $SPECOFFLOAD_GGML_KERNEL (runtime/kernels): "off", the GGUF's blocks converted on every
+#: load; "generic", the kernel's portable build
+KERNEL_MODE = {"gguf_repack": "off", "gguf_portable": "generic"}
 
 
 @contextlib.contextmanager
-def ggml_kernel_off(off: bool) -> Iterator[None]:
-    """Engines built inside run without the ggml kernel when `off` (SPECOFFLOAD_GGML_KERNEL=off in this process)."""
-    if not off:
+def ggml_kernel_mode(mode: str | None) -> Iterator[None]:
+    """Engines built inside run with SPECOFFLOAD_GGML_KERNEL=`mode` in this process (None: as it is)."""
+    if mode is None:
         yield
         return
-    with mock.patch.dict(os.environ, {"SPECOFFLOAD_GGML_KERNEL": "off"}):
+    with mock.patch.dict(os.environ, {"SPECOFFLOAD_GGML_KERNEL": mode}):
         ggml.reload_kernel()
         try:
             yield
@@ -221,7 +223,7 @@ def main() -> int:
                                   max_batch_size=batch, num_draft_tokens=0, max_seq_len=seq, trace=True,
                                   dtype=args.dtype,
                                   packed_weights="off" if n in UNPACKED else args.packed_weights)
-            with ggml_kernel_off(n in KERNEL_OFF):
+            with ggml_kernel_mode(KERNEL_MODE.get(n)):
                 r = run(config, prompts, params)
             results.setdefault(n, {"runs": []})["runs"].append(r)
             print(f"rep {rep} {n}: {r['tok_s']:.2f} tok/s at batch {r['batch']}, "
@@ -235,7 +237,7 @@ def main() -> int:
     if not args.no_accuracy:
         rows, greedy_prompts = held_out(source, *((4, 128, 4) if args.quick else (12, 256, 32)))
         for n in names:
-            if (VARIANTS[n] is not None or n in ("gguf", "bf16")) and n not in UNPACKED | KERNEL_OFF:
+            if (VARIANTS[n] is not None or n in ("gguf", "bf16")) and n not in UNPACKED | set(KERNEL_MODE):
                 accuracy[n] = compare(source, dirs[n], rows, greedy_prompts, 32)
     fp16 = results.get("fp16")
     summary: dict[str, object] = {"target": source.name, "budget": args.budget, "dtype": args.dtype,
@@ -262,7 +264,7 @@ def main() -> int:
     bf16 = results.get("bf16")
     if bf16:  # the baseline of a bfloat16 compute dtype: 16-bit weights streamed as the compute dtype takes them
         summary["io_over_compute_bf16"] = round(statistics.median(r["io_over_compute"] or 0.0 for r in bf16["runs"]), 3)
-        for n in RATIOS + ("fp16", "gguf", "gguf_repack"):
+        for n in RATIOS + ("fp16", *GGUF_KEYS):
             if n in results:
                 key = GGUF_KEYS.get(n, n)
                 summary[f"{key}_over_bf16_{regime}"] = round(results[n]["tok_s_median"] / bf16["tok_s_median"], 3)
@@ -276,7 +278,14 @@ def main() -> int:
                                                                   / results["gguf_repack"]["tok_s_median"], 3)
         summary[f"gguf_q4km_kernel_over_repack_{regime}_per_rep"] = [
             round(a["tok_s"] / b["tok_s"], 3) for a, b in zip(results["gguf"]["runs"], results["gguf_repack"]["runs"])]
-        summary["ggml_kernel_vector"] = bool(ggml.block_kernel() and ggml.block_kernel().vector)
+    if "gguf" in results and "gguf_portable" in results:  # the kernel's vector path against its portable build
+        summary[f"gguf_q4km_kernel_over_portable_{regime}"] = round(results["gguf"]["tok_s_median"]
+                                                                    / results["gguf_portable"]["tok_s_median"], 3)
+        summary[f"gguf_q4km_kernel_over_portable_{regime}_per_rep"] = [
+            round(a["tok_s"] / b["tok_s"], 3)
+            for a, b in zip(results["gguf"]["runs"], results["gguf_portable"]["runs"])]
+    if "gguf" in results:
+        summary["ggml_isa"] = ggml.block_kernel().isa if ggml.block_kernel() else None
     if "int4k" in results and "int4kh" in results:  # the head compressed too: more of the budget for layers
         summary[f"int4kh_over_int4k_{regime}"] = round(results["int4kh"]["tok_s_median"]
                                                        / results["int4k"]["tok_s_median"], 3)

@@ -79,9 +79,10 @@ INT8G_MAX_ROWS = 32 if native_16bit(torch.bfloat16) else 64
 #: rows up to which the ggml kernel over a q4_k / q6_k weight's blocks beats the kernel's dequantization + a GEMM:
 #: with native bfloat16 GEMMs 8 (the Xeon with AMX, 2 cores, one run: [8960, 1536] 3.5 / 5.4 ms against 5.6 / 5.9 at
 #: 4 / 8 rows, 7.8 against 5.5 at 12; [3584, 1536] 0.8 / 1.2 against 2.2 / 2.7, 4.0 against 2.1 at 12; a [336, 1536]
-#: expert 0.18 against 0.26 at 8, 0.32 against 0.25 at 12); without them (the kernel's AVX2 path against dequantize
-#: + the engine's GEMM) 48 (docs/perf kernels_blocks_avx2 `q4_k_kernel_faster_up_to_rows`, `q6_k_...`)
-BLOCKS_MAX_ROWS = 8 if native_16bit(torch.bfloat16) else 48
+#: expert 0.18 against 0.26 at 8, 0.32 against 0.25 at 12); without them 96, the most measured there (the kernel's
+#: AVX2 path against dequantize + the engine's GEMM on the 2-core AVX2 EPYC, one FFN layer of the 1.5B: 15 / 50 / 136
+#: ms against 77 / 153 / 172 at 8 / 32 / 96 rows; docs/perf kernels_blocks_avx2 `q4_k_kernel_faster_up_to_rows`)
+BLOCKS_MAX_ROWS = 8 if native_16bit(torch.bfloat16) else 96
 #: weights of a block weight dequantized at a time for a GEMM over more rows (16 MiB in bfloat16: a 151936-row head
 #: does not need a 16-bit copy of itself)
 BLOCKS_DEQUANT = 1 << 23
