@@ -10,9 +10,12 @@ tokenizer) and given to each as token ids:
   its low-level batch API, that many sequences decoded in one batch), `--threads` threads, its own kernels on the
   GGUF's blocks; run in the peer venv by scripts/peers/llamacpp_runner.py;
 - transformers (`--transformers-batches`) on the fp16 conversion of the same file (scripts/get_models.py: the
-  same weights), bfloat16, generate() on left-padded waves;
-- ours on the same GGUF run as stored (runtime/models/gguf.py), bfloat16, at each `--batches` batch, with its
-  q4 weights packed for torch's int4 kernel (`packed_weights` "on") and dequantized at load ("off").
+  same weights), in `--dtype`, generate() on left-padded waves;
+- ours on the same GGUF run as stored (runtime/models/gguf.py), in `--dtype`, at each `--batches` batch, with its
+  q4_k / q6_k weights kept as their blocks for the ggml kernel (`packed_weights` "on") and dequantized at load
+  ("off").
+`--dtype auto` (the default) is bfloat16 where the CPU has native bfloat16 GEMMs, float32 where it has not (on AVX2
+bfloat16 GEMMs run several times slower than float32 ones: docs/perf kernels_avx2).
 The summary's `ours_over_llamacpp_resident(_decode)` is ours at its best batch over llama.cpp at its best.
 
 `--budget` runs the memory-budget case instead (`budget_case`, JSON `<out>_budget`): llama.cpp (batched, weights
@@ -30,7 +33,7 @@ pass; ours' row says where its passes went (`per_pass`: loader busy, of it file 
 compute).
 Per system: tokens/s with prefill counted (new tokens over the whole generate) and decode only (the tokens after
 the first over the time after the first: llama.cpp's own split; ours from a second call with one new token,
-T(N) - T(1)). Repetitions alternate systems. Greedy agreement with llama.cpp is reported (bfloat16 against
+T(N) - T(1)). Repetitions alternate systems. Greedy agreement with llama.cpp is reported (ours in `--dtype` against
 llama.cpp's float32 accumulation: equal until a near tie). JSON under docs/perf/ (`peers`) with a "summary".
 """
 
@@ -61,14 +64,15 @@ def llamacpp(python: str, gguf: Path, prompts: list[list[int]], new_tokens: int,
             "prefill_s": prefill, "decode_s": decode, "tokens": out["tokens"], "version": out["version"]}
 
 
-def ours(target: Path, prompts: list[list[int]], new_tokens: int, batch: int, packed: str) -> dict:
+def ours(target: Path, prompts: list[list[int]], new_tokens: int, batch: int, packed: str,
+         dtype: str = "bfloat16") -> dict:
     import time
 
     from specoffload.runtime.config import EngineConfig
     from specoffload.runtime.engine import Engine
     from specoffload.runtime.sampling import SamplingParams
 
-    engine = Engine(EngineConfig(target=target, dtype="bfloat16", max_batch_size=batch, num_draft_tokens=0,
+    engine = Engine(EngineConfig(target=target, dtype=dtype, max_batch_size=batch, num_draft_tokens=0,
                                  packed_weights=packed))
     try:
         times = {}
@@ -85,8 +89,9 @@ def ours(target: Path, prompts: list[list[int]], new_tokens: int, batch: int, pa
         engine.close()
 
 
-def transformers_run(checkpoint: Path, prompts: list[list[int]], new_tokens: int, batch: int, threads: int) -> dict:
-    """transformers' generate on the fp16 conversion of the same GGUF (the same weights), bfloat16, `batch` prompts
+def transformers_run(checkpoint: Path, prompts: list[list[int]], new_tokens: int, batch: int, threads: int,
+                     dtype: str = "bfloat16") -> dict:
+    """transformers' generate on the fp16 conversion of the same GGUF (the same weights), in `dtype`, `batch` prompts
     at a time left-padded, greedy, EOS ignored (min_new_tokens); timed as ours: T(N), and T(N) - T(1) for decode."""
     import time
 
@@ -94,7 +99,7 @@ def transformers_run(checkpoint: Path, prompts: list[list[int]], new_tokens: int
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype)).eval()
     times, tokens = {}, []
     for n in (1, new_tokens):
         start, out = time.perf_counter(), []
@@ -372,6 +377,9 @@ def main() -> int:
     ap.add_argument("--transformers-batches", default="8",
                     help="transformers (bfloat16, the fp16 conversion); '' for none")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="compute dtype of ours and transformers; auto: bfloat16 where the CPU has native bfloat16 "
+                         "GEMMs, else float32 (resident case)")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 8 new tokens, 1 rep (scratch/)")
     ap.add_argument("--budget", action="store_true",
                     help="the memory-budget case instead: both engines in a memory cgroup of --memory-limit on a "
@@ -393,7 +401,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.new_tokens, args.reps = 2, 8, 1
-    meta = run_meta("bfloat16")
+    if args.dtype == "auto":
+        import torch
+
+        from specoffload.runtime.models.row_buckets import native_16bit
+
+        args.dtype = "bfloat16" if native_16bit(torch.bfloat16) else "float32"
+    meta = run_meta(args.dtype)
     python = subprocess.run([str(ROOT / "scripts" / "setup_llamacpp.sh")], capture_output=True, text=True,
                             check=True).stdout.strip().splitlines()[-1]
     from scripts.get_models import SPECS, default_cache, fetch_gguf
@@ -414,11 +428,11 @@ def main() -> int:
         converted = default_cache() / SPECS["target"].name  # the same GGUF converted to fp16 (scripts/get_models.py)
         for b in map(int, args.transformers_batches.split(",")):
             systems[f"transformers b{b}"] = lambda b=b: transformers_run(converted, prompts, args.new_tokens, b,
-                                                                         args.threads)
+                                                                         args.threads, args.dtype)
     for b in map(int, args.batches.split(",")):
         for packed in ("on", "off"):
             systems[f"ours b{b} packed-{packed}"] = lambda b=b, packed=packed: ours(target, prompts, args.new_tokens,
-                                                                                   b, packed)
+                                                                                   b, packed, args.dtype)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     for rep in range(args.reps):
         for name, run in systems.items():
@@ -428,7 +442,8 @@ def main() -> int:
     first = next(n for n in runs if n.startswith("llama.cpp"))
     reference = runs[first][0]["tokens"]
     results, summary = {}, {"gguf": gguf.name, "prompts": len(prompts), "new_tokens": args.new_tokens,
-                            "threads": args.threads, "llama_cpp_python": runs[first][0]["version"]}
+                            "threads": args.threads, "dtype": args.dtype,
+                            "llama_cpp_python": runs[first][0]["version"]}
     for name, rs in runs.items():
         med, lo, hi = median_spread(r["tok_s"] for r in rs)
         dmed, dlo, dhi = median_spread(r["decode_tok_s"] for r in rs)
