@@ -152,6 +152,30 @@ def test_many_rows_multiply_the_same_weights_in_pieces(monkeypatch):
         assert torch.allclose(y, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()))
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [20, 60])
+def test_many_rows_go_through_the_engines_gemm(monkeypatch, rows):
+    """Above max_rows the dequantized weight is multiplied by the GEMM `packed_linear` is given (`linear` gives the
+    engine's: float32 from 48 rows where the CPU has no native bfloat16 GEMM), not a bare bfloat16 F.linear: the
+    same result as `linear` on the dequantized weight, bit for bit."""
+    from specoffload.runtime.models.packed import packed_linear
+
+    monkeypatch.setattr(PackedBlocks, "max_rows", 8)
+    fmt = weight_format("q4_k")
+    raw = torch.from_numpy(random_blocks("q4_k", 96, 2, 7))
+    w = fmt.packed_copy({"qweight": raw}, (96, 512), torch.bfloat16)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(linear(x, w), linear(x, w.dequantize()))
+    seen = []
+
+    def gemm(a, b):
+        seen.append((a.shape, b.shape))
+        return torch.zeros(a.shape[0], b.shape[0], dtype=a.dtype)
+
+    assert torch.equal(packed_linear(x, w, dense=gemm), torch.zeros(rows, 96, dtype=torch.bfloat16))
+    assert seen == [((rows, 512), (96, 512))]
+
+
 def test_turned_off_or_without_a_compiler_the_formats_fall_back(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECOFFLOAD_GGML_KERNEL", "off")
     ggml.reload_kernel()

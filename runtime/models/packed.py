@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from .row_buckets import bucketed_linear, native_16bit, pad_rows
+from .row_buckets import bucketed_linear, native_16bit
 
 if TYPE_CHECKING:
     from .checkpoint import QuantRef
@@ -467,10 +467,12 @@ class PackedBlocks:
             raise ValueError(f"a block weight splits along its output channels into equal parts, not {chunks}")
         return [type(self)(b, self.fmt, self.inputs, self.compute) for b in self.blocks.chunk(chunks)]
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor,
+               dense: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = bucketed_linear) -> torch.Tensor:
         """x [N, in] @ W^T -> [N, out] in the compute dtype: up to `max_rows` rows the kernel over the blocks, above
-        that (a prefill) the weight dequantized by the kernel and one GEMM over a bucket of rows (`pad_rows`). Both
-        multiply the same weights, each rounded once to the compute dtype, accumulating in float32."""
+        that (a prefill) the weight dequantized by the kernel and `dense(x, W')` (`packed_linear`'s: the engine's
+        GEMM, float32 from 48 rows where the CPU has no native bfloat16 GEMM), BLOCKS_DEQUANT weights at a time. Both
+        multiply the same weights, each rounded once to the compute dtype."""
         from ..kernels import ggml_kernel
 
         kernel = ggml_kernel()
@@ -478,16 +480,16 @@ class PackedBlocks:
         name = self.fmt.name  # type: ignore[attr-defined]
         if x.shape[0] <= self.max_rows:
             return kernel.matmul(name, self.blocks, x.float(), dtype=self.compute).to(self.compute)
-        rows, out = x.shape[0], self.blocks.shape[0]
-        x = pad_rows(x.to(self.compute))  # [bucket(N), in]
+        out = self.blocks.shape[0]
+        x = x.to(self.compute)  # [N, in]
         step = max(1, BLOCKS_DEQUANT // self.inputs)  # outputs per dequantized piece
         if step >= out:
-            return F.linear(x, kernel.dequantize(name, self.blocks, self.inputs, self.compute))[:rows]
-        y = torch.empty(x.shape[0], out, dtype=self.compute)  # [bucket(N), out]
+            return dense(x, kernel.dequantize(name, self.blocks, self.inputs, self.compute))
+        y = torch.empty(x.shape[0], out, dtype=self.compute)  # [N, out]
         for start in range(0, out, step):
             w = kernel.dequantize(name, self.blocks[start : start + step], self.inputs, self.compute)  # [step, in]
-            y[:, start : start + w.shape[0]] = F.linear(x, w)
-        return y[:rows]
+            y[:, start : start + w.shape[0]] = dense(x, w)
+        return y
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in the compute dtype (llama.cpp's float32 values, rounded once)."""
@@ -505,7 +507,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight,
     `dense(x, W')` on the weight dequantized (runtime/models/linear.py passes its own dense GEMM: in float32 from 48
     rows where the CPU has no native bfloat16 GEMM, which on AVX2 is several times a bfloat16 F.linear there)."""
     if isinstance(w, PackedBlocks):
-        return w.matmul(x)
+        return w.matmul(x, dense)
     if isinstance(w, PackedInt4):  # (and PackedInt8Split)
         if x.shape[0] <= w.max_rows:
             return w.matmul(x)
