@@ -16,9 +16,9 @@
  *
  * With AVX-512 (compiled with -march=native on a CPU that has it; `specoffload_ggml_vector` 1): tiles of up to 8
  * rows of x by 2 rows of W held in 16 accumulators of 16 lanes, each block decoded once per tile. With AVX2, FMA and
- * F16C and no AVX-512 (2): the same decoding and tiles in vectors of 8 lanes, up to 4 rows of x by 2 rows of W (8
- * accumulators). Otherwise (0) a portable loop the compiler vectorizes. The output rows are split over `threads`
- * POSIX threads (each writes its own columns of y).
+ * F16C and no AVX-512 (2): the same decoding in vectors of 8 lanes, tiles of up to 8 rows of x by 1 row of W (8
+ * accumulators), each block decoded once per tile. Otherwise (0) a portable loop the compiler vectorizes. The output
+ * rows are split over `threads` POSIX threads (each writes its own columns of y).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -242,7 +242,8 @@ static inline __attribute__((always_inline)) __m256 rounded(__m256 w, int round)
 }
 
 /* The bytes of inputs 64c .. 64c + 31 (lo) and 64c + 32 .. 64c + 63 (hi) of a block, one code per byte. */
-static inline __attribute__((always_inline)) void codes(int kind, const uint8_t *b, int c, __m256i *lo, __m256i *hi) {
+static inline __attribute__((always_inline)) void codes(int kind, const uint8_t *b, int c, __m256i *lo,
+                                                        __m256i *hi) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     if (kind == KIND_Q4_K) { /* 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1 */
         __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
@@ -318,7 +319,8 @@ static inline __attribute__((always_inline)) void tile(int kind, int round, int 
         if (MT > 2)
             for (int i = 0; i < QK; i += 8) {
                 __m256 wv = _mm256_load_ps(wb + i);
-                UNROLL for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + m * K + i), acc[m]);
+                UNROLL for (int m = 0; m < MT; m++)
+                    acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + m * K + i), acc[m]);
             }
     }
     for (int m = 0; m < MT; m++) y[m * N] = lanes_sum(acc[m]);
@@ -521,7 +523,8 @@ static void convert(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16) 
         if (to_bf16) {
             __m256 f = _mm256_cvtph_ps(h);
             __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
-            r = high_halves(_mm256_blendv_ps(rounded(f, 1), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+            __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)); /* (bfloat16 0x7FC0) */
+            r = high_halves(_mm256_blendv_ps(rounded(f, 1), quiet, nan));
         } else {
             __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
             r = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
