@@ -131,7 +131,7 @@ class GGMLKernel:
     @property
     def vector(self) -> bool:
         """The library runs a vector path, AVX-512 or AVX2 (False: the portable one)."""
-        return bool(self.lib.specoffload_ggml_vector())
+        return self.isa != "portable"
 
     @property
     def isa(self) -> str:

@@ -85,7 +85,7 @@ static inline void factors(int kind, const uint8_t *b, float *scale, float *low)
     }
 }
 
-#if VECTOR == 1
+#if VECTOR /* both vector paths: the decoding's byte work is 256-bit AVX2 in each */
 #if defined(__clang__)
 #define UNROLL _Pragma("unroll")
 #elif defined(__GNUC__)
@@ -94,6 +94,34 @@ static inline void factors(int kind, const uint8_t *b, float *scale, float *low)
 #define UNROLL
 #endif
 
+/* The bytes of inputs 64c .. 64c + 31 (lo) and 64c + 32 .. 64c + 63 (hi) of a block, one code per byte. */
+static inline __attribute__((always_inline)) void codes(int kind, const uint8_t *b, int c, __m256i *lo,
+                                                        __m256i *hi) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    if (kind == KIND_Q4_K) { /* 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1 */
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+        *lo = _mm256_and_si256(q, nibble);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
+    } else { /* half h = c / 2: ql[64], qh[32]; even c: low nibbles + qh bits 0-3, odd c: high nibbles + bits 4-7 */
+        const uint8_t *ql = b + 64 * (c >> 1), *qh = b + 128 + 32 * (c >> 1);
+        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+        if (c & 1) {
+            *lo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
+                                  _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+            *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble),
+                                  _mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi8((char)0xC0)), 2));
+        } else {
+            *lo = _mm256_or_si256(_mm256_and_si256(l0, nibble),
+                                  _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4));
+            *hi = _mm256_or_si256(_mm256_and_si256(l1, nibble),
+                                  _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x0C)), 2));
+        }
+    }
+}
+#endif
+
+#if VECTOR == 1
 /* w rounded to bfloat16 (round == 1, to nearest even: torch's conversion for finite values) or float16 (2). */
 static inline __attribute__((always_inline)) __m512 rounded(__m512 w, int round) {
     if (round == 1) {
@@ -109,28 +137,8 @@ static inline __attribute__((always_inline)) __m512 rounded(__m512 w, int round)
 /* Inputs 64c .. 64c + 63 of a block as four vectors of 16 weights. */
 static inline __attribute__((always_inline)) void decode(int kind, int round, const uint8_t *b, const float *scale,
                                                          const float *low, int c, __m512 *w) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     __m256i lo, hi;
-    if (kind == KIND_Q4_K) { /* 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1 */
-        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-        lo = _mm256_and_si256(q, nibble);
-        hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
-    } else { /* half h = c / 2: ql[64], qh[32]; even c: low nibbles + qh bits 0-3, odd c: high nibbles + bits 4-7 */
-        const uint8_t *ql = b + 64 * (c >> 1), *qh = b + 128 + 32 * (c >> 1);
-        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-        __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-        if (c & 1) {
-            lo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
-                                 _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
-            hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble),
-                                 _mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi8((char)0xC0)), 2));
-        } else {
-            lo = _mm256_or_si256(_mm256_and_si256(l0, nibble),
-                                 _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4));
-            hi = _mm256_or_si256(_mm256_and_si256(l1, nibble),
-                                 _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x0C)), 2));
-        }
-    }
+    codes(kind, b, c, &lo, &hi);
     __m512i q[4] = {_mm512_cvtepu8_epi32(_mm256_castsi256_si128(lo)), _mm512_cvtepu8_epi32(_mm256_extracti128_si256(lo, 1)),
                     _mm512_cvtepu8_epi32(_mm256_castsi256_si128(hi)), _mm512_cvtepu8_epi32(_mm256_extracti128_si256(hi, 1))};
     for (int v = 0; v < 4; v++) {
@@ -221,14 +229,6 @@ static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, 
     }
 }
 #elif VECTOR == 2
-#if defined(__clang__)
-#define UNROLL _Pragma("unroll")
-#elif defined(__GNUC__)
-#define UNROLL _Pragma("GCC unroll 16")
-#else
-#define UNROLL
-#endif
-
 /* w rounded to bfloat16 (round == 1, to nearest even: torch's conversion for finite values) or float16 (2). */
 static inline __attribute__((always_inline)) __m256 rounded(__m256 w, int round) {
     if (round == 1) {
@@ -239,32 +239,6 @@ static inline __attribute__((always_inline)) __m256 rounded(__m256 w, int round)
     }
     if (round == 2) return _mm256_cvtph_ps(_mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     return w;
-}
-
-/* The bytes of inputs 64c .. 64c + 31 (lo) and 64c + 32 .. 64c + 63 (hi) of a block, one code per byte. */
-static inline __attribute__((always_inline)) void codes(int kind, const uint8_t *b, int c, __m256i *lo,
-                                                        __m256i *hi) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    if (kind == KIND_Q4_K) { /* 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1 */
-        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-        *lo = _mm256_and_si256(q, nibble);
-        *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
-    } else { /* half h = c / 2: ql[64], qh[32]; even c: low nibbles + qh bits 0-3, odd c: high nibbles + bits 4-7 */
-        const uint8_t *ql = b + 64 * (c >> 1), *qh = b + 128 + 32 * (c >> 1);
-        __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-        __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-        if (c & 1) {
-            *lo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
-                                  _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
-            *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble),
-                                  _mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi8((char)0xC0)), 2));
-        } else {
-            *lo = _mm256_or_si256(_mm256_and_si256(l0, nibble),
-                                  _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4));
-            *hi = _mm256_or_si256(_mm256_and_si256(l1, nibble),
-                                  _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x0C)), 2));
-        }
-    }
 }
 
 /* Inputs 64c + 8v .. 64c + 8v + 7 of a block (v < 8) as 8 weights, from its `codes`. */
