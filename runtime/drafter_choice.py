@@ -6,14 +6,18 @@ planned by the same search (planner/search.py), the best predicted throughput ch
     choose_drafter      measure, plan and compare them: a `DrafterChoice` (its `table` is what `specoffload plan`
                         prints)
 
-Measuring. A drafter with a model (model, self) runs the warm-up of runtime/warmup.py (a short generation over
-WARMUP_PROMPTS of the job's prompts at k = MAX_AUTO_K): its per-position acceptance curve and plausible range. The
-model-free drafters need no model call: the target's warm-up outputs (the first model warm-up's, which are the
-target's own, speculation being lossless; else a short no-draft generation of the same prompts) are replayed
-through their matching code (runtime/drafter_replay.py): match rate, per-position acceptance, ragged feed and
-proposal microseconds (planner/acceptance.py `RaggedAcceptance`). The warm-up's mean output length, its loader's
-stream rate and what its passes say of the profile's compute costs (offload/replan.py `check_profile`) price every
-candidate alike.
+Measuring. First a no-draft warm-up (runtime/warmup.py `warmup_outputs`: a short generation over WARMUP_PROMPTS
+of the job's prompts): its mean output length, its loader's stream rate and what its passes say of the profile's
+compute costs (offload/replan.py `check_profile`) price every candidate alike, and its outputs are what the
+model-free drafters are replayed on, with no model call (runtime/drafter_replay.py: match rate, per-position
+acceptance, ragged feed and proposal microseconds, planner/acceptance.py `RaggedAcceptance`). None and the
+model-free drafters are planned first. A drafter with a model (model, lowbit, self) then runs its own warm-up
+(`measure_acceptance`: the same prompts at k = MAX_AUTO_K; its per-position acceptance curve and plausible range)
+only if it can win: planned at acceptance 1 (every draft accepted), its predicted tokens/s must reach the best
+candidate's so far. That plan bounds every acceptance it could measure (tokens per round rise with acceptance;
+the pass it prices, k + 1 rows fed per row, does not depend on it), so a drafter below the bar is skipped
+unmeasured, with both figures in its line of the table; its warm-up (an engine of its own, k = MAX_AUTO_K draft
+steps a round) is most of what planning costs.
 
 Planning. Every candidate is searched over the same batches and k (k = 0 included: a drafter that does not pay is
 planned as no draft) with its own placement (a draft model's weights and KV take memory, a model-free drafter's
@@ -40,7 +44,7 @@ from .offload.drafters import DRAFTERS
 from .offload.profiler import drafter_steps
 from .planning import ModelPair, make_plan
 from .sampling import SamplingParams
-from .warmup import Warmup, measure_acceptance, warmup_outputs
+from .warmup import Outputs, Warmup, measure_acceptance, warmup_outputs
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,9 @@ class DrafterChoice:
     best: Candidate
     candidates: tuple[Candidate, ...]  # in registry order
     workload: Workload
-    skipped: tuple[tuple[str, str], ...]  # (drafter, why) of candidates that could not run here
+    skipped: tuple[tuple[str, str], ...]  # (drafter, why) of candidates that could not run here, or could not win
     seconds: float  # measuring them
+    priced_by: Outputs | None = None  # the no-draft warm-up whose rate and compute check priced every candidate
 
     def config(self, config: EngineConfig) -> EngineConfig:
         """`config` running the chosen drafter at the chosen plan's batch and k (fixed: the measured acceptance
@@ -122,10 +127,11 @@ def candidate_config(config: EngineConfig, name: str) -> EngineConfig:
 
 def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[Sequence[int]],
                    params: SamplingParams, max_seq_len: int, profile: HardwareProfile, *, quick: bool = False,
-                   names: Sequence[str] | None = None) -> DrafterChoice:
+                   names: Sequence[str] | None = None, measure_all: bool = False) -> DrafterChoice:
     """Measure, plan and compare the candidate drafters on the job's prompts (module docstring). `profile`: the
     hardware profile measured for `config` (a draft model's step is measured on top of it for its candidate);
-    `target`: the target's executor (headers only). ConfigError when the config fixes both batch and k (nothing
+    `target`: the target's executor (headers only); measure_all: warm up every drafter with a model, even one that
+    cannot win (the full table, at the cost of its warm-up). ConfigError when the config fixes both batch and k (nothing
     to predict with) or no prompt is given."""
     if not config.planned:
         raise ConfigError("--drafter auto compares the planner's predictions: leave --batch-size or -k to 'auto'")
@@ -140,54 +146,60 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
             configs[name] = candidate_config(config, name)
         except ConfigError as exc:
             skipped.append((name, str(exc)))
-    profiles: dict[str, HardwareProfile] = {}
-    warmups: dict[str, Warmup] = {}
-    for name, cfg in configs.items():
-        cls = cfg.drafter_class
-        profiles[name] = replace(profile, draft_step_s=drafter_steps(cfg, quick))  # (cached beside the profile)
-        if cls.proposes and not cls.model_free:
-            try:
-                warmups[name] = measure_acceptance(cfg, prompts, params, profile=profiles[name])
-            except SpecOffloadError as exc:  # e.g. its warm-up does not fit the budget: the others still compete
-                skipped.append((name, str(exc)))
+    profiles = {name: replace(profile, draft_step_s=drafter_steps(cfg, quick))  # (cached beside the profile)
+                for name, cfg in configs.items()}
+    # the no-draft warm-up first: what every candidate is priced with (module docstring)
+    outputs = warmup_outputs(config, prompts, params, profile)
     workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
-    first = next(iter(warmups.values()), None)
-    if first is not None:
-        rows, mean_new, rate, scale = first.outputs, first.mean_new_tokens, first.stream_rate, first.compute_scale
-    else:
-        outputs, rate = warmup_outputs(config, prompts, params, profile), None
-        rows, mean_new, scale = outputs.rows, outputs.mean_new_tokens, outputs.compute_scale
-    if mean_new is not None:
-        workload = replace(workload, mean_new_tokens=min(workload.new_tokens, mean_new))
+    workload = replace(workload, mean_new_tokens=min(workload.new_tokens, outputs.mean_new_tokens))
     k_replay = max(MAX_AUTO_K, config.num_draft_tokens if isinstance(config.num_draft_tokens, int) else 0)
-    candidates = []
-    for name, cfg in configs.items():
-        cls = cfg.drafter_class
-        if cls.proposes and not cls.model_free and name not in warmups:
-            continue
-        prof = profiles[name] if scale == 1.0 else profiles[name].scaled_compute(scale)  # (the warm-up's check)
-        prof = replace(prof, stream_bytes_per_s=rate) if rate else prof
-        acceptance: Acceptance | None = None
-        alpha_range = None
-        if cls.model_free:
-            acceptance = replay_acceptance(cfg, name, rows, k_replay)
-        elif name in warmups:
-            acceptance, alpha_range = warmups[name].curve, warmups[name].alpha_range
-        models = ModelPair.for_config(cfg, target, shares_kv=True)
+
+    def priced(name: str) -> HardwareProfile:  # the warm-up's compute check and its loader's rate
+        prof, scale = profiles[name], outputs.compute_scale
+        prof = prof.scaled_compute(scale) if scale != 1.0 else prof
+        return replace(prof, stream_bytes_per_s=outputs.stream_rate) if outputs.stream_rate else prof
+
+    def plan_for(name: str, acceptance: Acceptance | None, alpha_range: tuple[float, float] | None = None) -> Plan:
+        cfg = configs[name]
+        return make_plan(cfg, ModelPair.for_config(cfg, target, shares_kv=True), max_seq_len, workload=workload,
+                         alpha=acceptance, profile=priced(name), alpha_range=alpha_range,
+                         compare_no_draft=False)  # ("none" is a candidate)
+
+    candidates: list[Candidate] = []
+    order = list(DRAFTERS)  # ties: the registry's order ("none" first, then the drafter modules by name)
+    def has_model(name: str) -> bool:
+        cls = configs[name].drafter_class
+        return cls.proposes and not cls.model_free
+
+    # none and the model-free drafters first: they set the bar a drafter with a model must be able to clear
+    for name in sorted(configs, key=lambda n: (has_model(n), order.index(n))):
+        cls = configs[name].drafter_class
         try:
-            plan = make_plan(cfg, models, max_seq_len, workload=workload, alpha=acceptance, profile=prof,
-                             alpha_range=alpha_range, compare_no_draft=False)  # ("none" is a candidate)
-        except SpecOffloadError as exc:  # nothing of its search fits (a draft model's memory, typically)
+            if has_model(name):
+                bar = max(candidates, key=lambda c: c.predicted, default=None)
+                ceiling = plan_for(name, 1.0).policy
+                if not measure_all and bar is not None and ceiling is not None \
+                        and ceiling.predicted_tokens_per_s < bar.predicted:
+                    skipped.append((name, f"not measured: accepting every draft it would predict "
+                                          f"{ceiling.predicted_tokens_per_s:.4g} tokens/s, below {bar.drafter}'s "
+                                          f"{bar.predicted:.4g}"))
+                    continue
+                warmup = measure_acceptance(configs[name], prompts, params, profile=profiles[name])
+                plan = plan_for(name, warmup.curve, warmup.alpha_range)
+                candidates.append(Candidate(name, plan, warmup.curve, warmup))
+            else:
+                acceptance = replay_acceptance(configs[name], name, outputs.rows, k_replay) if cls.model_free \
+                    else None
+                candidates.append(Candidate(name, plan_for(name, acceptance), acceptance))
+        except SpecOffloadError as exc:  # e.g. a draft model's memory: the others still compete
             if name == "none":
                 raise
             skipped.append((name, str(exc)))
-            continue
-        candidates.append(Candidate(name, plan, acceptance, warmups.get(name)))
     if not candidates:
         raise ConfigError("no drafter could be planned: " + "; ".join(f"{n}: {why}" for n, why in skipped))
-    order = list(DRAFTERS)  # ties: the registry's order ("none" first, then the drafter modules by name)
+    candidates.sort(key=lambda c: order.index(c.drafter))  # (the table's order: the registry's)
     ranked = sorted(candidates, key=lambda c: (-round(c.predicted, 9), order.index(c.drafter)))
     best = ranked[0]
     if best.plan.k == 0:  # a drafter planned not to draft is no drafter
         best = next((c for c in candidates if c.drafter == "none"), best)
-    return DrafterChoice(best, tuple(candidates), workload, tuple(skipped), time.perf_counter() - start)
+    return DrafterChoice(best, tuple(candidates), workload, tuple(skipped), time.perf_counter() - start, outputs)

@@ -116,14 +116,20 @@ def measure_acceptance(config: EngineConfig, prompts: Sequence[Sequence[int]], p
     estimate, curve = warm.replanner.tracker.estimate(), warm.replanner.tracker.curve()
     if estimate is None or curve is None:
         raise ValueError("the warm-up drafted nothing (every prompt finished at once)")
-    rate = None
-    if profile is not None and warm.placement is not None:
-        rate = observed_stream_rate(profile, warm.models.costs(warm.plan.drafting), warm.placement,
-                                    warm.replanner.pass_log, seq // 2, config.expert_loading)
+    rate = loader_rate(warm, profile, seq)
     lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
     return Warmup(estimate, curve, len(chosen), new_tokens, MAX_AUTO_K, time.perf_counter() - start, rate,
                   mean_output_len(lengths, params.max_new_tokens, new_tokens),
                   tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results)), checked_scale(warm))
+
+
+def loader_rate(engine: Engine, profile: HardwareProfile | None, seq: int) -> float | None:
+    """The stream rate a warm-up engine's loader delivered (replan.py `observed_stream_rate`; None without a
+    profile, when nothing streamed, or with too few passes)."""
+    if profile is None or engine.placement is None:
+        return None
+    return observed_stream_rate(profile, engine.models.costs(engine.plan.drafting), engine.placement,
+                                engine.replanner.pass_log, seq // 2, engine.config.expert_loading)
 
 
 def checked_scale(engine: Engine) -> float:
@@ -153,18 +159,23 @@ class Outputs:
     rows: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (prompt, output) of each warm-up row
     mean_new_tokens: float  # `mean_output_len`
     compute_scale: float = 1.0  # as `Warmup.compute_scale`
+    stream_rate: float | None = None  # as `Warmup.stream_rate`
+    seconds: float = 0.0
 
 
 def warmup_outputs(config: EngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams,
                    profile: HardwareProfile | None = None) -> Outputs:
     """A no-draft warm-up: (prompt, output) of WARMUP_PROMPTS of the job's prompts (spread over it), at most
     WARMUP_TOKENS tokens each, the mean output length it implies (warmup.py `mean_output_len`), and with a profile
-    what its passes say of the profile's compute costs (`checked_scale`)."""
+    what its passes say of the profile's compute costs (`checked_scale`) and what its loader delivered
+    (`loader_rate`)."""
+    start = time.perf_counter()
     chosen = spread(list(prompts), WARMUP_PROMPTS)
     new_tokens = max(2, min(WARMUP_TOKENS, params.max_new_tokens))
     rows = max(1, math.ceil(len(chosen) / 2))  # as measure_acceptance: two batches of half the prompts
-    plain = replace(config, drafter="none", draft=None, max_batch_size=rows, num_draft_tokens=0,
-                    max_seq_len=max(len(p) for p in chosen) + new_tokens, interleave=None)
+    seq = max(len(p) for p in chosen) + new_tokens
+    plain = replace(config, drafter="none", draft=None, max_batch_size=rows, num_draft_tokens=0, max_seq_len=seq,
+                    interleave=None)
     engine = Engine(plain, profile=profile)
     try:
         results = engine.generate([list(p) for p in chosen], replace(params, max_new_tokens=new_tokens))
@@ -172,7 +183,8 @@ def warmup_outputs(config: EngineConfig, prompts: Sequence[Sequence[int]], param
         engine.close()
     lengths = [(len(r.token_ids), r.finish_reason == "stop") for r in results]
     pairs = tuple((tuple(p), tuple(r.token_ids)) for p, r in zip(chosen, results))
-    return Outputs(pairs, mean_output_len(lengths, params.max_new_tokens, new_tokens), checked_scale(engine))
+    return Outputs(pairs, mean_output_len(lengths, params.max_new_tokens, new_tokens), checked_scale(engine),
+                   loader_rate(engine, profile, seq), time.perf_counter() - start)
 
 
 def corrected(profile: HardwareProfile | None, scale: float, say: Callable[[str], None]) -> HardwareProfile | None:

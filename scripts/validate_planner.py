@@ -63,10 +63,11 @@ from scripts.common import PERF, figure, run_meta, utc_now, workload_prompts, wr
 from scripts.get_models import model_dir
 from scripts.readme_section import write_section
 from specoffload.planner import estimate_workload
+from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.placement import PlacementError
 from specoffload.planner.plan import fixed_plan
 from specoffload.runtime import EngineConfig, SamplingParams
-from specoffload.runtime.drafter_choice import choose_drafter
+from specoffload.runtime.drafter_choice import candidate_config, choose_drafter
 from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload.profiler import load_or_measure
@@ -74,7 +75,7 @@ from specoffload.runtime.offload.replan import observed_stream_rate
 from specoffload.runtime.planning import ModelPair, place_plan
 from specoffload.runtime.prompts import humaneval_prompts, prose_prompts
 from specoffload.runtime.tokenizer import load_tokenizer
-from specoffload.runtime.warmup import plan_job
+from specoffload.runtime.warmup import measure_acceptance, plan_job
 
 CORPORA = {"code": humaneval_prompts, "prose": prose_prompts,
            "summaries": lambda n: workload_prompts("summarization"), "chat": lambda n: workload_prompts("chat")}
@@ -246,11 +247,10 @@ def plan_auto(base: EngineConfig, prompts, params, max_seq_len: int, profile) ->
                             profile)
     best = choice.best
     warm = next((c.warmup for c in choice.candidates if c.drafter == "model"), None)
-    first = next((c.warmup for c in choice.candidates if c.warmup is not None), None)  # (what priced them all)
     policy = best.plan.policy
     return Planned(best.drafter, best.plan.batch, best.plan.k, best.plan.batch * best.plan.num_batches,
                    best.predicted, policy.worst_ratio if policy is not None else None, choice.config(base), None,
-                   choice.workload, warm, _as_planned(profile, first), choice.table())
+                   choice.workload, warm, _as_planned(profile, choice.priced_by), choice.table())
 
 
 def _as_planned(profile, warm):  # noqa: ANN001, ANN202
@@ -277,6 +277,12 @@ def _run_job(corpus: str, budget: str, args: argparse.Namespace, tok, name: str)
                else plan_named(base, models, prompts, params, max_seq_len, profile))
     plan_s = time.perf_counter() - t
     warm, workload = planned.warm, planned.workload
+    check_s = None
+    if warm is None and any(k for _, k in args.grid):  # the planner did not measure the draft model (it could not
+        t = time.perf_counter()                        # win): its grid rows are priced at its measured acceptance
+        with contextlib.suppress(SpecOffloadError):  # (or at the prior, where its warm-up does not fit)
+            warm = measure_acceptance(candidate_config(base, "model"), prompts, params, profile=profile)
+        check_s = time.perf_counter() - t
     alpha = warm.curve if warm is not None else base.acceptance_prior  # what the grid's draft rows are priced at
     base_profile, profile = profile, planned.profile
     print(f"[{name}] {len(prompts)} prompts of mean {workload.prompt_len:.0f} tokens, {args.new_tokens} new; "
@@ -341,6 +347,7 @@ def _run_job(corpus: str, budget: str, args: argparse.Namespace, tok, name: str)
     return {
         "job": name, "corpus": corpus, "budget": budget, "prompts": len(prompts), "drafter_mode": args.drafter,
         "largest_grid_batch": max(b for b, _ in args.grid), "profile_s": profile_s, "plan_s": plan_s,
+        "check_warmup_s": check_s,
         "prompt_len": workload.prompt_len, "new_tokens": args.new_tokens, "max_seq_len": max_seq_len,
         "eos": args.eos, "refill": base.refill, "mean_new_tokens_planned": workload.mean_new_tokens,
         "warmup": None if warm is None else {

@@ -151,6 +151,29 @@ def test_auto_weighs_the_lowbit_drafter_where_no_text_repeats(slow_disk) -> None
     engine.close()
 
 
+def test_auto_skips_the_warm_up_of_a_drafter_that_cannot_win(slow_disk, monkeypatch) -> None:  # noqa: ANN001
+    """A drafter with a model is measured (its own warm-up engine) only when, accepting every draft, it would reach
+    the best candidate planned before it: here the low-bit copy's draft step is priced at 10 s a token, so even at
+    acceptance 1 it predicts less than no draft, and its warm-up never runs. At the real step (the test above) it
+    is measured."""
+    from specoffload.runtime import drafter_choice
+
+    config, profile = slow_disk
+    config = replace(config, max_batch_size=4, interleave="auto", device_memory=800 * 1024)
+    real_steps = drafter_choice.drafter_steps
+    monkeypatch.setattr(drafter_choice, "drafter_steps", lambda cfg, quick: (
+        ((1, 10.0), (64, 10.0)) if cfg.drafter_name == "lowbit" else real_steps(cfg, quick)))
+    measured = []
+    monkeypatch.setattr(drafter_choice, "measure_acceptance", lambda cfg, *a, **kw: measured.append(cfg.drafter_name))
+    choice = choose_drafter(config, Transformer(config.target), RANDOM, PARAMS, 100, profile, quick=True)
+    assert measured == []
+    assert {c.drafter for c in choice.candidates} == {"none", "ngram", "suffix"}
+    (why,) = [why for name, why in choice.skipped if name == "lowbit"]
+    ceiling, bar = (float(x) for x in re.findall(r"predict ([\d.e+-]+) tokens/s, below \w+'s ([\d.e+-]+)", why)[0])
+    assert ceiling < bar == pytest.approx(max(c.predicted for c in choice.candidates), rel=1e-3)
+    assert "| lowbit | | | skipped: not measured" in choice.table()
+
+
 def test_auto_needs_the_planner_and_prompts(counting: Path) -> None:
     from specoffload.runtime.config import ConfigError
 
