@@ -6,18 +6,19 @@ planned by the same search (planner/search.py), the best predicted throughput ch
     choose_drafter      measure, plan and compare them: a `DrafterChoice` (its `table` is what `specoffload plan`
                         prints)
 
-Measuring. First a no-draft warm-up (runtime/warmup.py `warmup_outputs`: a short generation over WARMUP_PROMPTS
-of the job's prompts): its mean output length, its loader's stream rate and what its passes say of the profile's
-compute costs (offload/replan.py `check_profile`) price every candidate alike, and its outputs are what the
-model-free drafters are replayed on, with no model call (runtime/drafter_replay.py: match rate, per-position
-acceptance, ragged feed and proposal microseconds, planner/acceptance.py `RaggedAcceptance`). None and the
-model-free drafters are planned first. A drafter with a model (model, lowbit, self) then runs its own warm-up
-(`measure_acceptance`: the same prompts at k = MAX_AUTO_K; its per-position acceptance curve and plausible range)
-only if it can win: planned at acceptance 1 (every draft accepted), its predicted tokens/s must reach the best
-candidate's so far. That plan bounds every acceptance it could measure (tokens per round rise with acceptance;
-the pass it prices, k + 1 rows fed per row, does not depend on it), so a drafter below the bar is skipped
-unmeasured, with both figures in its line of the table; its warm-up (an engine of its own, k = MAX_AUTO_K draft
-steps a round) is most of what planning costs.
+Measuring. One warm-up prices every candidate alike: its mean output length, its loader's stream rate and what
+its passes say of the profile's compute costs (offload/replan.py `check_profile`); its outputs (the target's own,
+speculation being lossless) are what the model-free drafters are replayed on, with no model call
+(runtime/drafter_replay.py: match rate, per-position acceptance, ragged feed and proposal microseconds,
+planner/acceptance.py `RaggedAcceptance`). It is the warm-up of the first drafter with a model (model, lowbit,
+self) that may win on the profile as it is (runtime/warmup.py `measure_acceptance`: WARMUP_PROMPTS of the job's
+prompts at k = MAX_AUTO_K; its per-position acceptance curve and plausible range), else a no-draft one
+(`warmup_outputs`). "May win": planned as if it accepted every draft, it predicts at least no draft's tokens/s.
+That plan bounds every acceptance the drafter could measure (tokens per round rise with acceptance; the pass it
+prices, k + 1 rows fed per row, does not depend on it). Then none and the model-free drafters are planned, and
+each other drafter with a model is warmed up only if its bound, now priced as the warm-up measured, reaches the
+best candidate so far; below it, it is skipped unmeasured, both figures in its line of the table. A warm-up (an
+engine of its own, 8 prompts of up to 32 tokens through the streamed target) is most of what planning costs.
 
 Planning. Every candidate is searched over the same batches and k (k = 0 included: a drafter that does not pay is
 planned as no draft) with its own placement (a draft model's weights and KV take memory, a model-free drafter's
@@ -86,7 +87,7 @@ class DrafterChoice:
     workload: Workload
     skipped: tuple[tuple[str, str], ...]  # (drafter, why) of candidates that could not run here, or could not win
     seconds: float  # measuring them
-    priced_by: Outputs | None = None  # the no-draft warm-up whose rate and compute check priced every candidate
+    priced_by: Warmup | Outputs | None = None  # the warm-up whose rate and compute check priced every candidate
 
     def config(self, config: EngineConfig) -> EngineConfig:
         """`config` running the chosen drafter at the chosen plan's batch and k (fixed: the measured acceptance
@@ -148,16 +149,22 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
             skipped.append((name, str(exc)))
     profiles = {name: replace(profile, draft_step_s=drafter_steps(cfg, quick))  # (cached beside the profile)
                 for name, cfg in configs.items()}
-    # the no-draft warm-up first: what every candidate is priced with (module docstring)
-    outputs = warmup_outputs(config, prompts, params, profile)
-    workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
-    workload = replace(workload, mean_new_tokens=min(workload.new_tokens, outputs.mean_new_tokens))
-    k_replay = max(MAX_AUTO_K, config.num_draft_tokens if isinstance(config.num_draft_tokens, int) else 0)
+    order = list(DRAFTERS)  # ties: the registry's order ("none" first, then the drafter modules by name)
 
-    def priced(name: str) -> HardwareProfile:  # the warm-up's compute check and its loader's rate
-        prof, scale = profiles[name], outputs.compute_scale
-        prof = prof.scaled_compute(scale) if scale != 1.0 else prof
-        return replace(prof, stream_bytes_per_s=outputs.stream_rate) if outputs.stream_rate else prof
+    def has_model(name: str) -> bool:
+        cls = configs[name].drafter_class
+        return cls.proposes and not cls.model_free
+
+    with_model = [n for n in order if n in configs and has_model(n)]
+    workload = Workload.of_prompts([len(p) for p in prompts], params.max_new_tokens)
+    priced_by: Warmup | Outputs | None = None  # the warm-up whose passes price every candidate
+
+    def priced(name: str) -> HardwareProfile:  # the pricing warm-up's compute check and its loader's rate
+        prof = profiles[name]
+        if priced_by is None:
+            return prof
+        prof = prof.scaled_compute(priced_by.compute_scale) if priced_by.compute_scale != 1.0 else prof
+        return replace(prof, stream_bytes_per_s=priced_by.stream_rate) if priced_by.stream_rate else prof
 
     def plan_for(name: str, acceptance: Acceptance | None, alpha_range: tuple[float, float] | None = None) -> Plan:
         cfg = configs[name]
@@ -165,33 +172,60 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
                          alpha=acceptance, profile=priced(name), alpha_range=alpha_range,
                          compare_no_draft=False)  # ("none" is a candidate)
 
-    candidates: list[Candidate] = []
-    order = list(DRAFTERS)  # ties: the registry's order ("none" first, then the drafter modules by name)
-    def has_model(name: str) -> bool:
-        cls = configs[name].drafter_class
-        return cls.proposes and not cls.model_free
+    def ceiling(name: str) -> float:  # its predicted tokens/s accepting every draft (0: nothing of it fits)
+        try:
+            policy = plan_for(name, 1.0).policy
+        except SpecOffloadError:
+            return 0.0
+        return policy.predicted_tokens_per_s if policy is not None else 0.0
 
-    # none and the model-free drafters first: they set the bar a drafter with a model must be able to clear
-    for name in sorted(configs, key=lambda n: (has_model(n), order.index(n))):
+    warmups: dict[str, Warmup] = {}
+
+    def warm_up(name: str) -> Warmup | None:
+        try:
+            warmups[name] = measure_acceptance(configs[name], prompts, params, profile=profiles[name])
+        except SpecOffloadError as exc:  # e.g. its warm-up does not fit the budget: the others still compete
+            skipped.append((name, str(exc)))
+            return None
+        return warmups[name]
+
+    # the pricing warm-up: the first drafter with a model that may win on the profile as it is (its outputs are the
+    # target's own, speculation being lossless), else a no-draft one
+    none_now = plan_for("none", None).policy if "none" in configs else None
+    hopeful = [n for n in with_model if measure_all or none_now is None
+               or ceiling(n) >= none_now.predicted_tokens_per_s]
+    for name in hopeful:
+        if (priced_by := warm_up(name)) is not None:
+            break
+    if priced_by is None:
+        priced_by = warmup_outputs(config, prompts, params, profile)
+    rows = priced_by.outputs if isinstance(priced_by, Warmup) else priced_by.rows
+    if priced_by.mean_new_tokens is not None:
+        workload = replace(workload, mean_new_tokens=min(workload.new_tokens, priced_by.mean_new_tokens))
+    k_replay = max(MAX_AUTO_K, config.num_draft_tokens if isinstance(config.num_draft_tokens, int) else 0)
+    candidates: list[Candidate] = []
+    for name in [n for n in order if n in configs and not has_model(n)] + with_model:
         cls = configs[name].drafter_class
         try:
-            if has_model(name):
-                bar = max(candidates, key=lambda c: c.predicted, default=None)
-                ceiling = plan_for(name, 1.0).policy
-                if not measure_all and bar is not None and ceiling is not None \
-                        and ceiling.predicted_tokens_per_s < bar.predicted:
-                    skipped.append((name, f"not measured: accepting every draft it would predict "
-                                          f"{ceiling.predicted_tokens_per_s:.4g} tokens/s, below {bar.drafter}'s "
-                                          f"{bar.predicted:.4g}"))
+            if has_model(name) and name not in warmups:
+                if any(n == name for n, _ in skipped):  # (its warm-up failed above)
                     continue
-                warmup = measure_acceptance(configs[name], prompts, params, profile=profiles[name])
-                plan = plan_for(name, warmup.curve, warmup.alpha_range)
-                candidates.append(Candidate(name, plan, warmup.curve, warmup))
+                bar = max(candidates, key=lambda c: c.predicted, default=None)
+                top = ceiling(name)
+                if not measure_all and bar is not None and top < bar.predicted:
+                    skipped.append((name, f"not measured: accepting every draft it would predict {top:.4g} "
+                                          f"tokens/s, below {bar.drafter}'s {bar.predicted:.4g}"))
+                    continue
+                if warm_up(name) is None:
+                    continue
+            if name in warmups:
+                warmup = warmups[name]
+                candidates.append(Candidate(name, plan_for(name, warmup.curve, warmup.alpha_range), warmup.curve,
+                                            warmup))
             else:
-                acceptance = replay_acceptance(configs[name], name, outputs.rows, k_replay) if cls.model_free \
-                    else None
+                acceptance = replay_acceptance(configs[name], name, rows, k_replay) if cls.model_free else None
                 candidates.append(Candidate(name, plan_for(name, acceptance), acceptance))
-        except SpecOffloadError as exc:  # e.g. a draft model's memory: the others still compete
+        except SpecOffloadError as exc:  # nothing of its search fits (a draft model's memory, typically)
             if name == "none":
                 raise
             skipped.append((name, str(exc)))
@@ -202,4 +236,5 @@ def choose_drafter(config: EngineConfig, target: Transformer, prompts: Sequence[
     best = ranked[0]
     if best.plan.k == 0:  # a drafter planned not to draft is no drafter
         best = next((c for c in candidates if c.drafter == "none"), best)
-    return DrafterChoice(best, tuple(candidates), workload, tuple(skipped), time.perf_counter() - start, outputs)
+    return DrafterChoice(best, tuple(candidates), workload, tuple(skipped), time.perf_counter() - start,
+                         priced_by)

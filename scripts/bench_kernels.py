@@ -21,7 +21,9 @@ where the kernel wins; INT8G_MAX_ROWS is set from it). Median of REPS timings, m
 GGUF blocks (q4_k, q6_k: random blocks of the same shapes; `PackedBlocks`, runtime/kernels/ggml.c) at BLOCK_ROWS:
 `kernel` is the engine's build of ggml.c (its vector path for this CPU: AVX-512 or AVX2, `ggml_isa` in the summary),
 `portable` the same source built without a vector path (what this CPU ran before it had one), `dequant` the
-native build's bfloat16 copy then `linear`. Summary: `<kind>_kernel_over_portable_<rows>`,
+native build's 16-bit copy then `linear`; in bfloat16 (weights rounded) unless --blocks-dtype float32, where on AVX2
+`decoded` is the native build that decodes every weight (before it factored the float32 sums: ggml.c
+`tile_factored`) and the summary has `<kind>_kernel_over_decoded_<rows>`. Summary: `<kind>_kernel_over_portable_<rows>`,
 `<kind>_kernel_over_bf16_<rows>` and `_over_int4g32_<rows>` (torch's int4 kernel, what a q4_k weight is repacked for
 without the ggml kernel; at the row counts both were measured), and `<kind>_kernel_faster_up_to_rows`
 (BLOCKS_MAX_ROWS is set from it). `--blocks-only` measures these with bf16 and int4 g32 only. A quick
@@ -78,21 +80,23 @@ def _layer(fn, weights: list[object], x_in: list[torch.Tensor]) -> None:  # noqa
 
 
 def _blocks(summary: dict, table: list[dict], ms: dict, rows_list: tuple[int, ...], reps: int,
-            g: torch.Generator) -> bool:
-    """The GGUF block kinds' rows of the table (module docstring); False where the ggml kernel is not built here."""
+            g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The GGUF block kinds' rows of the table (module docstring) in `dtype`; False where the ggml kernel is not
+    built here."""
     native, path = block_kernel(), kernels.build(generic=True)
     if native is None or path is None:
         print("no ggml kernel here (no C compiler): the GGUF block rows are not measured", file=sys.stderr)
         return False
-    portable = kernels._load(path)
-    summary["ggml_isa"] = native.isa
+    builds = {"kernel": native, "portable": kernels._load(path)}
+    if dtype == torch.float32 and native.isa == "avx2" and (decoded := kernels.build(decoded=True)) is not None:
+        builds["decoded"] = kernels._load(decoded)  # (the AVX2 path before it factored float32 sums)
+    summary["ggml_isa"], summary["blocks_dtype"] = native.isa, str(dtype).removeprefix("torch.")
     for kind in kernels.KINDS:
         nb = [shape[1] // kernels.BLOCK for shape in LAYER]
         blocks = [kernels.random_blocks(kind, shape[0], n, g) for shape, n in zip(LAYER, nb)]
-        ways = {"kernel": lambda b, x, k=kind: native.matmul(k, b, x, dtype=torch.bfloat16),
-                "portable": lambda b, x, k=kind: portable.matmul(k, b, x, dtype=torch.bfloat16),
-                "dequant": lambda b, x, k=kind: linear(x.bfloat16(), native.dequantize(k, b, x.shape[1],
-                                                                                        torch.bfloat16))}
+        ways = {name: (lambda b, x, k=kind, build=build: build.matmul(k, b, x, dtype=dtype))
+                for name, build in builds.items()}
+        ways["dequant"] = lambda b, x, k=kind: linear(x.to(dtype), native.dequantize(k, b, x.shape[1], dtype))
         for rows in rows_list:
             x_in = [torch.randn(rows, shape[1], generator=g) for shape in LAYER]  # float32: the kernel's input
             for way, fn in ways.items():
@@ -104,7 +108,8 @@ def _blocks(summary: dict, table: list[dict], ms: dict, rows_list: tuple[int, ..
                 print(f"{kind:9} {way:8} {rows:4} rows: {med * 1e3:8.2f} ms ({lo * 1e3:.2f}-{hi * 1e3:.2f})",
                       file=sys.stderr)
             kernel_ms = ms[kind, "kernel", rows]
-            summary[f"{kind}_kernel_over_portable_{rows}"] = round(ms[kind, "portable", rows] / kernel_ms, 3)
+            for other in builds.keys() - {"kernel"}:
+                summary[f"{kind}_kernel_over_{other}_{rows}"] = round(ms[kind, other, rows] / kernel_ms, 3)
             for other in ("bf16", "int4g32"):  # (where measured at these rows)
                 if (other, "kernel", rows) in ms:
                     summary[f"{kind}_kernel_over_{other}_{rows}"] = round(ms[other, "kernel", rows] / kernel_ms, 3)
@@ -120,6 +125,9 @@ def main() -> int:
     ap.add_argument("--out", default="kernels", help="docs/perf/<out>.json (another machine's table: its own name)")
     ap.add_argument("--blocks-only", action="store_true",
                     help="the GGUF block kinds, with bf16 and int4 g32 beside them at BLOCK_ROWS, no other format")
+    ap.add_argument("--blocks-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the GGUF block kinds' compute dtype (float32: weights not rounded; on AVX2 the build "
+                         "that decodes every weight beside it)")
     args = ap.parse_args()
     if not (int4_kernel_ok() and hasattr(torch, "_weight_int8pack_mm")):
         print("this torch has no CPU int4 / int8 weight-only kernel: nothing to measure", file=sys.stderr)
@@ -165,19 +173,20 @@ def main() -> int:
         wins = [r for r in rows_list if ms["int8g32", "kernel", r] < ms["int8g32", "dequant", r]]
         summary["int8g32_kernel_faster_up_to_rows"] = max(wins) if wins else 0
         summary["int8g_max_rows_in_engine"] = INT8G_MAX_ROWS
-    if _blocks(summary, table, ms, blocks_rows, reps, g):
+    if _blocks(summary, table, ms, blocks_rows, reps, g, getattr(torch, args.blocks_dtype)):
         rows_list = [*rows_list, *(r for r in blocks_rows if r not in rows_list)]
-    print("\n| format | rows | kernel tok/s | kernel ms | dequant + GEMM ms | portable build ms | engine uses |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("\n| format | rows | kernel tok/s | kernel ms | dequant + GEMM ms | portable build ms | decoded build ms "
+          "| engine uses |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for label in [f for f, _ in formats] + [k for k in kernels.KINDS if (k, "kernel", blocks_rows[0]) in ms]:
         for rows in rows_list:
             if (label, "kernel", rows) not in ms:
                 continue
             k, d = ms[label, "kernel", rows], ms.get((label, "dequant", rows))
             used = next(r["way"] for r in table if r["format"] == label and r["rows"] == rows and r["engine"])
-            p = ms.get((label, "portable", rows))
+            p, c = ms.get((label, "portable", rows)), ms.get((label, "decoded", rows))
             print(f"| {label} | {rows} | {rows / k * 1e3:.0f} | {k:.2f} | {'' if d is None else f'{d:.2f}'} | "
-                  f"{'' if p is None else f'{p:.2f}'} | {used} |")
+                  f"{'' if p is None else f'{p:.2f}'} | {'' if c is None else f'{c:.2f}'} | {used} |")
     print(summary)
     path = write_json(PERF / (f"scratch/{args.out}_quick.json" if args.quick else f"{args.out}.json"),
                       {"summary": summary, **meta, "reps": reps, "shapes": LAYER, "rows": table})

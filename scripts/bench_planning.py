@@ -1,21 +1,19 @@
 #!/usr/bin/env python
 """What `--drafter auto` planning costs a job: every drafter with a model warmed up, against only those that can win.
 
-`--drafter auto` (runtime/drafter_choice.py) plans none and the model-free drafters from one no-draft warm-up,
-then warms up a drafter with a model (the draft model, the low-bit copy) only when, accepting every draft, it
-would predict at least the best candidate so far. This benchmark runs `choose_drafter` on one job of
+`--drafter auto` (runtime/drafter_choice.py) warms up a drafter with a model (the draft model, the low-bit copy)
+only when, accepting every draft, it would predict at least the best candidate so far; the first such warm-up (or,
+when none may win, a no-draft one) prices every candidate. This benchmark runs `choose_drafter` on one job of
 scripts/validate_planner.py (its corpus, prompts, budget and config) both ways, alternating, --reps times each:
 
-    all      measure_all=True: every candidate measured, as before the bound
+    all      measure_all=True: every drafter with a model warmed up, the first one's warm-up pricing them all
+             (what `--drafter auto` did before the bound)
     bounded  the default
 
-and records the seconds of each (the no-draft warm-up's and each drafter warm-up's among them), the pick of each
-(drafter, batch, k, predicted tokens/s: the bound must not change it where the skipped candidate could not have
-won) and the comparison tables. Summary: plan_s_all,
-plan_s_bounded (medians), bounded_over_all (the share of the planning time left) and same_pick (1 when every
-bounded run picked what every full run picked); and, since the code before the bound had no no-draft warm-up
-(the first model warm-up's outputs priced every candidate), plan_s_all_less_nodraft_warmup (the full runs less
-their no-draft warm-up: what that code spent, derived from the same runs) and bounded_over_all_less_nodraft_warmup.
+and records the seconds of each, each warm-up's seconds and which warm-up priced the candidates, the pick of each
+(drafter, batch, k, predicted tokens/s: the bound must not change it) and the comparison tables. Summary:
+plan_s_all and plan_s_bounded (medians), bounded_over_all (the share of the planning time left) and same_pick (1
+when every bounded run picked the drafter, batch and k every full run picked).
 
 Writes docs/perf/planning_time.json (--out to change; quick runs belong under docs/perf/scratch/). Long (minutes a
 rep): run it under the machine-wide lock, `flock /tmp/specoffload-bench.lock python -m scripts.bench_planning`.
@@ -37,6 +35,7 @@ from specoffload.runtime.engine import Engine
 from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload.profiler import load_or_measure
 from specoffload.runtime.tokenizer import load_tokenizer
+from specoffload.runtime.warmup import Warmup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,11 +62,12 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             choice = choose_drafter(base, target, prompts, params, max_seq_len, profile, measure_all=mode == "all")
             seconds = time.perf_counter() - t
-            best = choice.best
+            best, priced = choice.best, choice.priced_by
             runs.append({"mode": mode, "rep": rep, "seconds": seconds, "drafter": best.drafter,
                          "batch": best.plan.batch, "k": best.plan.k, "predicted": best.predicted,
-                         "nodraft_warmup_s": choice.priced_by.seconds if choice.priced_by else None,
-                         "warmups_s": {c.drafter: c.warmup.seconds for c in choice.candidates if c.warmup},
+                         "priced_by": next((c.drafter for c in choice.candidates if c.warmup is priced), "no-draft"),
+                         "warmups_s": {c.drafter: c.warmup.seconds for c in choice.candidates if c.warmup}
+                         | ({} if isinstance(priced, Warmup) else {"no-draft": priced.seconds}),
                          "table": choice.table()})
             print(f"{mode} rep {rep}: {seconds:.0f} s, pick {best.drafter} batch {best.plan.batch} k {best.plan.k} "
                   f"({best.predicted:.3g} tok/s predicted)\n{choice.table()}", flush=True)
@@ -75,11 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     picks = {m: {(r["drafter"], r["batch"], r["k"]) for r in runs if r["mode"] == m} for m in ("all", "bounded")}
     all_med, all_lo, all_hi = median_spread(seconds["all"])
     bnd_med, bnd_lo, bnd_hi = median_spread(seconds["bounded"])
-    # before the bound, `--drafter auto` priced every candidate with the first model warm-up (no no-draft one):
-    # what the full runs took less their no-draft warm-up
-    before = statistics.median(r["seconds"] - (r["nodraft_warmup_s"] or 0.0) for r in runs if r["mode"] == "all")
     summary = {"plan_s_all": all_med, "plan_s_bounded": bnd_med, "bounded_over_all": bnd_med / all_med,
-               "plan_s_all_less_nodraft_warmup": before, "bounded_over_all_less_nodraft_warmup": bnd_med / before,
                "same_pick": float(picks["all"] == picks["bounded"] and len(picks["all"]) == 1)}
     print("| mode | median s | min | max |\n|---|---:|---:|---:|\n"
           f"| all | {all_med:.0f} | {all_lo:.0f} | {all_hi:.0f} |\n| bounded | {bnd_med:.0f} | {bnd_lo:.0f} | "

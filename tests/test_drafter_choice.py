@@ -29,6 +29,7 @@ from specoffload.runtime.models.model import Transformer
 from specoffload.runtime.offload import profiler
 from specoffload.runtime.offload.drafters.modelfree import NgramDrafter
 from specoffload.runtime.sampling import SamplingParams
+from specoffload.runtime.warmup import Outputs
 
 #: eight copy-task prompts: a counting run, then its first ten tokens again (the output continues the run)
 REPETITIVE = [list(range(100 + 40 * i, 140 + 40 * i)) + list(range(100 + 40 * i, 110 + 40 * i)) for i in range(8)]
@@ -142,6 +143,7 @@ def test_auto_weighs_the_lowbit_drafter_where_no_text_repeats(slow_disk) -> None
     assert set(by_name) == {"none", "lowbit", "ngram", "suffix"}, choice.skipped
     lowbit = by_name["lowbit"]
     assert lowbit.warmup is not None and lowbit.warmup.alpha_range[0] > 0.5 and lowbit.plan.k >= 1
+    assert choice.priced_by is lowbit.warmup  # its warm-up priced every candidate: no no-draft warm-up ran
     assert lowbit.per_pass()[0] > 1.5 and by_name["ngram"].per_pass()[0] == pytest.approx(1.0)
     run = DrafterChoice(lowbit, choice.candidates, choice.workload, (), 0.0).config(config)
     engine = Engine(run)
@@ -154,8 +156,8 @@ def test_auto_weighs_the_lowbit_drafter_where_no_text_repeats(slow_disk) -> None
 def test_auto_skips_the_warm_up_of_a_drafter_that_cannot_win(slow_disk, monkeypatch) -> None:  # noqa: ANN001
     """A drafter with a model is measured (its own warm-up engine) only when, accepting every draft, it would reach
     the best candidate planned before it: here the low-bit copy's draft step is priced at 10 s a token, so even at
-    acceptance 1 it predicts less than no draft, and its warm-up never runs. At the real step (the test above) it
-    is measured."""
+    acceptance 1 it predicts less than no draft, its warm-up never runs and a no-draft warm-up prices the others.
+    At the real step (the test above) it is measured, and its warm-up prices them all."""
     from specoffload.runtime import drafter_choice
 
     config, profile = slow_disk
@@ -166,7 +168,7 @@ def test_auto_skips_the_warm_up_of_a_drafter_that_cannot_win(slow_disk, monkeypa
     measured = []
     monkeypatch.setattr(drafter_choice, "measure_acceptance", lambda cfg, *a, **kw: measured.append(cfg.drafter_name))
     choice = choose_drafter(config, Transformer(config.target), RANDOM, PARAMS, 100, profile, quick=True)
-    assert measured == []
+    assert measured == [] and isinstance(choice.priced_by, Outputs)  # a no-draft warm-up priced them
     assert {c.drafter for c in choice.candidates} == {"none", "ngram", "suffix"}
     (why,) = [why for name, why in choice.skipped if name == "lowbit"]
     ceiling, bar = (float(x) for x in re.findall(r"predict ([\d.e+-]+) tokens/s, below \w+'s ([\d.e+-]+)", why)[0])

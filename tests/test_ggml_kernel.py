@@ -65,16 +65,43 @@ def test_products_equal_the_dequantized_weights(name, out, blocks, rows, threads
     assert torch.equal(alone[0][0], got[0]) and torch.equal(alone[1][0], got[-1])
 
 
+@pytest.fixture(scope="module")
+def decoded():
+    """The native build with float32 weights decoded one by one (ggml.c without `tile_factored`)."""
+    path = kernels.build(decoded=True)
+    if path is None:
+        pytest.skip("no C compiler")
+    return kernels._load(path)
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(kernels.KINDS))
-def test_the_portable_build_agrees(generic, name):
+def test_the_portable_and_decoding_builds_agree(generic, decoded, name):
     raw = random_blocks(name, 37, 6, 1)  # an odd number of outputs: the last one alone
     w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), (37, 6 * 256))
     x = torch.randn(11, 6 * 256, generator=torch.Generator().manual_seed(2))
     want = x.double() @ w.double().T
-    for kernel in (KERNEL, generic):
+    for kernel in (KERNEL, generic, decoded):
         got = product(kernel, name, raw, x).double()
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(kernels.KINDS))
+def test_factored_sums_hold_where_the_terms_cancel(decoded, name):
+    """The AVX2 path factors float32 sums per sub-block (q4_k: scale x (codes . x) - min x sum(x)): on inputs whose
+    products cancel to a small result (x orthogonal-ish to w, every x positive so sum(x) is large) it stays within
+    float32 rounding of the terms it adds, as the decoding build does."""
+    raw = random_blocks(name, 16, 4, 3)
+    w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), (16, 4 * 256)).double()
+    x = torch.rand(9, 4 * 256, generator=torch.Generator().manual_seed(4), dtype=torch.float64) + 1.0
+    x = x - (x @ w.T) @ torch.linalg.pinv(w.T)  # (x's component along the W rows removed: y ~ 0)
+    x = x.float()
+    want = x.double() @ w.T
+    scale = float((x.double().abs() @ w.abs().T).max())  # the products' magnitudes, before they cancel
+    for kernel in (KERNEL, decoded):
+        got = product(kernel, name, raw, x).double()
+        assert float((got - want).abs().max()) <= 4e-6 * scale
 
 
 @needs_kernel

@@ -89,15 +89,17 @@ def _compiler() -> tuple[str, str] | None:
     return cc, (version.splitlines() or [""])[0]
 
 
-def build(generic: bool = False) -> Path | None:
-    """The compiled library for this source, compiler and CPU (built now if not cached), or None (logged)."""
+def build(generic: bool = False, decoded: bool = False) -> Path | None:
+    """The compiled library for this source, compiler and CPU (built now if not cached), or None (logged).
+    generic: without a vector path; decoded: the AVX2 path decoding every weight with float32 weights too, not
+    factoring the sums (ggml.c `tile_factored`; the baseline it is measured against)."""
     compiler = _compiler()
     if compiler is None:
         log.info("no C compiler ($CC or cc): GGUF q4_k / q6_k weights are converted for torch's kernels instead")
         return None
     cc, version = compiler
     source, cpu = SOURCE.read_bytes(), _cpu_signature().encode()
-    defines = ("-DSPECOFFLOAD_GENERIC",) if generic else ()
+    defines = (*(("-DSPECOFFLOAD_GENERIC",) if generic else ()), *(("-DSPECOFFLOAD_DECODED",) if decoded else ()))
     for arch in (NATIVE, ()):  # (a compiler without -march=native: the portable flags)
         flags = (*FLAGS, *arch, *defines)
         key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(), cpu])).hexdigest()[:16]

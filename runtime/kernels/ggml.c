@@ -17,11 +17,14 @@
  * With AVX-512 (compiled with -march=native on a CPU that has it; `specoffload_ggml_vector` 1): tiles of up to 8
  * rows of x by 2 rows of W held in 16 accumulators of 16 lanes, each block decoded once per tile. With AVX2, FMA and
  * F16C and no AVX-512 (2): the same decoding in vectors of 8 lanes, tiles of up to 8 rows of x by 1 row of W (8
- * accumulators), each block decoded once per tile. Otherwise (0) a portable loop the compiler vectorizes. The output
- * rows are split over `threads` POSIX threads (each writes its own columns of y).
+ * accumulators), each block decoded once per tile; with float32 weights (round 0) that path factors each
+ * sub-block's sum instead of decoding every weight (`tile_factored`: the same products, summed in another order).
+ * Otherwise (0) a portable loop the compiler vectorizes. The output rows are split over `threads` POSIX threads
+ * (each writes its own columns of y).
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(SPECOFFLOAD_GENERIC)
@@ -197,7 +200,8 @@ static inline __attribute__((always_inline)) void tile(int kind, int round, int 
     if (round == 1) { TILES(kind, 1, R) } else if (round == 2) { TILES(kind, 2, R) } else { TILES(kind, 0, R) }
 
 static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, int64_t nb,
-                 const float *x, int64_t K, float *y, int64_t N) {
+                 const float *x, int64_t K, const float *xs, float *y, int64_t N) {
+    (void)xs; /* (only the AVX2 path factors its sums) */
     if (kind == KIND_Q4_K) {
         if (r == 2) { ROUNDS(KIND_Q4_K, 2) } else { ROUNDS(KIND_Q4_K, 1) }
     } else {
@@ -265,6 +269,81 @@ static inline __attribute__((always_inline)) float lanes_sum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* Codes 8v .. 8v + 7 of a 32-byte half of `codes` (v < 4) as float32 (exact), less 32 for q6_k. */
+static inline __attribute__((always_inline)) __m256 code_floats(int kind, __m256i half, int v) {
+    __m128i lane = (v & 2) ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half);
+    __m256i q = _mm256_cvtepu8_epi32((v & 1) ? _mm_srli_si128(lane, 8) : lane);
+    return _mm256_cvtepi32_ps(kind == KIND_Q4_K ? q : _mm256_sub_epi32(q, _mm256_set1_epi32(32)));
+}
+
+/* With round 0 (float32 weights) the tile sums the same products factored as llama.cpp's dot products are, a
+ * sub-block j at a time:
+ *
+ *   q4_k  y = sum_j (d sc_j) (q_j . x_j) - (dmin m_j) sum(x_j)        q6_k  y = sum_j (d sc_j) ((q_j - 32) . x_j)
+ *
+ * the codes converted to float32 exactly, each sub-block's dot product in float32 multiply-adds, then one
+ * multiply-add by its factor; sum(x_j) per row and sub-block of 32 comes in xs (`sub_sums`). No multiply, subtract
+ * per weight: a row of x costs 4 multiply-adds for 32 weights and a sub-block's decoding is shared by the tile's
+ * rows. The float32 result differs from the decoded weights' products only by summation order; a row's sum does
+ * not depend on the tile. */
+static inline __attribute__((always_inline)) void tile_factored(int kind, int MT, const uint8_t *w, int64_t nb,
+                                                                const float *x, int64_t K, const float *xs,
+                                                                float *y, int64_t N) {
+    __m256 acc[TILE];
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const uint8_t *b = w + blk * BLOCK_BYTES[kind];
+        const float *xb = x + blk * QK;
+        float scale[16], low[8];
+        factors(kind, b, scale, low);
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            codes(kind, b, c, &lo, &hi);
+            UNROLL for (int h = 0; h < 2; h++) { /* inputs 64c + 32h .. + 31: q4_k's sub-block 2c + h, q6_k's two */
+                __m256 q[4];
+                UNROLL for (int v = 0; v < 4; v++) q[v] = code_floats(kind, h ? hi : lo, v);
+                const float *xh = xb + 64 * c + 32 * h;
+                if (kind == KIND_Q4_K) {
+                    __m256 s = _mm256_set1_ps(scale[2 * c + h]);
+                    UNROLL for (int m = 0; m < MT; m++) {
+                        const float *xm = xh + m * K;
+                        __m256 d = _mm256_mul_ps(q[0], _mm256_loadu_ps(xm));
+                        d = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xm + 8), d);
+                        d = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xm + 16), d);
+                        d = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24), d);
+                        acc[m] = _mm256_fmadd_ps(s, d, acc[m]);
+                    }
+                } else {
+                    __m256 s0 = _mm256_set1_ps(scale[4 * c + 2 * h]), s1 = _mm256_set1_ps(scale[4 * c + 2 * h + 1]);
+                    UNROLL for (int m = 0; m < MT; m++) {
+                        const float *xm = xh + m * K;
+                        __m256 d0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xm + 8), _mm256_mul_ps(q[0],
+                                                                                                _mm256_loadu_ps(xm)));
+                        __m256 d1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24),
+                                                    _mm256_mul_ps(q[2], _mm256_loadu_ps(xm + 16)));
+                        acc[m] = _mm256_fmadd_ps(s1, d1, _mm256_fmadd_ps(s0, d0, acc[m]));
+                    }
+                }
+            }
+        }
+        if (kind == KIND_Q4_K) {
+            __m256 l = _mm256_loadu_ps(low);
+            UNROLL for (int m = 0; m < MT; m++)
+                acc[m] = _mm256_fnmadd_ps(l, _mm256_loadu_ps(xs + m * (K / 32) + blk * 8), acc[m]);
+        }
+    }
+    for (int m = 0; m < MT; m++) y[m * N] = lanes_sum(acc[m]);
+}
+
+/* xs [M, K / 32]: each row's sums over its inputs 32g .. 32g + 31, in the same order for every row. */
+static void sub_sums(const float *x, int64_t M, int64_t K, float *xs) {
+    for (int64_t i = 0; i < M * (K / 32); i++) {
+        const float *p = x + i * 32;
+        xs[i] = lanes_sum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                        _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24))));
+    }
+}
+
 /* y rows m < MT, column of the W row at w (8 accumulators of 8 lanes and the operands fit AVX2's 16 registers, so
  * a tile holds one W row: each block is decoded once per tile). Up to 2 rows of x the weights go from the decoding
  * to the multiply-adds in registers; from 3 rows a block is decoded into wb (in L1) first, and the multiply-adds
@@ -312,12 +391,31 @@ static inline __attribute__((always_inline)) void tile(int kind, int round, int 
     default: tile(kind, round, 8, w, nb, x, K, y, N); break;                                                  \
     }
 
+#define FACTORED_TILES(kind)                                                                                  \
+    switch (mt) {                                                                                             \
+    case 1: tile_factored(kind, 1, w, nb, x, K, xs, y, N); break;                                             \
+    case 2: tile_factored(kind, 2, w, nb, x, K, xs, y, N); break;                                             \
+    case 3: tile_factored(kind, 3, w, nb, x, K, xs, y, N); break;                                             \
+    case 4: tile_factored(kind, 4, w, nb, x, K, xs, y, N); break;                                             \
+    case 5: tile_factored(kind, 5, w, nb, x, K, xs, y, N); break;                                             \
+    case 6: tile_factored(kind, 6, w, nb, x, K, xs, y, N); break;                                             \
+    case 7: tile_factored(kind, 7, w, nb, x, K, xs, y, N); break;                                             \
+    default: tile_factored(kind, 8, w, nb, x, K, xs, y, N); break;                                            \
+    }
+
+#ifndef SPECOFFLOAD_DECODED /* (defined: round 0 decodes each weight too, the factored tile's baseline) */
+#define ROUNDS(kind)                                                                                          \
+    if (round == 1) { TILES(kind, 1) } else if (round == 2) { TILES(kind, 2) }                                \
+    else if (xs != NULL || kind == KIND_Q6_K) { FACTORED_TILES(kind) } else { TILES(kind, 0) }
+#else
 #define ROUNDS(kind)                                                                                          \
     if (round == 1) { TILES(kind, 1) } else if (round == 2) { TILES(kind, 2) } else { TILES(kind, 0) }
+#endif
 
-/* y's columns of the r W rows from w0 (the tile of mt rows of x at x), one W row at a time. */
+/* y's columns of the r W rows from w0 (the tile of mt rows of x at x; xs: their `sub_sums`, or NULL), one W row at
+ * a time. */
 static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, int64_t nb,
-                 const float *x, int64_t K, float *y, int64_t N) {
+                 const float *x, int64_t K, const float *xs, float *y, int64_t N) {
     for (int i = 0; i < r; i++) {
         const uint8_t *w = w0 + i * row_bytes;
         if (kind == KIND_Q4_K) { ROUNDS(KIND_Q4_K) } else { ROUNDS(KIND_Q6_K) }
@@ -409,7 +507,8 @@ static void decode_block(int kind, int round, const uint8_t *b, float *w) {
 }
 
 static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, int64_t nb,
-                 const float *x, int64_t K, float *y, int64_t N) {
+                 const float *x, int64_t K, const float *xs, float *y, int64_t N) {
+    (void)xs; /* (only the AVX2 path factors its sums) */
     for (int i = 0; i < r; i++) {
         float acc[TILE][16], w[QK];
         memset(acc, 0, sizeof(acc));
@@ -531,6 +630,7 @@ struct job {
     int kind, round; /* kind -1: convert (round: 1 to bfloat16, 0 to float16) values n0 .. n1 of w into y */
     const uint8_t *w;
     const float *x; /* NULL: dequantize rows n0 .. n1 into y (bytes per weight by round) */
+    const float *xs; /* x's `sub_sums` [M, K / 32] (AVX2, q4_k, round 0), or NULL */
     void *y;
     int64_t M, N, K, n0, n1;
 };
@@ -553,7 +653,7 @@ static void *work(void *arg) {
         for (int64_t n = j->n0; n < j->n1; n += 2) {
             int r = j->n1 - n >= 2 ? 2 : 1;
             rows(j->kind, j->round, r, mt, j->w + n * row_bytes, row_bytes, nb, j->x + m * j->K, j->K,
-                 (float *)j->y + m * j->N + n, j->N);
+                 j->xs ? j->xs + m * (j->K / 32) : NULL, (float *)j->y + m * j->N + n, j->N);
         }
     }
     return NULL;
@@ -595,19 +695,26 @@ static int bad(int kind, int round, int64_t N, int64_t K, int64_t M) {
 int specoffload_ggml_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
                             int threads, int round) {
     if (bad(kind, round, N, K, M) || x == NULL) return -1;
-    return run((struct job){kind, round, w, x, y, M, N, K, 0, 0}, threads);
+    float *xs = NULL;
+#if VECTOR == 2 && !defined(SPECOFFLOAD_DECODED)
+    if (kind == KIND_Q4_K && round == 0 && M > 0 && (xs = malloc((size_t)(M * (K / 32)) * sizeof(float))) != NULL)
+        sub_sums(x, M, K, xs); /* (without it, the tile decodes each weight) */
+#endif
+    int rc = run((struct job){kind, round, w, x, xs, y, M, N, K, 0, 0}, threads);
+    free(xs);
+    return rc;
 }
 
 /* W [N, K] into out: float32 (round 0), bfloat16 (1) or float16 (2), contiguous; the weights `specoffload_ggml_matmul`
  * multiplies with the same `round`. Returns as it does. */
 int specoffload_ggml_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, void *out, int threads, int round) {
     if (bad(kind, round, N, K, 0)) return -1;
-    return run((struct job){kind, round, w, NULL, out, 0, N, K, 0, 0}, threads);
+    return run((struct job){kind, round, w, NULL, NULL, out, 0, N, K, 0, 0}, threads);
 }
 
 /* n values between float16 and bfloat16 (`to_bf16` 1: float16 src -> bfloat16 dst; 0: the reverse), as torch's
  * dst.copy_(src) converts them but for NaN payloads. Returns as specoffload_ggml_matmul does. */
 int specoffload_convert_16(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16, int threads) {
     if (n < 0 || to_bf16 < 0 || to_bf16 > 1 || (!to_bf16 && !HAVE_HALF)) return -1;
-    return run((struct job){-1, to_bf16, (const uint8_t *)src, NULL, dst, 0, n, 0, 0, 0}, threads);
+    return run((struct job){-1, to_bf16, (const uint8_t *)src, NULL, NULL, dst, 0, n, 0, 0, 0}, threads);
 }
