@@ -101,7 +101,7 @@ def test_factored_sums_hold_where_the_terms_cancel(decoded, name):
     scale = float((x.double().abs() @ w.abs().T).max())  # the products' magnitudes, before they cancel
     for kernel in (KERNEL, decoded):
         got = product(kernel, name, raw, x).double()
-        assert float((got - want).abs().max()) <= 4e-6 * scale
+        assert float((got - want).abs().max()) <= 5e-7 * scale  # (measured: 1-4e-8)
 
 
 @needs_kernel
