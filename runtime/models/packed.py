@@ -424,9 +424,9 @@ class PackedBlocks:
     quarter to a third of a 16-bit copy's bytes in its slot, read there by the disk read with no work at load.
     runtime/kernels/ggml.c decodes every block with llama.cpp's float32 arithmetic and rounds each weight to the
     compute dtype; up to BLOCKS_MAX_ROWS rows it multiplies by x where the blocks lie (float32 products, each row
-    on its own), above that it writes those rounded weights into a 16-bit copy (BLOCKS_DEQUANT weights at a time,
-    ~15 GB/s of output on 2 cores) for a GEMM. Both regimes multiply the same weights: one fixed model, as
-    `PackedInt4` is."""
+    on its own; in float32 on AVX2 the sums factored per sub-block, the same products in another order), above
+    that it writes those rounded weights into a 16-bit copy (BLOCKS_DEQUANT weights at a time, ~15 GB/s of output
+    on 2 cores) for a GEMM. Both regimes multiply the same weights: one fixed model, as `PackedInt4` is."""
 
     blocks: torch.Tensor  # [out, in / 256 * block bytes] uint8, the stored rows
     fmt: object  # the GGML format (runtime/formats/ggml.py) the blocks are in
