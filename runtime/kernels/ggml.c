@@ -39,6 +39,13 @@
 #define VECTOR 0
 #define TILE 8
 #endif
+/* float32 weights on the AVX2 path: each sub-block's sum factored (`tile_factored`); SPECOFFLOAD_DECODED builds the
+ * path that decodes every weight, its baseline */
+#if VECTOR == 2 && !defined(SPECOFFLOAD_DECODED)
+#define FACTORED 1
+#else
+#define FACTORED 0
+#endif
 
 enum { KIND_Q4_K = 0, KIND_Q6_K = 1, KINDS = 2 };
 #define QK 256                         /* inputs per block */
@@ -96,6 +103,20 @@ static inline void factors(int kind, const uint8_t *b, float *scale, float *low)
 #else
 #define UNROLL
 #endif
+
+/* `call`, an expression naming MT, with MT the tile's rows mt (1 .. TILE) as a compile-time constant: each tile
+ * size compiles to its own unrolled code. */
+#define BY_MT(call)                                                                                           \
+    switch (mt) {                                                                                             \
+    case 1: { enum { MT = 1 }; call; } break;                                                                 \
+    case 2: { enum { MT = 2 }; call; } break;                                                                 \
+    case 3: { enum { MT = 3 }; call; } break;                                                                 \
+    case 4: { enum { MT = 4 }; call; } break;                                                                 \
+    case 5: { enum { MT = 5 }; call; } break;                                                                 \
+    case 6: { enum { MT = 6 }; call; } break;                                                                 \
+    case 7: { enum { MT = 7 }; call; } break;                                                                 \
+    default: { enum { MT = 8 }; call; } break;                                                                \
+    }
 
 /* The bytes of inputs 64c .. 64c + 31 (lo) and 64c + 32 .. 64c + 63 (hi) of a block, one code per byte. */
 static inline __attribute__((always_inline)) void codes(int kind, const uint8_t *b, int c, __m256i *lo,
@@ -184,17 +205,7 @@ static inline __attribute__((always_inline)) void tile(int kind, int round, int 
         for (int m = 0; m < MT; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
-#define TILES(kind, round, R)                                                                                        \
-    switch (mt) {                                                                                             \
-    case 1: tile(kind, round, 1, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
-    case 2: tile(kind, round, 2, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
-    case 3: tile(kind, round, 3, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
-    case 4: tile(kind, round, 4, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
-    case 5: tile(kind, round, 5, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
-    case 6: tile(kind, round, 6, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
-    case 7: tile(kind, round, 7, R, w0, row_bytes, nb, x, K, y, N); break;                                     \
-    default: tile(kind, round, 8, R, w0, row_bytes, nb, x, K, y, N); break;                                    \
-    }
+#define TILES(kind, round, R) BY_MT(tile(kind, round, MT, R, w0, row_bytes, nb, x, K, y, N))
 
 #define ROUNDS(kind, R)                                                                                       \
     if (round == 1) { TILES(kind, 1, R) } else if (round == 2) { TILES(kind, 2, R) } else { TILES(kind, 0, R) }
@@ -245,12 +256,16 @@ static inline __attribute__((always_inline)) __m256 rounded(__m256 w, int round)
     return w;
 }
 
+/* Codes 8v .. 8v + 7 of a 32-byte half of `codes` (v < 4) as 32-bit integers. */
+static inline __attribute__((always_inline)) __m256i code_ints(__m256i half, int v) {
+    __m128i lane = (v & 2) ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half);
+    return _mm256_cvtepu8_epi32((v & 1) ? _mm_srli_si128(lane, 8) : lane);
+}
+
 /* Inputs 64c + 8v .. 64c + 8v + 7 of a block (v < 8) as 8 weights, from its `codes`. */
 static inline __attribute__((always_inline)) __m256 weights(int kind, int round, __m256i lo, __m256i hi,
                                                             const float *scale, const float *low, int c, int v) {
-    __m256i half = v < 4 ? lo : hi;
-    __m128i lane = (v & 2) ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half);
-    __m256i q = _mm256_cvtepu8_epi32((v & 1) ? _mm_srli_si128(lane, 8) : lane);
+    __m256i q = code_ints(v < 4 ? lo : hi, v & 3);
     __m256 w;
     if (kind == KIND_Q4_K) {
         int j = 2 * c + (v >> 2);
@@ -271,8 +286,7 @@ static inline __attribute__((always_inline)) float lanes_sum(__m256 v) {
 
 /* Codes 8v .. 8v + 7 of a 32-byte half of `codes` (v < 4) as float32 (exact), less 32 for q6_k. */
 static inline __attribute__((always_inline)) __m256 code_floats(int kind, __m256i half, int v) {
-    __m128i lane = (v & 2) ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half);
-    __m256i q = _mm256_cvtepu8_epi32((v & 1) ? _mm_srli_si128(lane, 8) : lane);
+    __m256i q = code_ints(half, v);
     return _mm256_cvtepi32_ps(kind == KIND_Q4_K ? q : _mm256_sub_epi32(q, _mm256_set1_epi32(32)));
 }
 
@@ -379,38 +393,13 @@ static inline __attribute__((always_inline)) void tile(int kind, int round, int 
     for (int m = 0; m < MT; m++) y[m * N] = lanes_sum(acc[m]);
 }
 
-#define TILES(kind, round)                                                                                    \
-    switch (mt) {                                                                                             \
-    case 1: tile(kind, round, 1, w, nb, x, K, y, N); break;                                                   \
-    case 2: tile(kind, round, 2, w, nb, x, K, y, N); break;                                                   \
-    case 3: tile(kind, round, 3, w, nb, x, K, y, N); break;                                                   \
-    case 4: tile(kind, round, 4, w, nb, x, K, y, N); break;                                                   \
-    case 5: tile(kind, round, 5, w, nb, x, K, y, N); break;                                                   \
-    case 6: tile(kind, round, 6, w, nb, x, K, y, N); break;                                                   \
-    case 7: tile(kind, round, 7, w, nb, x, K, y, N); break;                                                   \
-    default: tile(kind, round, 8, w, nb, x, K, y, N); break;                                                  \
-    }
+#define TILES(kind, round) BY_MT(tile(kind, round, MT, w, nb, x, K, y, N))
 
-#define FACTORED_TILES(kind)                                                                                  \
-    switch (mt) {                                                                                             \
-    case 1: tile_factored(kind, 1, w, nb, x, K, xs, y, N); break;                                             \
-    case 2: tile_factored(kind, 2, w, nb, x, K, xs, y, N); break;                                             \
-    case 3: tile_factored(kind, 3, w, nb, x, K, xs, y, N); break;                                             \
-    case 4: tile_factored(kind, 4, w, nb, x, K, xs, y, N); break;                                             \
-    case 5: tile_factored(kind, 5, w, nb, x, K, xs, y, N); break;                                             \
-    case 6: tile_factored(kind, 6, w, nb, x, K, xs, y, N); break;                                             \
-    case 7: tile_factored(kind, 7, w, nb, x, K, xs, y, N); break;                                             \
-    default: tile_factored(kind, 8, w, nb, x, K, xs, y, N); break;                                            \
-    }
+#define FACTORED_TILES(kind) BY_MT(tile_factored(kind, MT, w, nb, x, K, xs, y, N))
 
-#ifndef SPECOFFLOAD_DECODED /* (defined: round 0 decodes each weight too, the factored tile's baseline) */
 #define ROUNDS(kind)                                                                                          \
     if (round == 1) { TILES(kind, 1) } else if (round == 2) { TILES(kind, 2) }                                \
-    else if (xs != NULL || kind == KIND_Q6_K) { FACTORED_TILES(kind) } else { TILES(kind, 0) }
-#else
-#define ROUNDS(kind)                                                                                          \
-    if (round == 1) { TILES(kind, 1) } else if (round == 2) { TILES(kind, 2) } else { TILES(kind, 0) }
-#endif
+    else if (FACTORED && (xs != NULL || kind == KIND_Q6_K)) { FACTORED_TILES(kind) } else { TILES(kind, 0) }
 
 /* y's columns of the r W rows from w0 (the tile of mt rows of x at x; xs: their `sub_sums`, or NULL), one W row at
  * a time. */
@@ -696,7 +685,7 @@ int specoffload_ggml_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, co
                             int threads, int round) {
     if (bad(kind, round, N, K, M) || x == NULL) return -1;
     float *xs = NULL;
-#if VECTOR == 2 && !defined(SPECOFFLOAD_DECODED)
+#if FACTORED
     if (kind == KIND_Q4_K && round == 0 && M > 0 && (xs = malloc((size_t)(M * (K / 32)) * sizeof(float))) != NULL)
         sub_sums(x, M, K, xs); /* (without it, the tile decodes each weight) */
 #endif
