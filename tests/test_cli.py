@@ -407,12 +407,18 @@ def test_plan_and_generate_give_the_same_plan_for_the_same_job(tiny_models, tmp_
     """`generate` plans a planned job as `plan` does (the warm-up on the job's prompts, then the search over its
     workload), so the batch and k it runs are the ones `plan` prints; neither is larger than the job. The warm-up's
     pass times do not correct the (cached, shared) profile here: on a busy machine two runs' times differ, and a
-    correction in one but not the other moved k between 1 and 2 (replan.py `check_profile`, tested on its own)."""
+    correction in one but not the other moved k between 1 and 2 (replan.py `check_profile`, tested on its own). Nor
+    does a profile measured with a wide spread: `plan` measures and saves it, and one saved as disturbed is measured
+    again by `generate` (profiler.py `cached`), so the two commands can plan on two profiles; with no draft and
+    k = 1 within 2% here (45.8 and 45.1 tokens/s), that is the likely cause of k 1 against 2 in a fresh clone's CI
+    (2026-12-07; the other timing each command takes apart, the replay's proposal microseconds, left k at 1 from
+    1 to 400 us)."""
     import re
 
-    from specoffload.runtime.offload import replan
+    from specoffload.runtime.offload import profiler, replan
 
     monkeypatch.setattr(replan, "PROFILE_MARGIN", float("inf"))
+    monkeypatch.setattr(profiler, "SPREAD_LIMIT", float("inf"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"token_ids": [1, 5 + i, 9, 5 + i]}) + "\n" for i in range(6)))
     common = ["--model", str(tiny_models["llama"]), "--prompts", str(prompts), "--drafter", "ngram",
