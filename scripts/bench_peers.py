@@ -262,7 +262,7 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
     from specoffload.runtime.prompts import humaneval_prompts
     from specoffload.runtime.tokenizer import load_tokenizer
 
-    meta = run_meta("bfloat16")
+    meta = run_meta(args.dtype)
     limit = parse_bytes(args.memory_limit)
     shaped = SHAPES / f"qwen3_30b_a3b-{args.layers}l-q4km.gguf"
     gguf = args.gguf or write_shape_gguf(args.layers, tokenizer_from, shaped)
@@ -283,7 +283,8 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
     systems[f"ours b{args.budget_batch}"] = lambda: _ours_result(limited(
         [sys.executable, "-m", "scripts.peers.ours_runner"],  # (from ROOT: it imports scripts.common)
         {"model": str(target), "prompts": prompts, "new_tokens": args.new_tokens, "batch": args.budget_batch,
-         "device_memory": device_memory, "packed_weights": "auto", "prefill_chunk": args.ours_prefill_chunk},
+         "device_memory": device_memory, "packed_weights": "auto", "prefill_chunk": args.ours_prefill_chunk,
+         "dtype": args.dtype},
         limit, gguf, args.malloc_arena_max), len(prompts), args.new_tokens)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     failed: dict[str, str] = {}  # a system that cannot run under the limit (killed for memory): not run again

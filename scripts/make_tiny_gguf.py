@@ -41,16 +41,17 @@ ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen2_moe": "qwen2moe", "qwen3": "q
 SMALL_ROW_TYPES = {
     "token_embd.weight": "Q8_0", "output.weight": "Q8_0", "attn_q.weight": ["Q8_0", "Q4_0"],
     "attn_k.weight": ["Q5_0", "Q8_0"], "attn_v.weight": ["Q4_0", "Q5_0"], "attn_output.weight": ["Q8_0", "MXFP4"],
-    "ffn_gate.weight": ["Q4_0", "Q8_0"], "ffn_up.weight": ["Q5_0", "Q4_0"], "ffn_down.weight": ["Q8_0", "Q5_0"],
+    "ffn_gate.weight": ["Q4_0", "Q8_0"], "ffn_up.weight": ["Q5_0", "Q4_0"], "ffn_down.weight": ["Q8_0", "F16"],
 }  # fmt: skip
 #: GGML type of each weight, by the end of its llama.cpp name, cycling where a list (layer by layer): every readable
-#: type appears, and each layer differs
+#: type appears, and each layer differs (F16: a matrix llama.cpp's quantizer leaves unquantized, as the moefied
+#: model's 336-wide expert projections)
 DEFAULT_TYPES = {
     "token_embd.weight": "Q4_K", "output.weight": "Q6_K", "attn_q.weight": ["Q8_0", "Q4_K"],
     "attn_k.weight": ["Q5_0", "Q6_K"], "attn_v.weight": ["Q6_K", "Q5_K"], "attn_output.weight": ["Q4_0", "MXFP4"],
     "ffn_gate.weight": ["Q4_K", "Q4_0"], "ffn_up.weight": ["Q5_K", "Q4_K"], "ffn_down.weight": ["Q6_K", "Q8_0"],
     "ffn_gate_exps.weight": ["Q4_K", "Q4_0"], "ffn_up_exps.weight": ["Q4_0", "Q4_K"],
-    "ffn_down_exps.weight": ["Q6_K", "Q5_K"], "ffn_gate_shexp.weight": ["Q4_K", "Q8_0"],
+    "ffn_down_exps.weight": ["Q6_K", "F16"], "ffn_gate_shexp.weight": ["Q4_K", "Q8_0"],
     "ffn_up_shexp.weight": ["Q5_0", "Q4_K"], "ffn_down_shexp.weight": ["Q6_K", "Q4_0"],
 }  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""runtime/kernels/ggml.c: x @ W^T over a GGUF's q4_k / q6_k blocks as stored (`PackedBlocks`).
+"""runtime/kernels/ggml.c: x @ W^T over a GGUF's q4_k / q6_k blocks and F16 rows as stored (`PackedBlocks`).
 
 Its products equal x @ W^T with W from the Python dequantization (llama.cpp's values, bit for bit: test_gguf.py) to
 float32 summation, in the vector build this CPU takes (AVX-512 or AVX2) and in the portable one; a row's result does
@@ -45,6 +45,11 @@ def test_the_build_takes_the_widest_vector_path_this_cpu_has():
     assert KERNEL.isa == want and KERNEL.vector == (want != "portable")
 
 
+def weights(name: str, out: int, inputs: int, seed: int) -> np.ndarray:
+    """Random stored rows of `out` x `inputs` weights of kind `name` (whole blocks)."""
+    return random_blocks(name, out, inputs // kernels.BLOCK_INPUTS[name], seed)
+
+
 def product(kernel, name: str, raw: np.ndarray, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
     return kernel.matmul(name, torch.from_numpy(raw), x, threads=threads)
 
@@ -54,7 +59,7 @@ def product(kernel, name: str, raw: np.ndarray, x: torch.Tensor, threads: int = 
 @given(name=st.sampled_from(sorted(kernels.KINDS)), out=st.integers(1, 9), blocks=st.integers(1, 3),
        rows=st.integers(1, 19), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_products_equal_the_dequantized_weights(name, out, blocks, rows, threads, seed):
-    raw = random_blocks(name, out, blocks, seed)
+    raw = weights(name, out, blocks * 256, seed)
     w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), (out, blocks * 256))  # [out, in] float32
     x = torch.randn(rows, blocks * 256, generator=torch.Generator().manual_seed(seed))
     want = (x.double() @ w.double().T)  # [rows, out]
@@ -77,7 +82,7 @@ def decoded():
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(kernels.KINDS))
 def test_the_portable_and_decoding_builds_agree(generic, decoded, name):
-    raw = random_blocks(name, 37, 6, 1)  # an odd number of outputs: the last one alone
+    raw = weights(name, 37, 6 * 256, 1)  # an odd number of outputs: the last one alone
     w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), (37, 6 * 256))
     x = torch.randn(11, 6 * 256, generator=torch.Generator().manual_seed(2))
     want = x.double() @ w.double().T
@@ -92,7 +97,7 @@ def test_factored_sums_hold_where_the_terms_cancel(decoded, name):
     """The AVX2 path factors float32 sums per sub-block (q4_k: scale x (codes . x) - min x sum(x)): on inputs whose
     products cancel to a small result (x orthogonal-ish to w, every x positive so sum(x) is large) it stays within
     float32 rounding of the terms it adds, as the decoding build does."""
-    raw = random_blocks(name, 16, 4, 3)
+    raw = weights(name, 16, 4 * 256, 3)
     w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), (16, 4 * 256)).double()
     x = torch.rand(9, 4 * 256, generator=torch.Generator().manual_seed(4), dtype=torch.float64) + 1.0
     x = x - (x @ w.T) @ torch.linalg.pinv(w.T)  # (x's component along the W rows removed: y ~ 0)
@@ -112,7 +117,7 @@ def test_factored_sums_hold_where_the_terms_cancel(decoded, name):
 def test_rounded_weights_are_the_dequantized_copys(name, dtype, out, blocks, rows, seed):
     """The kernel's 16-bit copy is the Python dequantization's in that dtype bit for bit (each float32 weight rounded
     once, as torch rounds), and its products with rounded weights are x @ W^T for that copy."""
-    raw = random_blocks(name, out, blocks, seed)
+    raw = weights(name, out, blocks * 256, seed)
     shape = (out, blocks * 256)
     w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), shape, dtype)
     assert torch.equal(KERNEL.dequantize(name, torch.from_numpy(raw), shape[1], dtype), w)
@@ -132,13 +137,42 @@ def test_bad_arguments_are_refused():
 
 
 @needs_kernel
+@settings(max_examples=15, deadline=None)
+@given(out=st.integers(1, 19), inputs=st.integers(1, 40), rows=st.integers(1, 19), threads=st.integers(1, 3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
+def test_f16_rows_of_any_width_multiply_as_their_values(generic, out, inputs, rows, threads, dtype, seed):
+    """F16 rows (`tile_f16`): any width (a tail of fewer than 8 inputs zero-padded), any tile of x rows and of W rows
+    (up to 8 W rows at a time for one x row), each weight rounded to `dtype` first: x @ W^T for the converted copy,
+    in both builds; a row's result is the same alone on one thread."""
+    raw = weights("f16", out, inputs, seed)
+    w = torch.from_numpy(raw).view(torch.float16).to(dtype)  # [out, in]: the converted copy
+    assert torch.equal(KERNEL.dequantize("f16", torch.from_numpy(raw), inputs, dtype), w)
+    x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed)) * 100
+    want = x.double() @ w.double().T
+    for kernel in (KERNEL, generic):
+        got = kernel.matmul("f16", torch.from_numpy(raw), x, threads=threads, dtype=dtype)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()) + 1e-30)
+        alone = kernel.matmul("f16", torch.from_numpy(raw), x[-1:], threads=1, dtype=dtype)
+        assert torch.equal(alone[0], got[-1])
+
+
+@needs_kernel
+def test_a_large_f16_product_splits_over_threads_and_gives_the_same_bits():
+    """Products of 2^22 multiply-adds and more go to several threads (below, one: a thread costs more than it saves):
+    each thread's outputs are the ones one thread computes."""
+    raw = torch.from_numpy(weights("f16", 4099, 600, 5))  # 4 rows x 4099 x 600: ~9.8M multiply-adds
+    x = torch.randn(4, 600, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(KERNEL.matmul("f16", raw, x, threads=3), KERNEL.matmul("f16", raw, x, threads=1))
+
+
+@needs_kernel
 @pytest.mark.parametrize("name", sorted(kernels.KINDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_block_weight_stays_as_stored_and_multiplies(name, dtype, monkeypatch):
     monkeypatch.setattr(PackedBlocks, "max_rows", 8)  # (the AMX machine's limit: 10 rows go through the GEMM)
     fmt = weight_format(name)
     shape = (70, 512)
-    raw = torch.from_numpy(random_blocks(name, *shape[:1], 2, 3))
+    raw = torch.from_numpy(weights(name, *shape, 3))
     assert fmt.stays_packed(shape) and fmt.codes_in_slot
     assert fmt.packed_nbytes(shape, dtype) == fmt.nbytes(shape) == raw.numel()  # the stored bytes, nothing else
     w = fmt.packed_copy({"qweight": raw}, shape, dtype)

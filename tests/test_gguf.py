@@ -211,9 +211,9 @@ def test_bfloat16_streams_q4_blocks_packed(ggufs, ggml_kernel, monkeypatch):
 
 
 def test_a_gguf_target_kept_as_blocks_gives_transformers_tokens(ggufs):
-    """float32, weights kept as blocks ("on"): the q4_k / q6_k matrices multiply in the kernel, resident and streamed
-    at the smallest budget (their bytes read straight into the slot); greedy tokens are transformers' on the decoded
-    weights."""
+    """float32, weights kept as blocks ("on"): the q4_k / q6_k / f16 matrices multiply in the kernel, resident and
+    streamed at the smallest budget (their bytes read straight into the slot); greedy tokens are transformers' on the
+    decoded weights."""
     from specoffload.runtime import kernels
     from specoffload.runtime.formats.ggml import block_kernel
     from specoffload.runtime.models.packed import PackedBlocks

@@ -41,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from ..kernels import BLOCK_LAYOUT, KINDS, GGMLKernel, ggml_kernel, random_blocks
+from ..kernels import BLOCK_INPUTS, BLOCK_LAYOUT, KINDS, PROBE_INPUTS, GGMLKernel, ggml_kernel, random_blocks
 from ..models.packed import PackedBlocks, PackedInt4, PackedInt8Split, kernel_block, split_layout
 from . import WeightFormat, dequantize, register_format
 from .int4 import Int4
@@ -73,10 +73,10 @@ def block_kernel() -> GGMLKernel | None:
     g = torch.Generator().manual_seed(1)
     for kind in KINDS:
         fmt = FORMATS_BY_NAME[kind]
-        blocks = random_blocks(kind, 5, 2, g)
+        blocks = random_blocks(kind, 5, PROBE_INPUTS // BLOCK_INPUTS[kind], g)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            if not torch.equal(kernel.dequantize(kind, blocks, 2 * QK_K, dtype, threads=2),
-                               dequantize({"qweight": blocks}, fmt, (5, 2 * QK_K), dtype)):
+            if not torch.equal(kernel.dequantize(kind, blocks, PROBE_INPUTS, dtype, threads=2),
+                               dequantize({"qweight": blocks}, fmt, (5, PROBE_INPUTS), dtype)):
                 log.warning("%s decodes %s blocks unlike llama.cpp's reference: GGUF weights are converted instead",
                             kernel.path, kind)
                 return None
@@ -451,6 +451,41 @@ class MXFP4(GGMLFormat):
         return values, bits.view(torch.float32)[..., None], None
 
 
+@register_format
+@dataclass(frozen=True)
+class F16(GGMLFormat):
+    """A GGUF's F16 matrix (an MoE's 336-wide expert projections, which no block type of 32 fits, or a whole F16
+    file): one value per "block" of 2 bytes, kept as stored for ggml.c (2 bytes a weight in its slot, no conversion
+    at load; float32 products of the exact float16 values, rounded to the compute dtype first as a converted copy
+    would be). Without the kernel it is converted at load as a plain float16 tensor is. A GGUF's F16 vectors (norms)
+    stay plain tensors (runtime/models/gguf.py)."""
+
+    name, default_group, block, block_bytes, gguf_type = "f16", 1, 1, 2, "F16"
+    scales_at = ()
+    #: rows of x up to which ggml.c multiplies (`PackedBlocks.matmul`; above, a converted copy and a GEMM): on the
+    #: 2-core AVX2 EPYC its tile beats the float32 GEMM on a converted [1536, 336] / [336, 1536] expert up to 16
+    #: rows (42-48 / 57-61 us at 1 row, 258-414 / 370-419 at 16) and loses at 64 (1.0-2.0 ms / 1.0)
+    kernel_max_rows: ClassVar[int] = 32
+
+    def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        return b.view(torch.float16).float()[..., None], torch.ones(1), None  # [R, nb, 1, 1]: the values
+
+    def dequantize_rows(self, dest: Tensor, parts: dict[str, Tensor]) -> Tensor:
+        return dest.copy_(parts["qweight"].view(torch.float16).view(dest.shape))
+
+    def dequantize_direct(self, dest: Tensor, parts: dict[str, Tensor]) -> bool:
+        from ..cast import copy_cast
+
+        if dest.device.type != "cpu":
+            return False
+        copy_cast(dest, parts["qweight"].contiguous().view(torch.float16).view(dest.shape))
+        return True
+
+    def quantize_rows(self, x: Tensor) -> dict[str, Tensor]:
+        return {"qweight": x.to(torch.float16).contiguous().view(torch.uint8)}
+
+
 #: the formats ggml.c multiplies, by name (their block layouts are the kernel's, `BLOCK_LAYOUT`)
-FORMATS_BY_NAME = {f.name: f(f.default_group) for f in (Q4_K, Q6_K)}
-assert all(BLOCK_LAYOUT[n] == (f.block_bytes, f.scales_at) for n, f in FORMATS_BY_NAME.items())
+FORMATS_BY_NAME = {f.name: f(f.default_group) for f in (Q4_K, Q6_K, F16)}
+assert all(BLOCK_LAYOUT[n] == (f.block_bytes, f.scales_at) and BLOCK_INPUTS[n] == f.block
+           for n, f in FORMATS_BY_NAME.items())

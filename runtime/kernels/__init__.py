@@ -1,6 +1,6 @@
 """Native kernels the engine builds for the machine it runs on: ggml.c, `y = x @ W^T` over llama.cpp's q4_k / q6_k
-blocks as a GGUF stores them, the same weights dequantized into a 16-bit or float32 copy, and float16 <-> bfloat16
-conversion (runtime/cast.py: a float16 tensor streamed for bfloat16 compute) (its header says how).
+blocks and float16 rows as a GGUF stores them, the same weights dequantized into a 16-bit or float32 copy, and
+float16 <-> bfloat16 conversion (runtime/cast.py: a float16 tensor streamed for bfloat16 compute) (its header says how).
 
 The C source ships with the package and is compiled on first use by the system's C compiler (`$CC`, else `cc`) with
 `-O3 -march=native -ffp-contract=off` into a shared library cached under `$SPECOFFLOAD_KERNEL_CACHE` (default
@@ -40,12 +40,14 @@ SOURCE = Path(__file__).with_name("ggml.c")
 FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
 NATIVE = ("-march=native",)
 BUILD_TIMEOUT_S = 300
-#: ggml.c's kinds, by GGML type name
-KINDS = {"q4_k": 0, "q6_k": 1}
-#: inputs per block of every kind ggml.c multiplies
-BLOCK = 256
+#: ggml.c's kinds, by GGML type name (lower case)
+KINDS = {"q4_k": 0, "q6_k": 1, "f16": 2}
+#: inputs per block of each kind (an f16 "block" is one value)
+BLOCK_INPUTS = {"q4_k": 256, "q6_k": 256, "f16": 1}
 #: bytes of a block of each kind, and the byte offsets of its float16 scales (runtime/formats/ggml.py's layouts)
-BLOCK_LAYOUT = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,))}
+BLOCK_LAYOUT = {"q4_k": (144, (0, 2)), "q6_k": (210, (208,)), "f16": (2, ())}
+#: inputs of the probe's weights (`probe`, runtime/formats/ggml.py `block_kernel`): two k-quant blocks
+PROBE_INPUTS = 512
 #: ggml.c's `specoffload_ggml_vector()`: the vector path a build has
 ISAS = {1: "avx512", 2: "avx2", 0: "portable"}
 #: ggml.c's `round`: the dtype each decoded weight is rounded to
@@ -125,7 +127,7 @@ def build(generic: bool = False, decoded: bool = False) -> Path | None:
 
 @dataclass(frozen=True)
 class GGMLKernel:
-    """The loaded ggml.c: `matmul` multiplies by a q4_k / q6_k weight's blocks."""
+    """The loaded ggml.c: `matmul` multiplies by a q4_k / q6_k weight's blocks or an f16 weight's rows."""
 
     lib: ctypes.CDLL
     path: Path
@@ -142,8 +144,8 @@ class GGMLKernel:
 
     def matmul(self, kind: str, blocks: torch.Tensor, x: torch.Tensor, threads: int | None = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """x [M, K] float32 @ W^T -> [M, N] float32; W [N, K] as `kind` blocks, uint8 [N, K / 256 * block bytes], each
-        weight rounded to `dtype` (the weight `dequantize` gives in that dtype)."""
+        """x [M, K] float32 @ W^T -> [M, N] float32; W [N, K] as `kind` blocks, uint8 [N, K / block inputs * block
+        bytes], each weight rounded to `dtype` (the weight `dequantize` gives in that dtype)."""
         if x.dtype != torch.float32 or x.dim() != 2:
             raise ValueError(f"ggml matmul takes float32 x [M, K], got {x.dtype} {list(x.shape)}")
         blocks = self._blocks(blocks)
@@ -188,8 +190,8 @@ class GGMLKernel:
     @staticmethod
     def _check(rc: int, kind: str, inputs: int) -> None:
         if rc == -1:
-            raise ValueError(f"the ggml kernel cannot take {kind} blocks of {inputs} inputs (whole blocks of {BLOCK}) "
-                             "in this dtype")
+            raise ValueError(f"the ggml kernel cannot take {kind} blocks of {inputs} inputs (whole blocks of "
+                             f"{BLOCK_INPUTS[kind]}) in this dtype")
 
 
 def _load(path: Path) -> GGMLKernel:
@@ -208,16 +210,16 @@ def _load(path: Path) -> GGMLKernel:
 
 
 def probe(kernel: GGMLKernel) -> bool:
-    """On random blocks of every kind (3 rows, 5 outputs, 2 blocks) the kernel's products with weights rounded to each
-    dtype equal x @ W^T for its own dequantization in that dtype (to float32 rounding), and its 16-bit conversion of
-    every class of value is torch's. (That its decoding is llama.cpp's is checked by runtime/formats/ggml.py, which
-    holds the Python reference, before it keeps a weight as blocks.)"""
+    """On random blocks of every kind (3 rows, 5 outputs, PROBE_INPUTS inputs) the kernel's products with weights
+    rounded to each dtype equal x @ W^T for its own dequantization in that dtype (to float32 rounding), and its
+    16-bit conversion of every class of value is torch's. (That its decoding is llama.cpp's is checked by
+    runtime/formats/ggml.py, which holds the Python reference, before it keeps a weight as blocks.)"""
     g = torch.Generator().manual_seed(0)
     for kind in KINDS:
-        blocks = random_blocks(kind, 5, 2, g)  # [N, nb * bytes]
-        x = torch.randn(3, 2 * BLOCK, generator=g)
+        blocks = random_blocks(kind, 5, PROBE_INPUTS // BLOCK_INPUTS[kind], g)  # [N, nb * bytes]
+        x = torch.randn(3, PROBE_INPUTS, generator=g)
         for dtype in ROUNDING:
-            w = kernel.dequantize(kind, blocks, 2 * BLOCK, dtype, threads=2)  # [N, K]
+            w = kernel.dequantize(kind, blocks, PROBE_INPUTS, dtype, threads=2)  # [N, K]
             want = x.double() @ w.double().T
             got = kernel.matmul(kind, blocks, x, threads=2, dtype=dtype).double()
             if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
@@ -232,8 +234,11 @@ def probe(kernel: GGMLKernel) -> bool:
 
 
 def random_blocks(kind: str, rows: int, blocks: int, g: torch.Generator) -> torch.Tensor:
-    """uint8 [rows, blocks * block bytes]: random `kind` blocks whose float16 scales are finite and small."""
+    """uint8 [rows, blocks * block bytes]: random `kind` blocks whose float16 scales are finite and small (f16:
+    finite values)."""
     nbytes, scales = BLOCK_LAYOUT[kind]
+    if kind == "f16":
+        return (torch.randn(rows, blocks, generator=g) * 0.05).to(torch.float16).view(torch.uint8)
     raw = torch.randint(0, 256, (rows, blocks, nbytes), generator=g, dtype=torch.uint8)
     for at in scales:
         d = (torch.rand(rows, blocks, generator=g) * 0.01).to(torch.float16)

@@ -13,14 +13,16 @@
  *
  *   q4_k  144 B / 256: w = (d * sc_j) * q - (dmin * m_j), j the sub-block of 32
  *   q6_k  210 B / 256: w = (d * sc_j) * (q - 32), j the sub-block of 16
+ *   f16     2 B / 1:   w = the float16 value (a GGUF's F16 matrix: exact in float32)
  *
  * With AVX-512 (compiled with -march=native on a CPU that has it; `specoffload_ggml_vector` 1): tiles of up to 8
  * rows of x by 2 rows of W held in 16 accumulators of 16 lanes, each block decoded once per tile. With AVX2, FMA and
  * F16C and no AVX-512 (2): the same decoding in vectors of 8 lanes, tiles of up to 8 rows of x by 1 row of W (8
  * accumulators), each block decoded once per tile; with float32 weights (round 0) that path factors each
  * sub-block's sum instead of decoding every weight (`tile_factored`: the same products, summed in another order).
- * Otherwise (0) a portable loop the compiler vectorizes. The output rows are split over `threads` POSIX threads
- * (each writes its own columns of y).
+ * Otherwise (0) a portable loop the compiler vectorizes. f16 rows (`tile_f16`, both vector paths) convert 8
+ * weights at a time with F16C, each rounded as `round` says, shared by a tile of up to 8 rows of x. The output rows
+ * are split over `threads` POSIX threads (each writes its own columns of y).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -47,10 +49,14 @@
 #define FACTORED 0
 #endif
 
-enum { KIND_Q4_K = 0, KIND_Q6_K = 1, KINDS = 2 };
-#define QK 256                         /* inputs per block */
+enum { KIND_Q4_K = 0, KIND_Q6_K = 1, KIND_F16 = 2, KINDS = 3 };
+#define QK 256                         /* inputs per k-quant block */
 #define MAX_THREADS 64
-static const int64_t BLOCK_BYTES[KINDS] = {144, 210};
+static const int64_t BLOCK_BYTES[KINDS] = {144, 210, 2};
+static const int64_t BLOCK_INPUTS[KINDS] = {QK, QK, 1};
+/* f16 multiply-adds that pay for a thread: starting one costs ~80 us on a 2-core VM, where one thread does ~4M
+ * multiply-adds of an f16 tile in ~150 us (a [1536, 336] expert at 8 rows; at 1 row 40 us alone, 110 us on two) */
+#define F16_WORK ((int64_t)1 << 22)
 
 int specoffload_ggml_vector(void) { return VECTOR; }
 
@@ -117,6 +123,116 @@ static inline void factors(int kind, const uint8_t *b, float *scale, float *low)
     case 7: { enum { MT = 7 }; call; } break;                                                                 \
     default: { enum { MT = 8 }; call; } break;                                                                \
     }
+
+/* 8 float32 lanes (AVX2, which both vector paths have) rounded to bfloat16 (round == 1, to nearest even: torch's
+ * conversion for finite values) or float16 (2). */
+static inline __attribute__((always_inline)) __m256 rounded8(__m256 w, int round) {
+    if (round == 1) {
+        __m256i bits = _mm256_castps_si256(w);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        bits = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+        return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xFFFF0000u)));
+    }
+    if (round == 2) return _mm256_cvtph_ps(_mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return w;
+}
+
+/* The 8 lanes' sum, in the same order for every vector. */
+static inline __attribute__((always_inline)) float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 bfloat16 bit patterns (the high halves of rounded float32 values) as 16-bit words, in order. */
+static inline __attribute__((always_inline)) __m128i high_halves(__m256 rounded_w) {
+    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(rounded_w), 16); /* each < 2^16: packus keeps it */
+    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
+/* 8 float16 weights from w (the last `n` < 8 of a row: zero-padded) as float32, rounded (`round`). */
+static inline __attribute__((always_inline)) __m256 halves(const uint16_t *w, int n, int round) {
+    if (n < 8) {
+        uint16_t pad[8] = {0};
+        memcpy(pad, w, (size_t)n * 2);
+        return rounded8(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pad)), round);
+    }
+    return rounded8(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)), round);
+}
+
+/* y rows m < MT, columns of the R float16 W rows from w (K inputs each, consecutive): 8 weights of each converted at
+ * a time and shared by the tile's rows, one accumulator of 8 lanes per (W row, x row) pair, so a row of x alone
+ * still runs R independent chains; the last K % 8 inputs zero-padded in both w and x. A pair's sum is the same
+ * whatever MT and R are. */
+static inline __attribute__((always_inline)) void tile_f16(int round, int MT, int R, const uint16_t *w,
+                                                           const float *x, int64_t K, float *y, int64_t N) {
+    __m256 acc[8][TILE];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) acc[r][m] = _mm256_setzero_ps();
+    int64_t k8 = K & ~(int64_t)7;
+    for (int64_t i = 0; i < k8; i += 8) {
+        __m256 wv[8];
+        UNROLL for (int r = 0; r < R; r++) wv[r] = halves(w + r * K + i, 8, round);
+        UNROLL for (int m = 0; m < MT; m++) {
+            __m256 xv = _mm256_loadu_ps(x + m * K + i);
+            UNROLL for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+        }
+    }
+    if (k8 < K) {
+        int n = (int)(K - k8);
+        for (int m = 0; m < MT; m++) {
+            float pad[8] = {0};
+            memcpy(pad, x + m * K + k8, (size_t)n * 4);
+            __m256 xv = _mm256_loadu_ps(pad);
+            for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(halves(w + r * K + k8, n, round), xv, acc[r][m]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) y[m * N + r] = sum8(acc[r][m]);
+}
+
+/* W rows per f16 tile of MT rows of x: up to 8 accumulators */
+#define F16_R(MT) ((MT) == 1 ? 8 : (MT) == 2 ? 4 : (MT) <= 4 ? 2 : 1)
+#define F16_TILES(round, RR) BY_MT(tile_f16(round, MT, RR, (const uint16_t *)w, x, K, y, N))
+
+/* y's columns of the r float16 W rows from w0, F16_R(mt) at a time and the rest one by one (round 1 compiled
+ * apart: the others are exact). */
+static void rows_f16(int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, const float *x, int64_t K,
+                     float *y, int64_t N) {
+    for (int i = 0; i < r;) {
+        const uint8_t *w = w0 + i * row_bytes;
+        if (r - i >= F16_R(mt)) {
+            if (round == 1) { F16_TILES(1, F16_R(MT)) } else { F16_TILES(0, F16_R(MT)) }
+            i += F16_R(mt);
+            y += F16_R(mt);
+        } else {
+            if (round == 1) { F16_TILES(1, 1) } else { F16_TILES(0, 1) }
+            i++;
+            y++;
+        }
+    }
+}
+
+/* A float16 row of K weights into out as `round` says (float32, bfloat16 or float16 bits). */
+static void dequantize_f16_row(int round, const uint16_t *w, int64_t K, void *out) {
+    if (round == 2) {
+        memcpy(out, w, (size_t)K * 2);
+        return;
+    }
+    for (int64_t i = 0; i < K; i += 8) {
+        int n = K - i < 8 ? (int)(K - i) : 8;
+        __m256 v = halves(w + i, n, round);
+        if (round == 0) {
+            float f[8];
+            _mm256_storeu_ps(f, v);
+            memcpy((float *)out + i, f, (size_t)n * 4);
+        } else {
+            uint16_t h[8];
+            _mm_storeu_si128((__m128i *)h, high_halves(v));
+            memcpy((uint16_t *)out + i, h, (size_t)n * 2);
+        }
+    }
+}
 
 /* The bytes of inputs 64c .. 64c + 31 (lo) and 64c + 32 .. 64c + 63 (hi) of a block, one code per byte. */
 static inline __attribute__((always_inline)) void codes(int kind, const uint8_t *b, int c, __m256i *lo,
@@ -244,17 +360,6 @@ static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, 
     }
 }
 #elif VECTOR == 2
-/* w rounded to bfloat16 (round == 1, to nearest even: torch's conversion for finite values) or float16 (2). */
-static inline __attribute__((always_inline)) __m256 rounded(__m256 w, int round) {
-    if (round == 1) {
-        __m256i bits = _mm256_castps_si256(w);
-        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-        bits = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-        return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xFFFF0000u)));
-    }
-    if (round == 2) return _mm256_cvtph_ps(_mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    return w;
-}
 
 /* Codes 8v .. 8v + 7 of a 32-byte half of `codes` (v < 4) as 32-bit integers. */
 static inline __attribute__((always_inline)) __m256i code_ints(__m256i half, int v) {
@@ -274,14 +379,7 @@ static inline __attribute__((always_inline)) __m256 weights(int kind, int round,
         w = _mm256_mul_ps(_mm256_set1_ps(scale[4 * c + (v >> 1)]),
                           _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(32))));
     }
-    return rounded(w, round);
-}
-
-/* The 8 lanes' sum, in the same order for every vector. */
-static inline __attribute__((always_inline)) float lanes_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    return rounded8(w, round);
 }
 
 /* Codes 8v .. 8v + 7 of a 32-byte half of `codes` (v < 4) as float32 (exact), less 32 for q6_k. */
@@ -346,14 +444,14 @@ static inline __attribute__((always_inline)) void tile_factored(int kind, int MT
                 acc[m] = _mm256_fnmadd_ps(l, _mm256_loadu_ps(xs + m * (K / 32) + blk * 8), acc[m]);
         }
     }
-    for (int m = 0; m < MT; m++) y[m * N] = lanes_sum(acc[m]);
+    for (int m = 0; m < MT; m++) y[m * N] = sum8(acc[m]);
 }
 
 /* xs [M, K / 32]: each row's sums over its inputs 32g .. 32g + 31, in the same order for every row. */
 static void sub_sums(const float *x, int64_t M, int64_t K, float *xs) {
     for (int64_t i = 0; i < M * (K / 32); i++) {
         const float *p = x + i * 32;
-        xs[i] = lanes_sum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+        xs[i] = sum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
                                         _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24))));
     }
 }
@@ -390,7 +488,7 @@ static inline __attribute__((always_inline)) void tile(int kind, int round, int 
                     acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + m * K + i), acc[m]);
             }
     }
-    for (int m = 0; m < MT; m++) y[m * N] = lanes_sum(acc[m]);
+    for (int m = 0; m < MT; m++) y[m * N] = sum8(acc[m]);
 }
 
 #define TILES(kind, round) BY_MT(tile(kind, round, MT, w, nb, x, K, y, N))
@@ -412,12 +510,6 @@ static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t 
     }
 }
 
-/* 8 bfloat16 bit patterns (the high halves of rounded float32 values) as 16-bit words, in order. */
-static inline __attribute__((always_inline)) __m128i high_halves(__m256 rounded_w) {
-    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(rounded_w), 16); /* each < 2^16: packus keeps it */
-    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-}
-
 /* Row n's weights, rounded (`round`), into out (float32, bfloat16 or float16 bits: `round` 0, 1, 2). */
 static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, void *out) {
     for (int64_t blk = 0; blk < nb; blk++) {
@@ -436,7 +528,7 @@ static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, 
                 else if (round == 2)
                     _mm_storeu_si128((__m128i *)((uint16_t *)out + at),
                                      _mm256_cvtps_ph(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                else _mm_storeu_si128((__m128i *)((uint16_t *)out + at), high_halves(rounded(w, 1)));
+                else _mm_storeu_si128((__m128i *)((uint16_t *)out + at), high_halves(rounded8(w, 1)));
             }
         }
     }
@@ -517,6 +609,32 @@ static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t 
     }
 }
 
+/* The float16 W rows from w0, one at a time, 16 lanes a row of x (as `rows`). */
+static void rows_f16(int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, const float *x, int64_t K,
+                     float *y, int64_t N) {
+    for (int i = 0; i < r; i++) {
+        const uint8_t *w = w0 + i * row_bytes;
+        for (int m = 0; m < mt; m++) {
+            float acc[16] = {0}, s = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc[k & 15] += rounded(half(w + 2 * k), round) * x[m * K + k];
+            for (int l = 0; l < 16; l++) s += acc[l];
+            y[m * N + i] = s;
+        }
+    }
+}
+
+static void dequantize_f16_row(int round, const uint16_t *w, int64_t K, void *out) {
+    if (round == 2) {
+        memcpy(out, w, (size_t)K * 2);
+        return;
+    }
+    for (int64_t k = 0; k < K; k++) {
+        float f = half((const uint8_t *)(w + k));
+        if (round == 0) ((float *)out)[k] = f;
+        else ((uint16_t *)out)[k] = float_to_bf16_bits(f);
+    }
+}
+
 static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, void *out) {
     float w[QK];
     for (int64_t blk = 0; blk < nb; blk++) {
@@ -586,7 +704,7 @@ static void convert(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16) 
             __m256 f = _mm256_cvtph_ps(h);
             __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
             __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)); /* (bfloat16 0x7FC0) */
-            r = high_halves(_mm256_blendv_ps(rounded(f, 1), quiet, nan));
+            r = high_halves(_mm256_blendv_ps(rounded8(f, 1), quiet, nan));
         } else {
             __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
             r = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -630,15 +748,23 @@ static void *work(void *arg) {
         convert((const uint16_t *)j->w + j->n0, (uint16_t *)j->y + j->n0, j->n1 - j->n0, j->round);
         return NULL;
     }
-    int64_t nb = j->K / QK, row_bytes = nb * BLOCK_BYTES[j->kind];
+    int64_t nb = j->K / BLOCK_INPUTS[j->kind], row_bytes = nb * BLOCK_BYTES[j->kind];
     if (j->x == NULL) {
         int64_t size = j->round ? 2 : 4;
-        for (int64_t n = j->n0; n < j->n1; n++)
-            dequantize_row(j->kind, j->round, j->w + n * row_bytes, nb, (char *)j->y + n * j->K * size);
+        for (int64_t n = j->n0; n < j->n1; n++) {
+            char *out = (char *)j->y + n * j->K * size;
+            if (j->kind == KIND_F16) dequantize_f16_row(j->round, (const uint16_t *)(j->w + n * row_bytes), j->K, out);
+            else dequantize_row(j->kind, j->round, j->w + n * row_bytes, nb, out);
+        }
         return NULL;
     }
     for (int64_t m = 0; m < j->M; m += TILE) { /* a tile of x stays in cache while the thread's W rows pass */
         int mt = j->M - m < TILE ? (int)(j->M - m) : TILE;
+        if (j->kind == KIND_F16) {
+            rows_f16(j->round, (int)(j->n1 - j->n0), mt, j->w + j->n0 * row_bytes, row_bytes, j->x + m * j->K, j->K,
+                     (float *)j->y + m * j->N + j->n0, j->N);
+            continue;
+        }
         for (int64_t n = j->n0; n < j->n1; n += 2) {
             int r = j->n1 - n >= 2 ? 2 : 1;
             rows(j->kind, j->round, r, mt, j->w + n * row_bytes, row_bytes, nb, j->x + m * j->K, j->K,
@@ -652,6 +778,10 @@ static void *work(void *arg) {
 static int run(struct job base, int threads) {
     int64_t pairs = (base.N + 1) / 2;
     if (base.kind < 0 && threads > 1 && base.N < (int64_t)1 << 16) threads = 1; /* (a thread costs ~20 us) */
+    if (base.kind == KIND_F16 && base.x != NULL) { /* a thread per F16_WORK multiply-adds at most */
+        int64_t most = base.M * base.N * base.K / F16_WORK;
+        if (threads > most) threads = most > 1 ? (int)most : 1;
+    }
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > pairs) threads = pairs > 0 ? (int)pairs : 1;
@@ -674,13 +804,13 @@ static int run(struct job base, int threads) {
 }
 
 static int bad(int kind, int round, int64_t N, int64_t K, int64_t M) {
-    return kind < 0 || kind >= KINDS || round < 0 || round > 2 || (round == 2 && !HAVE_HALF) || K % QK || N < 0 ||
-           M < 0;
+    return kind < 0 || kind >= KINDS || round < 0 || round > 2 || (round == 2 && !HAVE_HALF) ||
+           K % BLOCK_INPUTS[kind] || N < 0 || M < 0;
 }
 
-/* y [M, N] = x [M, K] @ W^T, W [N, K] as blocks of `kind` (row n at w + n * K / 256 * block bytes), each weight
- * rounded as `round` says, float32, all contiguous. Returns 0; -1 for a kind or rounding it does not know or K not
- * whole blocks; -2 if a thread failed to start (its rows are then computed on the calling thread). */
+/* y [M, N] = x [M, K] @ W^T, W [N, K] as blocks of `kind` (row n at w + n * K / block inputs * block bytes), each
+ * weight rounded as `round` says, float32, all contiguous. Returns 0; -1 for a kind or rounding it does not know or
+ * K not whole blocks; -2 if a thread failed to start (its rows are then computed on the calling thread). */
 int specoffload_ggml_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
                             int threads, int round) {
     if (bad(kind, round, N, K, M) || x == NULL) return -1;

@@ -10,7 +10,8 @@ so config, tokenizer, sampling defaults and everything else read a checkpoint di
 - a block-quantized tensor (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, MXFP4) is a compressed weight in its GGML format
   (runtime/formats/ggml.py): the streamer reads its bytes from the GGUF with direct reads and the format
   dequantizes them (or, Q4_0 / Q4_K, packs them for the int4 kernel) in the slot;
-- an F32 / F16 / BF16 tensor is a plain tensor;
+- an F16 matrix is a weight in the `f16` format (runtime/formats/ggml.py): read as stored into its slot for ggml.c,
+  or converted there without the kernel; an F32 / BF16 tensor and an F16 vector are plain tensors;
 - names are mapped from llama.cpp's (`blk.N.ffn_gate_exps.weight`, ...) to Hugging Face's; an MoE layer's experts
   stay fused, `[experts, out, in]` (`mlp.experts.gate_proj` / `up_proj` / `down_proj`), one row per expert.
 
@@ -99,8 +100,11 @@ class GGUFTensor:
 
     @property
     def fmt(self) -> WeightFormat | None:
-        """The block format of a block-quantized tensor (runtime/formats/ggml.py), None for a plain one."""
-        return weight_format(BLOCK_TYPES[self.kind]) if self.kind in BLOCK_TYPES else None
+        """The block format of a block-quantized tensor or an F16 matrix (runtime/formats/ggml.py), None for a plain
+        one (F32, BF16, an F16 vector)."""
+        if self.kind not in BLOCK_TYPES or (self.kind in PLAIN_TYPES and len(self.shape) < 2):
+            return None
+        return weight_format(BLOCK_TYPES[self.kind])
 
     @property
     def dtype(self) -> str:

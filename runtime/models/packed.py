@@ -420,15 +420,16 @@ def split_codes(codes: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class PackedBlocks:
-    """A weight kept as llama.cpp's blocks exactly as its GGUF stores them (q4_k, q6_k: runtime/formats/ggml.py): a
-    quarter to a third of a 16-bit copy's bytes in its slot, read there by the disk read with no work at load.
+    """A weight kept as llama.cpp's blocks exactly as its GGUF stores them (q4_k, q6_k, f16: runtime/formats/ggml.py):
+    a quarter to a third of a 16-bit copy's bytes in its slot (f16: half a float32 copy's), read there by the disk
+    read with no work at load.
     runtime/kernels/ggml.c decodes every block with llama.cpp's float32 arithmetic and rounds each weight to the
     compute dtype; up to BLOCKS_MAX_ROWS rows it multiplies by x where the blocks lie (float32 products, each row
     on its own; in float32 on AVX2 the sums factored per sub-block, the same products in another order), above
     that it writes those rounded weights into a 16-bit copy (BLOCKS_DEQUANT weights at a time, ~15 GB/s of output
     on 2 cores) for a GEMM. Both regimes multiply the same weights: one fixed model, as `PackedInt4` is."""
 
-    blocks: torch.Tensor  # [out, in / 256 * block bytes] uint8, the stored rows
+    blocks: torch.Tensor  # [out, in / block inputs * block bytes] uint8, the stored rows
     fmt: object  # the GGML format (runtime/formats/ggml.py) the blocks are in
     inputs: int
     compute: torch.dtype  # the dtype products are returned in
@@ -436,7 +437,7 @@ class PackedBlocks:
     max_rows: ClassVar[int] = BLOCKS_MAX_ROWS
 
     def __post_init__(self) -> None:
-        nbytes = self.inputs // 256 * self.fmt.block_bytes  # type: ignore[attr-defined]
+        nbytes = self.inputs // self.fmt.block * self.fmt.block_bytes  # type: ignore[attr-defined]
         if not (self.blocks.dtype == torch.uint8 and self.blocks.dim() == 2 and self.blocks.shape[1] == nbytes):
             raise ValueError(f"a {self.fmt.name} weight of {self.inputs} inputs is uint8 blocks [out, {nbytes}], "  # type: ignore[attr-defined]
                              f"got {self.blocks.dtype} {list(self.blocks.shape)}")
@@ -469,7 +470,8 @@ class PackedBlocks:
 
     def matmul(self, x: torch.Tensor,
                dense: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = bucketed_linear) -> torch.Tensor:
-        """x [N, in] @ W^T -> [N, out] in the compute dtype: up to `max_rows` rows the kernel over the blocks, above
+        """x [N, in] @ W^T -> [N, out] in the compute dtype: up to `max_rows` rows (fewer where the format says,
+        `kernel_max_rows`) the kernel over the blocks, above
         that (a prefill) the weight dequantized by the kernel and `dense(x, W')` (`packed_linear`'s: the engine's
         GEMM, float32 from 48 rows where the CPU has no native bfloat16 GEMM), BLOCKS_DEQUANT weights at a time. Both
         multiply the same weights, each rounded once to the compute dtype."""
@@ -478,7 +480,7 @@ class PackedBlocks:
         kernel = ggml_kernel()
         assert kernel is not None, "a block weight exists only where the ggml kernel loaded"
         name = self.fmt.name  # type: ignore[attr-defined]
-        if x.shape[0] <= self.max_rows:
+        if x.shape[0] <= min(self.max_rows, getattr(self.fmt, "kernel_max_rows", self.max_rows)):
             return kernel.matmul(name, self.blocks, x.float(), dtype=self.compute).to(self.compute)
         out = self.blocks.shape[0]
         x = x.to(self.compute)  # [N, in]

@@ -3,7 +3,8 @@ bench's budget case, scripts/bench_peers.py `--budget`), run from the repository
 `python -m scripts.peers.ours_runner`.
 
 Reads a JSON request on stdin: {"model": path, "prompts": [[ids]], "new_tokens": N, "batch": B,
-"device_memory": bytes or null, "packed_weights": "auto" / "on" / "off", "prefill_chunk": tokens or null}; greedy,
+"device_memory": bytes or null, "packed_weights": "auto" / "on" / "off", "prefill_chunk": tokens or null,
+"dtype": the compute dtype (default "bfloat16")}; greedy,
 EOS ignored, no draft. Runs generate twice, for 1 and for N new tokens (decode rate = the tokens after the first
 over T(N) - T(1), as bench_peers times ours in process), and writes {"tokens": [[ids]], "total_s": ...,
 "first_token_s": ..., "bytes_read": ..., "max_rss_bytes": ..., "passes": ..., and where its time went in the N-token
@@ -26,7 +27,7 @@ from specoffload.runtime.sampling import SamplingParams
 def main() -> None:
     req = json.load(sys.stdin)
     longest = max(map(len, req["prompts"]))
-    engine = Engine(EngineConfig(target=req["model"], dtype="bfloat16", max_batch_size=req["batch"],
+    engine = Engine(EngineConfig(target=req["model"], dtype=req.get("dtype", "bfloat16"), max_batch_size=req["batch"],
                                  num_draft_tokens=0, device_memory=req.get("device_memory"),
                                  packed_weights=req.get("packed_weights", "auto"),
                                  prefill_chunk=req.get("prefill_chunk"), trace=True,
