@@ -463,9 +463,10 @@ class F16(GGMLFormat):
     name, default_group, block, block_bytes, gguf_type = "f16", 1, 1, 2, "F16"
     scales_at = ()
     #: rows of x up to which ggml.c multiplies (`PackedBlocks.matmul`; above, a converted copy and a GEMM): on the
-    #: 2-core AVX2 EPYC its tile beats the float32 GEMM on a converted [1536, 336] / [336, 1536] expert up to 16
-    #: rows (42-48 / 57-61 us at 1 row, 258-414 / 370-419 at 16) and loses at 64 (1.0-2.0 ms / 1.0)
-    kernel_max_rows: ClassVar[int] = 32
+    #: 2-core AVX2 EPYC (docs/perf kernels_f16), with the load's conversion counted (a streamed weight pays it every
+    #: pass), the tile wins or ties up to 16 rows in float32 and to 32 in bfloat16; at 32 rows in float32 the copy's
+    #: GEMM is 1.0-1.5x faster
+    kernel_max_rows: ClassVar[int] = 16
 
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         return b.view(torch.float16).float()[..., None], torch.ones(1), None  # [R, nb, 1, 1]: the values
