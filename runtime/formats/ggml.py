@@ -1,5 +1,5 @@
 """llama.cpp's block formats (GGML types), read as a GGUF file stores them: "q8_0", "q4_0", "q5_0", "q4_k", "q5_k",
-"q6_k", "mxfp4".
+"q6_k", "mxfp4", and "f16" (an F16 matrix, one value a "block").
 
 A row of `in` inputs is `in / block` blocks of `block_bytes` bytes each, stored as one uint8 component
 `qweight [..., in / block * block_bytes]` exactly as in the file (the streamer reads the GGUF's tensor data in place,
@@ -14,9 +14,10 @@ implements in numpy: tests/test_gguf.py checks these against it bit for bit), in
     q5_k   176 B / 256: as q4_k with a 5th bit per weight (qh[32], bit j for sub-block j)
     q6_k   210 B / 256: ql[128] nibbles, qh[64] 2-bit pairs, 16 int8 scales, d f16   w = (d * sc_j) * (q - 32), j per 16
     mxfp4  17 B / 32:   e8m0 exponent, 32 e2m1 nibbles                  w = 2^(e - 128) * kvalue(q) (kvalues doubled)
+    f16     2 B / 1:    the float16 value                               w = the value (exact in float32)
 
 Where the engine's own kernel for them is built (runtime/kernels: ggml.c, compiled for this CPU on first use) and
-decodes a probe's blocks exactly as this module does (`block_kernel`), a streamed or resident q4_k / q6_k matrix
+decodes a probe's blocks exactly as this module does (`block_kernel`), a streamed or resident q4_k / q6_k / f16 matrix
 stays as its blocks (runtime/models/packed.py `PackedBlocks`): the disk read
 puts the file's bytes straight into the ring slot and the layer multiplies by them there, with llama.cpp's float32
 dequantization arithmetic inside the kernel, so a load does no work on them at all. Without it, as before:
