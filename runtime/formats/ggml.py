@@ -469,10 +469,8 @@ class F16(GGMLFormat):
     #: GEMM is 1.0-1.5x faster
     kernel_max_rows: ClassVar[int] = 16
 
-    def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        return b.view(torch.float16).float()[..., None], torch.ones(1), None  # [R, nb, 1, 1]: the values
-
     def dequantize_rows(self, dest: Tensor, parts: dict[str, Tensor]) -> Tensor:
+        """The values themselves (float32 holds them exactly): no codes, no scales (`_codes` is not needed)."""
         return dest.copy_(parts["qweight"].view(torch.float16).view(dest.shape))
 
     def dequantize_direct(self, dest: Tensor, parts: dict[str, Tensor]) -> bool:

@@ -180,11 +180,13 @@ static inline __attribute__((always_inline)) void tile_f16(int round, int MT, in
     }
     if (k8 < K) {
         int n = (int)(K - k8);
+        __m256 wv[8];
+        for (int r = 0; r < R; r++) wv[r] = halves(w + r * K + k8, n, round);
         for (int m = 0; m < MT; m++) {
             float pad[8] = {0};
             memcpy(pad, x + m * K + k8, (size_t)n * 4);
             __m256 xv = _mm256_loadu_ps(pad);
-            for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(halves(w + r * K + k8, n, round), xv, acc[r][m]);
+            for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
         }
     }
     for (int r = 0; r < R; r++)
