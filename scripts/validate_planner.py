@@ -186,17 +186,17 @@ def repredict(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def core_burner(on: bool) -> Iterator[None]:
-    """While open (when `on`): a second process burning one core, a Python busy loop (the loaded machine); killed
-    on close, and ending by itself if this process is killed first."""
+def core_burner(on: bool) -> Iterator[subprocess.Popen | None]:
+    """While open (when `on`): a second process burning one core, a Python busy loop (the loaded machine), given to
+    the caller; killed on close, and ending by itself if this process is killed first. Off: None."""
     if not on:
-        yield
+        yield None
         return
     # (it ends by itself when this process dies, however it dies: it spins while its parent is the one it had)
     spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
     proc = subprocess.Popen([sys.executable, "-c", spin])
     try:
-        yield
+        yield proc
     finally:
         proc.kill()
         proc.wait()
