@@ -12,7 +12,8 @@ torch, never `specoffload.runtime` or Ray (a test imports it in a fresh interpre
     profile.py      HardwareProfile: measured io / attention / FFN / draft costs, JSON with provenance
     acceptance.py   expected tokens per verify round (Leviathan et al. 2023, eq. 1); alpha estimation
     cost.py         ModelCosts (FLOPs from shapes), the step and workload time model
-    search.py       Policy, search over (batch, k) (maximin over an alpha range), replan online
+    search.py       Policy, search over (batch, k) (maximin over an alpha range), replan online, whether a
+                    running job's re-placement pays
     paper_scale/    inputs and script of the paper-scale *prediction* (Mixtral 8x7B + Mistral 7B, RTX 4090)
 """
 
@@ -26,7 +27,16 @@ from .acceptance import (
 )
 from .cost import ModelCosts, StepEstimate, Workload, WorkloadEstimate, estimate_step, estimate_workload
 from .profile import HardwareProfile, ProfileError
-from .search import NoFeasiblePolicyError, Policy, Replan, SearchResult, SearchSpace, replan, search
+from .search import (
+    NoFeasiblePolicyError,
+    Policy,
+    Replan,
+    SearchResult,
+    SearchSpace,
+    replacement_pays,
+    replan,
+    search,
+)
 
 __all__ = [
     "AcceptanceEstimate",
@@ -48,6 +58,7 @@ __all__ = [
     "estimate_step",
     "estimate_workload",
     "expected_tokens",
+    "replacement_pays",
     "replan",
     "search",
 ]

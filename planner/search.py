@@ -316,6 +316,28 @@ def replan(
     return Replan(k=k, rows=rows, tokens_per_s=rates[(k, rows)][point], worst_ratio=worst[(k, rows)])
 
 
+#: the least predicted speed-up over the current plan for which a running job is re-placed (`replacement_pays`)
+REPLACE_GAIN = 1.15
+
+
+def replacement_pays(current_tokens_per_s: float, new_tokens_per_s: float, tokens_left: float, switch_s: float,
+                     min_gain: float = REPLACE_GAIN) -> bool:
+    """Whether a running job should move from its plan to a new one (batch, k and placement; the runtime's
+    re-placement, runtime/offload/pipeline.py): the new plan is predicted at least `min_gain` times as fast, and over
+    the `tokens_left` the job still generates it saves at least twice what switching costs (`switch_s`: the new
+    resident weights read and the rows in flight fed again):
+
+        r_new >= min_gain x r_cur   and   T / r_cur - T / r_new >= 2 x switch_s
+
+    Twice, not once: the rates are predictions from a profile that was just found off."""
+    if min(current_tokens_per_s, new_tokens_per_s) <= 0 or tokens_left <= 0:
+        return False
+    if new_tokens_per_s < min_gain * current_tokens_per_s:
+        return False
+    saved = tokens_left / current_tokens_per_s - tokens_left / new_tokens_per_s
+    return saved >= 2 * max(0.0, switch_s)
+
+
 def _rounded(rate: float) -> float:
     """`rate` to 12 significant digits: predictions equal up to float rounding tie (then smaller batch, k win)."""
     return float(f"{rate:.12g}")

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from specoffload.planner import HardwareProfile
+from specoffload.planner import HardwareProfile, Workload
 from specoffload.planner.cost import estimate_step
 from specoffload.planner.errors import SpecOffloadError
 from specoffload.planner.experts import selects_experts
@@ -37,11 +38,18 @@ from .bounded_encode import TooLong, encode_bounded
 from .config import ConfigError, EngineConfig
 from .models.linear import bound_kernel_caches
 from .models.model import Transformer
-from .offload.pipeline import Pipeline, Recovery
+from .offload.pipeline import Adopted, Pipeline, Recovery
 from .offload.profiler import load_or_measure, mark_stale
 from .offload.replan import Replanner
 from .offload.workers import WeightPlan, WorkerFactory, Workers, local_workers
-from .planning import ModelPair, make_plan, place_plan, plan_minimum_device_memory, resolve_max_seq_len
+from .planning import (
+    ModelPair,
+    make_plan,
+    place_plan,
+    plan_minimum_device_memory,
+    replacement,
+    resolve_max_seq_len,
+)
 from .request import Feed, GenerationResult, MappedFeed, Request
 from .rng import row_seed
 from .sampling import SamplingParams
@@ -51,6 +59,8 @@ from .trace import Tracer
 from .turns import Turn
 
 Prompt = str | Sequence[int]
+
+logger = logging.getLogger("specoffload.engine")
 
 
 class PromptError(SpecOffloadError, ValueError):
@@ -112,6 +122,7 @@ class Engine:
         # the planner's profile: for the plan, and for re-planning online a plan the planner made (also one given)
         self.profile = profile if profile is not None else (
             load_or_measure(config, open_engine=Engine) if config.planned else None)
+        blind = plan is None  # planned here, for no job in particular (`_plan_job`)
         if plan is None:
             plan = make_plan(config, self.models, max_seq_len, profile=self.profile)
         self.plan = plan
@@ -134,13 +145,20 @@ class Engine:
             config = self.config = dataclasses.replace(config, exact=self._exact_is_hidden(plan))
         self.target.exact = config.exact  # (as the workers' models compute)
         self.workers = (workers or local_workers)(config, self.weight_plan, plan)
+        # re-placement of a running job (offload/pipeline.py, step 6): local workers, a planned batch
+        replaces = workers is None and config.offloaded and config.max_batch_size == "auto" and plan.policy is not None
+        #: the plan made here without a job (re-planned for each job, `_plan_job`); its max_seq_len bounds prompts
+        self._blind: Plan | None = plan if replaces and blind else None
         self.pipeline = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner, self.tracer,
                                  recovery, config.num_threads,
                                  adapt_interval=drafter.adapt_interval(config),
-                                 refill=config.refill, prefill_chunk=config.prefill_chunk
-                                 if config.prefill_chunk is not None else plan.prefill_chunk)
+                                 refill=config.refill, prefill_chunk=self._prefill_chunk(plan),
+                                 replacer=self if replaces else None)
 
     # ---- construction -----------------------------------------------------------------------------------------------
+    def _prefill_chunk(self, plan: Plan) -> int | None:
+        return self.config.prefill_chunk if self.config.prefill_chunk is not None else plan.prefill_chunk
+
     def _exact_is_hidden(self, plan: Plan) -> bool:
         """exact="auto": on where the planned decode pass waits on its reads long enough to hide exact mode's extra
         compute (predicted t_io >= EXACT_COMPUTE x t_compute, planner/cost.py `estimate_step`), so that it costs
@@ -175,10 +193,84 @@ class Engine:
         return selects_experts(self.placement, self.config.expert_loading, cfg.num_experts, cfg.num_experts_per_tok,
                                self.plan.batch * (self.plan.k + 1))
 
+    # ---- re-placement (offload/pipeline.py, step 6: the pipeline's `Replacer`) -------------------------------------
+    def propose(self, rows_left: int, tokens_left: float, refeed_tokens: int) -> Plan | None:
+        """The planner's best plan for what the running job has left, on the profile its passes corrected
+        (planning.py `replacement`), when moving to it pays; one line says what was weighed either way."""
+        r = self.replanner
+        profile = r.calibrated_profile()
+        if profile is None or rows_left < 1:
+            return None
+        prompt_len = max(1.0, r.prompt_len or self.plan.max_seq_len / 2)
+        new_tokens = max(1, r.tokens_per_row or self.plan.max_seq_len - round(prompt_len))
+        workload = Workload(num_prompts=rows_left, prompt_len=prompt_len, new_tokens=new_tokens)
+        alpha = r.tracker.curve() if self.plan.drafting else None
+        choice = replacement(self.config, self.models, self.plan, r.k, profile, workload, tokens_left,
+                             refeed_tokens, alpha)
+        if choice is None:
+            return None
+        weighed = (f"{choice.plan.describe()} is predicted at {choice.tokens_per_s:.3g} tokens/s against "
+                   f"{choice.current_tokens_per_s:.3g} for the running plan ({self.plan.describe()}), for "
+                   f"{rows_left} rows and {tokens_left:.0f} new tokens left; the switch costs ~{choice.switch_s:.2g} s")
+        if not choice.pays:
+            logger.info("re-placement does not pay: %s", weighed)
+            return None
+        logger.warning("re-placing the running job: %s", weighed)
+        return choice.plan
+
+    def _plan_job(self, requests: Sequence[Request]) -> None:
+        """An engine that planned without a job (`Engine(config)`, e.g. under `LLM`) plans again for the job it is
+        given (item 1 of the planner's rules: no KV for rows the job does not have): its rows, prompt lengths and
+        new tokens, KV for its longest row (unless the config fixes max_seq_len), on the profile as corrected so
+        far; it moves to that plan when `replacement` says it pays (nothing runs yet: no row is fed again), and
+        always when the job's rows are longer than the current plan holds (an earlier job's plan)."""
+        if self._blind is None or not requests:
+            return
+        need = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        max_seq_len = self._blind.max_seq_len if self.config.max_seq_len is not None else need
+        workload = Workload.of_prompts([len(r.prompt) for r in requests], max(r.max_new_tokens for r in requests))
+        profile = self.replanner.calibrated_profile() or self.profile
+        assert profile is not None
+        alpha = self.replanner.tracker.curve() if self.plan.drafting else None
+        if need > self.plan.max_seq_len:
+            plan = make_plan(self.config, self.models, max_seq_len, workload=workload, alpha=alpha, profile=profile,
+                             compare_no_draft=False)
+        else:
+            choice = replacement(self.config, self.models, self.plan, self.replanner.k, profile, workload,
+                                 float(sum(r.max_new_tokens for r in requests)), 0, alpha, max_seq_len=max_seq_len)
+            if choice is None or not choice.pays:
+                return
+            plan = choice.plan
+        logger.info("planned for this job (%d prompts, rows up to %d tokens): %s (was %s)", len(requests), need,
+                    plan.describe(), self.plan.describe())
+        self._switch(plan)
+
+    def _switch(self, plan: Plan) -> None:
+        """Between runs: the workers rebuilt under `plan`, and the pipeline runs with them."""
+        self.pipeline.adopt(self.adopt(plan))
+
+    def adopt(self, plan: Plan) -> Adopted:
+        """Release the workers and build `plan`'s (its placement, weight plan and replanner, which carries what
+        the running one learnt: acceptance, the profile's correction); the pipeline runs on with them."""
+        assert self.workers is not None and self.placement is not None
+        self.workers.close()  # (first: the budget holds one placement's weights and caches at a time)
+        self.workers = None
+        cfg, previous = self.target.config, self.replanner
+        self.plan, self.placement = plan, place_plan(self.config, plan, self.models)
+        self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
+                                                     self._select_experts(), plan.draft_experts)
+        self.replanner = Replanner(plan, self.config.replan_interval, self.profile,
+                                   self.models.costs(plan.drafting), self.placement, self.config.expert_loading,
+                                   refill=self.config.refill, full_feed=previous.full_feed)
+        self.replanner.carry(previous)
+        self.workers = local_workers(self.config, self.weight_plan, plan)
+        return Adopted(plan, self.weight_plan, self.workers, self.replanner, self._prefill_chunk(plan))
+
     # ---- what it decided --------------------------------------------------------------------------------------------
     @property
     def max_seq_len(self) -> int:
-        return self.plan.max_seq_len
+        """Prompt + output tokens a row may have (a job's plan may hold fewer: `_plan_job` sizes it to the job)."""
+        return (self._blind or self.plan).max_seq_len
 
     def describe_placement(self) -> str:
         """The placement table (offloaded), or a line saying every weight is resident."""
@@ -207,6 +299,7 @@ class Engine:
                 raise ValueError(f"keys: one per prompt ({len(encoded)}); got {len(keys)}")
             requests = [self._request(i, ids, p, i if keys is None else keys[i])
                         for i, (ids, p) in enumerate(zip(encoded, per_row))]
+            self._plan_job(requests)
             self.replanner.prompt_len = sum(len(r.prompt) for r in requests) / len(requests)
             with torch.inference_mode():
                 self.last_stats = self.pipeline.run(requests, progress=progress)
@@ -248,6 +341,8 @@ class Engine:
             return r
 
         with self._turn("stream"):  # held from the first result asked for until exhausted or closed
+            if self._blind is not None and self.plan.max_seq_len < self._blind.max_seq_len:
+                self._switch(self._blind)  # (a stream's rows may be as long as the engine allows)
             requests = rows.map(request) if isinstance(rows, (Feed, MappedFeed)) else map(request, rows)
             finished = self.pipeline.stream(requests, progress=progress)
             while True:

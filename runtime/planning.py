@@ -4,7 +4,9 @@ the engine and by `specoffload plan` alike, so the plan shown is the plan run.
     resolve_max_seq_len   tokens per row the KV caches hold: --max-seq-len, else the job's, else the model's
     job_max_seq_len       the same for a job's prompts (text or token ids), as both CLI commands size it
     ModelPair             the models' shapes, read from checkpoint headers (the drafter's from its class)
+    search_space          what a planned config searches
     make_plan             fixed (the user chose batch and k) or planned (search over the measured profile)
+    replacement           a running job's best plan on a corrected profile, and whether moving to it pays
     place_plan            the placement of a plan's parts and caches under the budgets
 
 The search itself (planner/search.py) is pure; this module adds what needs the runtime: the measured hardware
@@ -17,11 +19,11 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from specoffload.planner import HardwareProfile, ModelCosts, SearchSpace, Workload, search
+from specoffload.planner import HardwareProfile, ModelCosts, SearchSpace, Workload, replacement_pays, search
 from specoffload.planner.acceptance import Acceptance
 from specoffload.planner.placement import Placement, PlacementPolicy, minimum_device_memory, place
 from specoffload.planner.plan import MAX_AUTO_K, Plan, fixed_plan, planned
-from specoffload.planner.search import DEFAULT_BATCHES, NoFeasiblePolicyError
+from specoffload.planner.search import DEFAULT_BATCHES, NoFeasiblePolicyError, Policy
 from specoffload.planner.shapes import ModelShape, PartKey
 
 from .config import ConfigError, EngineConfig
@@ -116,6 +118,41 @@ def job_max_seq_len(config: EngineConfig, prompts: Sequence[str | Sequence[int]]
     return resolve_max_seq_len(None, model_context, lengths, max_new_tokens)
 
 
+def search_space(config: EngineConfig, models: ModelPair, max_seq_len: int, workload: Workload | None = None,
+                 alpha: Acceptance | None = None, alpha_range: tuple[float, float] | None = None,
+                 extra_batches: tuple[int, ...] = ()) -> SearchSpace:
+    """What a planned `config` searches (`make_plan`): the default batches (or the config's one) capped at the
+    workload's prompts, plus `extra_batches`; k 1..MAX_AUTO_K with a drafter and auto k, the config's k, or 0."""
+    has_draft = models.draft is not None
+    if workload is None:
+        workload = Workload(num_prompts=256, prompt_len=max_seq_len / 2, new_tokens=max_seq_len - max_seq_len // 2)
+    batches = DEFAULT_BATCHES if config.max_batch_size == "auto" else (int(config.max_batch_size),)
+    if config.max_batch_size == "auto":  # never more rows than the job has prompts: no KV placed for absent rows
+        batches = tuple(sorted({min(b, max(1, int(workload.num_prompts))) for b in batches}))
+    batches = tuple(sorted({*batches, *extra_batches}))
+    if not has_draft:
+        ks: tuple[int, ...] = (0,)
+    elif config.num_draft_tokens == "auto":  # a drafter asked for runs: k >= 1 (only --drafter auto chooses none)
+        ks = tuple(range(1, MAX_AUTO_K + 1))
+    else:
+        ks = (int(config.num_draft_tokens),)
+    auto_k = config.num_draft_tokens == "auto"
+    return SearchSpace(
+        models.target, models.draft, workload,
+        config.acceptance_prior if alpha is None else alpha,
+        int(config.device_memory), config.host_budget,
+        batches=batches, ks=ks, num_buffers=config.num_buffers, weights_tier=config.weights_tier,
+        unified_memory=config.unified_memory, max_seq_len=max_seq_len, dtype_bytes=models.dtype_bytes,
+        top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
+        expert_loading=config.expert_loading, draft_pins=models.draft_pins, expert_group=config.expert_group or 0,
+        interleaves=(True, False) if config.interleave == "auto" else (bool(config.interleave),),
+        draft_dtype_bytes=models.draft_dtype_bytes,
+        alpha_range=alpha_range, refill=config.refill,
+        kv_block_size=_kv_block_size(config), kv_expected_use=True,
+        host_attention=config.host_attention,
+    )
+
+
 def make_plan(
     config: EngineConfig,
     models: ModelPair,
@@ -146,32 +183,8 @@ def make_plan(
     if profile is None:
         raise ValueError("a planned config (batch or k 'auto') is planned on the measured hardware profile: pass "
                          "profile= (runtime/offload/profiler.py `load_or_measure`, which the engine calls)")
-    if workload is None:
-        workload = Workload(num_prompts=256, prompt_len=max_seq_len / 2, new_tokens=max_seq_len - max_seq_len // 2)
-    batches = DEFAULT_BATCHES if config.max_batch_size == "auto" else (int(config.max_batch_size),)
-    if config.max_batch_size == "auto":  # never more rows than the job has prompts: no KV placed for absent rows
-        batches = tuple(sorted({min(b, max(1, int(workload.num_prompts))) for b in batches}))
-    if not has_draft:
-        ks: tuple[int, ...] = (0,)
-    elif config.num_draft_tokens == "auto":  # a drafter asked for runs: k >= 1 (only --drafter auto chooses none)
-        ks = tuple(range(1, MAX_AUTO_K + 1))
-    else:
-        ks = (int(config.num_draft_tokens),)
+    space = search_space(config, models, max_seq_len, workload, alpha, alpha_range)
     auto_k = config.num_draft_tokens == "auto"
-    space = SearchSpace(
-        models.target, models.draft, workload,
-        config.acceptance_prior if alpha is None else alpha,
-        int(config.device_memory), config.host_budget,
-        batches=batches, ks=ks, num_buffers=config.num_buffers, weights_tier=config.weights_tier,
-        unified_memory=config.unified_memory, max_seq_len=max_seq_len, dtype_bytes=models.dtype_bytes,
-        top_k=models.top_k, draft_top_k=models.draft_top_k, k_ceiling=MAX_AUTO_K if auto_k else 0,
-        expert_loading=config.expert_loading, draft_pins=models.draft_pins, expert_group=config.expert_group or 0,
-        interleaves=(True, False) if config.interleave == "auto" else (bool(config.interleave),),
-        draft_dtype_bytes=models.draft_dtype_bytes,
-        alpha_range=alpha_range, refill=config.refill,
-        kv_block_size=_kv_block_size(config), kv_expected_use=True,
-        host_attention=config.host_attention,
-    )
     result = search(profile, space)
     plan = planned(result, max_seq_len, auto_k=auto_k, draft_experts=models.self_draft_experts)
     logger.info("planner: %s, predicted %.2f tok/s", plan.describe(), result.best.predicted_tokens_per_s)
@@ -186,6 +199,51 @@ def make_plan(
                            "it choose)", config.drafter_name, plan.k, plan.batch, result.best.predicted_tokens_per_s,
                            plain.predicted_tokens_per_s, plain.batch)
     return plan
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """A running job's best plan on a corrected profile (`replacement`), beside the plan it runs."""
+
+    plan: Plan
+    tokens_per_s: float  # predicted for what the job has left
+    current_tokens_per_s: float  # the running plan's, predicted the same way
+    switch_s: float  # predicted cost of the switch: the new resident weights read, the rows in flight fed again
+    pays: bool  # planner/search.py `replacement_pays`
+
+
+def replacement(config: EngineConfig, models: ModelPair, plan: Plan, k_now: int, profile: HardwareProfile,
+                workload: Workload, tokens_left: float, refeed_tokens: int, alpha: Acceptance | None = None,
+                max_seq_len: int | None = None) -> Replacement | None:
+    """The plan `search` picks for what a job has left (`workload`: its rows left, at its mean prompt and new
+    tokens), with KV for `max_seq_len` tokens a row (default: the running plan's), on `profile` (corrected by the
+    job's passes, when they found it off), priced beside the running `plan` at its current k (`k_now`: online
+    re-planning moves k) for the same workload. None when the best is the running plan, when the running plan's
+    shape is not among the candidates (speculation turned off online: k = 0 with a drafter loaded), or when the
+    config fixes the batch (a user's batch is kept). switch_s = device-tier bytes / stream rate + the prefill
+    pass's time per prompt token x `refeed_tokens` (the committed tokens of the rows in flight, fed again)."""
+    if config.max_batch_size != "auto" or plan.policy is None:
+        return None
+    max_seq_len = max_seq_len or plan.max_seq_len
+    try:
+        result = search(profile, search_space(config, models, max_seq_len, workload, alpha))
+        same = search(profile, search_space(config, models, plan.max_seq_len, workload, alpha,
+                                            extra_batches=(plan.batch,)))
+    except NoFeasiblePolicyError:
+        return None
+
+    def running(p: Policy) -> bool:
+        return p.batch == plan.batch and p.k == k_now and (k_now == 0 or p.interleave == plan.interleave)
+
+    current, best = same.best_where(running), result.best
+    if current is None or (running(best) and max_seq_len == plan.max_seq_len) or best.estimate is None:
+        return None
+    new = planned(result, max_seq_len, auto_k=config.num_draft_tokens == "auto",
+                  draft_experts=models.self_draft_experts)
+    prefill = best.estimate.prefill.t_step / max(1.0, best.estimate.rows * workload.prompt_len)  # s per token
+    switch_s = best.memory["device"] / profile.stream_bytes_per_s + prefill * refeed_tokens
+    pays = replacement_pays(current.predicted_tokens_per_s, best.predicted_tokens_per_s, tokens_left, switch_s)
+    return Replacement(new, best.predicted_tokens_per_s, current.predicted_tokens_per_s, switch_s, pays)
 
 
 def placement_policy(config: EngineConfig, plan: Plan, models: ModelPair) -> PlacementPolicy:

@@ -264,6 +264,12 @@ class Waiting:
         with self._lock:
             return list(self._buffer)[:n]
 
+    @property
+    def buffered(self) -> int:
+        """Requests pulled from the source and waiting here (a lazy source's rest is not counted)."""
+        with self._lock:
+            return len(self._buffer)
+
     def push_front(self, request: Request) -> None:
         """Put a request back at the head of the queue (a preempted row: it is the next one admitted)."""
         with self._lock:

@@ -206,6 +206,27 @@ class Batches:
         self.preempted += 1
         return n
 
+    def requeue_all(self) -> Waiting:
+        """Re-placement (pipeline.py, step 6): every batch's unfinished rows back at the head of the queue, oldest
+        admission first, each to be fed again whole when admitted (as a preempted row is); finished rows retired.
+        Their caches stay with the workers being replaced. Returns the queue, for the next `Batches`. Call only
+        where no op is in flight."""
+        rows = []
+        for b in self.items:
+            b.clear_pass()
+            done = [r for r in b.rows if r.finished]
+            if done:
+                self.on_finished(len(done))
+            for r in done:
+                self.on_retired(r)
+            rows += [r for r in b.rows if not r.finished]
+            b.rows = []
+        rows.sort(key=lambda r: self._order.get(id(r), 0))
+        for r in reversed(rows):
+            self.waiting.push_front(r)
+        self._order.clear()
+        return self.waiting
+
     def restart(self, b: Batch) -> None:
         """After a lost worker: forget the pass in flight, retire finished rows, fresh caches for the rest."""
         b.clear_pass()

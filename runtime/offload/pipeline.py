@@ -20,6 +20,12 @@ The life of a `run` (the engine has encoded the prompts into requests):
   5. If an op fails, the `Recovery` policy may restore the workers (the Ray backend restarts a lost actor); the
      batches then restart from their committed tokens and the schedule runs again. The local backend's policy
      never recovers: the error propagates.
+  6. Re-placement (a `Replacer`: the engine, local backend, batch "auto"): when the replanner finds the profile the
+     plan was made on off (offload/replan.py `replace_due`: compute or stream rate beyond its margin), the engine is
+     asked once per run for a better plan for the rows the job has left (runtime/planning.py `replacement`). If one
+     pays, the ops in flight finish, every unfinished row goes back to the head of the queue (as a preempted row:
+     its committed tokens are fed again whole), the workers are rebuilt under the new plan's placement (batch, k,
+     KV and resident weights), and the schedule runs on with them.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sized
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from tqdm import tqdm
@@ -73,6 +79,26 @@ class Recovery(Protocol):
         ...
 
 
+class Replacer(Protocol):
+    """Re-placement of a running job (module docstring, step 6): the engine."""
+
+    def propose(self, rows_left: int, tokens_left: float, refeed_tokens: int) -> Plan | None:
+        """A better plan for what the job has left, or None (nothing better, or not worth the switch)."""
+
+    def adopt(self, plan: Plan) -> Adopted:
+        """Release the current workers, build the new plan's; what the pipeline runs with from now on."""
+
+
+class Adopted(NamedTuple):
+    """What a pipeline runs with after a re-placement."""
+
+    plan: Plan
+    weights: WeightPlan
+    workers: Workers
+    replanner: Replanner
+    prefill_chunk: int | None
+
+
 class NoRecovery:
     """The local backend: a failure is final."""
 
@@ -85,11 +111,13 @@ class Pipeline:
 
     def __init__(self, plan: Plan, weights: WeightPlan, num_layers: int, workers: Workers, replanner: Replanner,
                  tracer: Tracer, recovery: Recovery | None = None, compute_threads: int | None = None,
-                 adapt_interval: int = 0, refill: bool = True, prefill_chunk: int | None = None) -> None:
+                 adapt_interval: int = 0, refill: bool = True, prefill_chunk: int | None = None,
+                 replacer: Replacer | None = None) -> None:
         """adapt_interval: every this many verify rounds (and after the first), the drafter gets the target's
         routing counts (`Drafter.adapt`, e.g. to migrate its resident experts; traced as "migrate"); 0: never.
         refill: a finished row's slot takes a waiting request at once (Batches); prefill_chunk: prompt tokens one
-        pass feeds at most (None: every waiting prompt whole)."""
+        pass feeds at most (None: every waiting prompt whole). replacer: re-places the job when its passes say
+        the plan is wrong (module docstring, step 6); None: never."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
         self.refill, self.prefill_chunk = refill, prefill_chunk
@@ -97,7 +125,14 @@ class Pipeline:
         self.workers, self.replanner, self.tracer = workers, replanner, tracer
         self.recovery = recovery or NoRecovery()
         self.compute_threads = compute_threads or torch.get_num_threads()
+        self._adapt_every = adapt_interval
         self.adapt_interval = adapt_interval if plan.drafting else 0
+        self.replacer = replacer
+        #: the re-placements of the current run: {"pass", "from", "to"} (plans described), at most one a run
+        self.replacements: list[dict[str, object]] = []
+        self._switch_to: Plan | None = None  # a plan the schedule stopped for (`_run_schedule`)
+        self._pulled = 0  # requests taken from the run's source so far
+        self._total: int | None = None  # the run's requests, when its source has a length
         self.verified = 0  # verify ops run in the current run (progress reports)
         #: per verify op of the current run: (perf_counter at its end, batch, tokens it committed, rows), the last
         #: VERIFY_LOG_PASSES of them (a long job's memory stays flat); the steady-state decode rate of a window of
@@ -136,7 +171,10 @@ class Pipeline:
         finished: queue.SimpleQueue[Request] = queue.SimpleQueue()
         done = RequestTotals()  # counters only: a finished request is the caller's once yielded
 
+        self.replacements, self._switch_to, self._pulled, self._total = [], None, 0, total
+
         def admit(r: Request) -> Request:
+            self._pulled += 1
             if self.replanner.tokens_per_row is None:  # the first row's budget prices the slowest row
                 self.replanner.tokens_per_row = r.max_new_tokens
             return r
@@ -151,6 +189,7 @@ class Pipeline:
         self.adaptation = [0, 0, 0, 0]  # hits, picks, bytes moved, experts moved (Drafter.adapt)
         self.hotness: list[list[int]] = []
         bytes_before = self.workers.bytes_read
+        bytes_done = preempted_done = 0  # of the workers and batches a re-placement retired
         totals = {"steps": 0, "passes": 0}
 
         def drain() -> Iterator[Request]:
@@ -171,7 +210,19 @@ class Pipeline:
                 try:
                     for _ in self._run_schedule(totals):
                         yield from drain()
-                    break
+                    if self._switch_to is None:
+                        break
+                    plan, self._switch_to = self._switch_to, None  # re-placement (module docstring, step 6)
+                    bytes_done += self.workers.bytes_read - bytes_before
+                    preempted_done += self.batches.preempted
+                    waiting = self.batches.requeue_all()
+                    assert self.replacer is not None
+                    self.adopt(self.replacer.adopt(plan))
+                    bytes_before = self.workers.bytes_read
+                    self.batches = Batches(self.workers, self.plan, waiting, on_finished=bar.update,
+                                           rows=lambda: self.replanner.rows, refill=self.refill,
+                                           on_retired=finished.put, prefill_chunk=self.prefill_chunk)
+                    self.batches.admit_all()
                 except SpecOffloadError as exc:  # PipelineError: an op failed
                     self._recover(exc)
             yield from drain()
@@ -189,7 +240,7 @@ class Pipeline:
             draft_s=busy["draft"],
             target_s=target_s,
             verify_s=busy["verify"],
-            bytes_read=self.workers.bytes_read - bytes_before,
+            bytes_read=bytes_done + self.workers.bytes_read - bytes_before,
             passes=totals["passes"],
             expert_hits=self.adaptation[0],
             expert_picks=self.adaptation[1],
@@ -197,8 +248,35 @@ class Pipeline:
             migrated_experts=self.adaptation[3],
             migrations=self.adapted,
             expert_hotness=tuple(tuple(layer) for layer in self.hotness),
-            preempted=self.batches.preempted,
+            preempted=preempted_done + self.batches.preempted,
         )
+
+    def adopt(self, adopted: Adopted) -> None:
+        """Run with a re-placement's plan and workers from now on (between runs, or at a run's switch point)."""
+        self.plan, self.weights, self.workers, self.replanner = adopted[:4]
+        self.prefill_chunk = adopted.prefill_chunk
+        self.adapt_interval = self._adapt_every if self.plan.drafting else 0
+
+    def _left(self) -> tuple[int, float, int]:
+        """(rows, new tokens, committed tokens in flight) the run has left: its rows in the batches, those waiting
+        and, when the source has a length, those not pulled yet (each at the first row's max_new_tokens)."""
+        running = [r for b in self.batches.items for r in b.rows if not r.finished]
+        waiting = self.batches.waiting.buffered + (max(0, self._total - self._pulled) if self._total else 0)
+        per_row = self.replanner.tokens_per_row or 0
+        tokens = sum(r.max_new_tokens - len(r.output) for r in running) + waiting * per_row
+        return len(running) + waiting, float(tokens), sum(r.num_tokens for r in running)
+
+    def _should_switch(self, passes: int) -> bool:
+        """Once a run, when the replanner says the plan's profile was off: ask the replacer for a better plan."""
+        if self.replacer is None or not self.replanner.replace_due or self.replacements:
+            return False
+        self.replanner.replace_due = False
+        plan = self.replacer.propose(*self._left())
+        if plan is None:
+            return False
+        self.replacements.append({"pass": passes, "from": self.plan.describe(), "to": plan.describe()})
+        self._switch_to = plan
+        return True
 
     def _recover(self, error: SpecOffloadError) -> None:
         """Re-raise `error` unless the recovery policy restored the workers; then restart every batch from its
@@ -250,6 +328,9 @@ class Pipeline:
                 # Step s's target batch was last verified at step s - 2: wait for that, then decide step s.
                 executor.wait(step_ops[-2])
                 yield
+                if not self.batches.done and self._should_switch(totals["passes"]):
+                    executor.wait_all()  # (every op submitted is done: the batches hold committed tokens only)
+                    return
                 if self.batches.done:
                     executor.cancel_from(steps - 1)
                     executor.wait_all()

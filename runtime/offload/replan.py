@@ -43,10 +43,12 @@ Off by more than PROFILE_MARGIN, the cause decides:
                                      rates stand, one info line (`shape_off` keeps the ratio); scaling every
                                      compute cost by it priced all plans 33% slow
 
-A correction is one warning line, and the run goes on with the profile's compute costs scaled by the factor that
-makes the prediction match (`HardwareProfile.scaled_compute`, found by bisection: the step is non-decreasing in
-it); `profile_off` keeps the ratio for the engine, which marks the cached profile stale (profiler.py `mark_stale`)
-unless other processes were busy.
+A correction, or a stream rate off the profile's by more than the margin, also sets `replace_due`: the pipeline
+then asks the engine once whether a new plan (batch, k, placement) pays for what the job has left (pipeline.py,
+step 6). A correction is one warning line, and the run goes on with the profile's compute costs scaled by the
+factor that makes the prediction match (`HardwareProfile.scaled_compute`, found by bisection: the step is
+non-decreasing in it); `profile_off` keeps the ratio for the engine, which marks the cached profile stale
+(profiler.py `mark_stale`) unless other processes were busy.
 
 A new k takes effect at each batch's next draft round. Only when the planner chose k ("auto") and a drafter is
 loaded. While speculation is off nothing is drafted, so nothing new is observed: the decision stands for the rest
@@ -111,8 +113,20 @@ class Replanner:
         self.shape_off: float | None = None  # the same, for drafted passes the profile's rates stand for
         self.busy_cores: float | None = None  # other processes' cores over the checked passes, when above the limit
         self.checked = False
+        #: the check found the profile the plan was made on off (compute corrected, or the stream rate beyond the
+        #: margin): the pipeline asks its replacer for a better plan (pipeline.py, step 6) and clears it
+        self.replace_due = False
         #: profiler.py `busy_mark` at each of the last passes observed before the check
         self._busy_log: deque[profiler.BusyMark] = deque(maxlen=CHECK_PASSES + 1)
+
+    def carry(self, previous: Replanner) -> None:
+        """After a re-placement (pipeline.py, step 6): take over what `previous` learnt of the job (its acceptance,
+        rounds and decisions, the job's shape, the profile's correction and check); the passes observed are not
+        carried (they were another placement's)."""
+        self.tracker, self.replans, self.rounds = previous.tracker, previous.replans, previous.rounds
+        self.tokens_per_row, self.prompt_len = previous.tokens_per_row, previous.prompt_len
+        self.compute_scale, self.profile_off = previous.compute_scale, previous.profile_off
+        self.shape_off, self.busy_cores, self.checked = previous.shape_off, previous.busy_cores, previous.checked
 
     @property
     def active(self) -> bool:
@@ -165,6 +179,9 @@ class Replanner:
 
         predicted = step(1.0)
         ratio = measured / predicted
+        if self.stream_rate is not None and not 1 / PROFILE_MARGIN <= (
+                self.stream_rate / self.profile.stream_bytes_per_s) <= PROFILE_MARGIN:
+            self.replace_due = True  # the disk runs off the profile's rate: the plan's placement may be wrong
         if 1 / PROFILE_MARGIN <= ratio <= PROFILE_MARGIN:
             return ratio
         others = self.others_cores()
@@ -182,6 +199,7 @@ class Replanner:
             lo /= 2
         self.compute_scale = solve_nondecreasing(step, measured, lo, hi, 30)  # (the step grows with the scale)
         self.profile_off = ratio
+        self.replace_due = True
         self.busy_cores = others if busy and ratio > 1 else None
         after = (f"other processes keep {others:.2f} cores busy: the cached profile stands" if self.busy_cores
                  else "the cached profile is measured again before the next job")

@@ -1,0 +1,167 @@
+"""Re-placement of a running job (issue 37, item 3; runtime/offload/pipeline.py step 6): when the passes say the
+profile the plan was made on is off, the engine weighs the planner's best plan for what the job has left and moves
+to it (batch, k, KV and resident weights) when that pays; rows in flight are fed again, and no token changes."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specoffload.planner import replacement_pays
+from specoffload.planner.search import REPLACE_GAIN
+from specoffload.runtime.config import EngineConfig
+from specoffload.runtime.engine import Engine
+from specoffload.runtime.offload import profiler
+from specoffload.runtime.offload.replan import Replanner
+from specoffload.runtime.planning import make_plan
+from specoffload.runtime.sampling import SamplingParams
+
+PROMPTS = [[1, 5 + i, 9, 33 + 2 * i, 70 + i][: 2 + i % 4] for i in range(12)]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+
+rates = st.floats(min_value=0.1, max_value=1e4)
+
+
+@given(rates, rates, st.floats(min_value=1.0, max_value=1e6), st.floats(min_value=0.0, max_value=1e3))
+def test_a_switch_pays_only_for_a_gain_that_covers_twice_its_cost(current, new, tokens, switch_s) -> None:
+    pays = replacement_pays(current, new, tokens, switch_s)
+    saved = tokens / current - tokens / new
+    assert pays == (new >= REPLACE_GAIN * current and saved >= 2 * switch_s)
+    if pays:  # more work left only makes it pay more; a dearer switch less
+        assert replacement_pays(current, new, 2 * tokens, switch_s)
+        assert not replacement_pays(current, new, tokens, saved)
+
+
+@pytest.fixture(autouse=True)
+def profile_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(profiler, "PROFILE_DIR", tmp_path / "profiles")
+
+
+def _config(tiny_models, name: str, budget_over_minimum: float, **kw) -> EngineConfig:  # noqa: ANN001
+    """An offloaded, planned config at `budget_over_minimum` x the smallest budget that places batch 1."""
+    config = EngineConfig(tiny_models[name], device_memory="1GiB", max_seq_len=96, max_batch_size="auto", **kw)
+    probe = Engine(replace(config, max_batch_size=1, num_draft_tokens=1 if config.draft else "auto"))
+    budget = probe.minimum_device_memory()
+    probe.close()
+    return replace(config, device_memory=int(budget * budget_over_minimum))
+
+
+def test_a_job_planned_on_a_profile_ten_times_too_fast_is_re_placed(tiny_models, single_thread, caplog) -> None:
+    """A cached profile ten times too fast for this machine plans a smaller batch than the machine's own profile
+    would (a faster pass amortises less); the job's passes find it off, the engine moves to the corrected plan's
+    batch and placement mid-run, once, saying so in one line, and every token is the resident engine's."""
+    config = _config(tiny_models, "mixtral", 1.5)
+    profile = profiler.load_or_measure(config, quick=True, open_engine=Engine)
+    engine = Engine(config, profile=profile.scaled_compute(0.1))
+    right = make_plan(config, engine.models, engine.plan.max_seq_len, profile=profile)
+    first = engine.plan
+    assert first.batch < right.batch  # (what the off profile got wrong)
+    with caplog.at_level(logging.INFO, logger="specoffload.engine"):
+        out = engine.generate(PROMPTS, GREEDY)
+    ref = Engine(EngineConfig(tiny_models["mixtral"], max_batch_size=4)).generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    assert engine.replanner.profile_off is not None and engine.replanner.profile_off > 5
+    assert len(engine.pipeline.replacements) == 1 and engine.plan.batch > first.batch
+    assert engine.placement is not None and engine.placement.policy.batch_size == engine.plan.batch
+    lines = [r.getMessage() for r in caplog.records if r.name == "specoffload.engine"]
+    assert len(lines) == 1 and lines[0].startswith("re-placing the running job: batch=")
+    assert engine.last_stats is not None and engine.last_stats.num_prompts == len(PROMPTS)
+    assert engine.last_stats.generated_tokens == len(PROMPTS) * GREEDY.max_new_tokens
+    assert engine.last_stats.bytes_read > 0
+    engine.close()
+
+
+def _forced(engine: Engine, monkeypatch, to: dict, after_passes: int = 6) -> None:  # noqa: ANN001
+    """Make `engine` re-place its job after `after_passes` decode passes, to its config with the fields `to`."""
+    seen = []
+    observe = Replanner.observe_pass
+
+    def observe_pass(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        observe(self, *args, **kw)
+        seen.append(1)
+        if len(seen) == after_passes:
+            self.replace_due = True
+
+    monkeypatch.setattr(Replanner, "observe_pass", observe_pass)
+    target = replace(engine.config, **to)
+    monkeypatch.setattr(engine, "propose", lambda *a: make_plan(target, engine.models, engine.plan.max_seq_len,
+                                                                profile=engine.profile))
+
+
+@pytest.mark.parametrize(("name", "draft", "to"), [
+    ("llama", None, {"max_batch_size": 2}),
+    ("qwen2_moe", "qwen2_draft", {"max_batch_size": 2, "num_draft_tokens": 2}),
+    ("qwen2_moe", "self", {"max_batch_size": 3}),
+])
+def test_a_re_placed_job_gives_the_resident_tokens(tiny_models, single_thread, monkeypatch, name, draft, to) -> None:
+    """Moved mid-run to another batch (and k, with a drafter), rows in flight fed again under the new workers:
+    greedy tokens are the resident engine's, every row comes back once."""
+    kw = {"draft": str(tiny_models[draft]) if draft not in (None, "self") else draft,
+          "num_draft_tokens": "auto"} if draft else {}
+    config = _config(tiny_models, name, 3.0, **kw)
+    engine = Engine(config)
+    _forced(engine, monkeypatch, to)
+    out = engine.generate(PROMPTS, GREEDY)
+    ref = Engine(EngineConfig(tiny_models[name], max_batch_size=4)).generate(PROMPTS, GREEDY)
+    assert [r.index for r in out] == list(range(len(PROMPTS)))
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    assert len(engine.pipeline.replacements) == 1 and engine.plan.batch == to["max_batch_size"]
+    engine.close()
+
+
+def test_a_sampled_row_is_the_same_whether_or_not_its_job_is_re_placed(tiny_models, single_thread,
+                                                                        monkeypatch) -> None:
+    """A sampled row draws from its own seed and key (runtime/rng.py): fed again under a new placement and batch
+    it continues with the same draws."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=30, ignore_eos=True)
+    config = _config(tiny_models, "llama", 3.0)
+    plain = Engine(config)
+    plain.pipeline.replacer = None
+    expected = [r.token_ids for r in plain.generate(PROMPTS, params)]
+    plain.close()
+    engine = Engine(config)
+    _forced(engine, monkeypatch, {"max_batch_size": 2}, after_passes=4)
+    got = [r.token_ids for r in engine.generate(PROMPTS, params)]
+    assert len(engine.pipeline.replacements) == 1
+    assert got == expected
+    engine.close()
+
+
+def test_a_fixed_batch_is_never_re_placed(tiny_models, single_thread, monkeypatch) -> None:
+    """A batch the user fixed is kept: the engine offers no replacer to its pipeline."""
+    config = replace(_config(tiny_models, "llama", 3.0), max_batch_size=2)
+    engine = Engine(config, profile=profiler.load_or_measure(config, quick=True, open_engine=Engine))
+    assert engine.pipeline.replacer is None
+    engine.close()
+
+
+def test_an_engine_made_without_a_job_plans_again_for_each_job(tiny_models, single_thread, caplog) -> None:
+    """`Engine(config)` (as `LLM` builds it) plans for no job in particular: KV for rows of the whole context. Each
+    job is planned again for its rows and lengths (KV for its longest row), which here places more of the model
+    (and a larger batch); a later job with longer rows gets a plan that holds them; a stream of unknown rows gets
+    the engine's own plan back; no token changes."""
+    config = _config(tiny_models, "llama", 4.0)
+    config = replace(config, max_seq_len=None, device_memory=int(config.device_memory) * 3)
+    engine = Engine(config)
+    blind = engine.plan
+    assert blind.max_seq_len == 512 and engine.max_seq_len == 512  # (the tiny models' context)
+    short = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="specoffload.engine"):
+        out = engine.generate(PROMPTS, short)
+    assert engine.plan.max_seq_len == max(len(p) for p in PROMPTS) + 20 and engine.max_seq_len == 512
+    assert engine.plan.batch > blind.batch  # (the rows' KV is a tenth of the context's)
+    assert any(r.getMessage().startswith("planned for this job (12 prompts") for r in caplog.records)
+    ref = Engine(EngineConfig(tiny_models["llama"], max_batch_size=4))
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref.generate(PROMPTS, short)]
+    longer = SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)
+    out = engine.generate(PROMPTS[:3], longer)
+    assert engine.plan.max_seq_len >= max(len(p) for p in PROMPTS[:3]) + 60
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref.generate(PROMPTS[:3], longer)]
+    streamed = list(engine.generate_iter(iter(PROMPTS[:2]), longer))
+    assert engine.plan == blind
+    assert sorted((r.index, r.token_ids) for r in streamed) == list(enumerate(r.token_ids for r in out[:2]))
+    engine.close()
