@@ -21,6 +21,7 @@ family is runtime/models/ (config.py, checkpoint names in weights.py, layers.py)
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
@@ -149,6 +150,7 @@ class Engine:
         replaces = workers is None and config.offloaded and config.max_batch_size == "auto" and plan.policy is not None
         #: the plan made here without a job (re-planned for each job, `_plan_job`); its max_seq_len bounds prompts
         self._blind: Plan | None = plan if replaces and blind else None
+        self._job: tuple[Workload, int] | None = None  # the last job `_plan_job` planned for
         self.pipeline = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner, self.tracer,
                                  recovery, config.num_threads,
                                  adapt_interval=drafter.adapt_interval(config),
@@ -229,6 +231,10 @@ class Engine:
         need = max(len(r.prompt) + r.max_new_tokens for r in requests)
         max_seq_len = self._blind.max_seq_len if self.config.max_seq_len is not None else need
         workload = Workload.of_prompts([len(r.prompt) for r in requests], max(r.max_new_tokens for r in requests))
+        job = (workload, max_seq_len)
+        if job == self._job and need <= self.plan.max_seq_len:
+            return  # (the same job as the last one: it was planned)
+        self._job = job
         profile = self.replanner.calibrated_profile() or self.profile
         assert profile is not None
         alpha = self.replanner.tracker.curve() if self.plan.drafting else None
@@ -255,6 +261,8 @@ class Engine:
         assert self.workers is not None and self.placement is not None
         self.workers.close()  # (first: the budget holds one placement's weights and caches at a time)
         self.workers = None
+        self.pipeline.drop_workers()
+        gc.collect()  # (their tensors go before the new ones are made)
         cfg, previous = self.target.config, self.replanner
         self.plan, self.placement = plan, place_plan(self.config, plan, self.models)
         self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
@@ -343,6 +351,7 @@ class Engine:
         with self._turn("stream"):  # held from the first result asked for until exhausted or closed
             if self._blind is not None and self.plan.max_seq_len < self._blind.max_seq_len:
                 self._switch(self._blind)  # (a stream's rows may be as long as the engine allows)
+                self._job = None
             requests = rows.map(request) if isinstance(rows, (Feed, MappedFeed)) else map(request, rows)
             finished = self.pipeline.stream(requests, progress=progress)
             while True:

@@ -251,6 +251,13 @@ class Pipeline:
             preempted=preempted_done + self.batches.preempted,
         )
 
+    def drop_workers(self) -> None:
+        """The workers are being replaced (`Replacer.adopt`): forget them here and in the batches, so that their
+        memory is freed before the new ones are built; `adopt` follows."""
+        self.workers = None  # type: ignore[assignment]
+        if getattr(self, "batches", None) is not None:
+            self.batches.workers = None  # type: ignore[assignment]
+
     def adopt(self, adopted: Adopted) -> None:
         """Run with a re-placement's plan and workers from now on (between runs, or at a run's switch point)."""
         self.plan, self.weights, self.workers, self.replanner = adopted[:4]
@@ -267,7 +274,8 @@ class Pipeline:
         return len(running) + waiting, float(tokens), sum(r.num_tokens for r in running)
 
     def _should_switch(self, passes: int) -> bool:
-        """Once a run, when the replanner says the plan's profile was off: ask the replacer for a better plan."""
+        """Once a run, when the replanner says the plan's profile was off: ask the replacer for a better plan.
+        Call with no op in flight."""
         if self.replacer is None or not self.replanner.replace_due or self.replacements:
             return False
         self.replanner.replace_due = False
@@ -328,9 +336,10 @@ class Pipeline:
                 # Step s's target batch was last verified at step s - 2: wait for that, then decide step s.
                 executor.wait(step_ops[-2])
                 yield
-                if not self.batches.done and self._should_switch(totals["passes"]):
+                if self.replacer is not None and self.replanner.replace_due and not self.batches.done:
                     executor.wait_all()  # (every op submitted is done: the batches hold committed tokens only)
-                    return
+                    if self._should_switch(totals["passes"]):
+                        return
                 if self.batches.done:
                     executor.cancel_from(steps - 1)
                     executor.wait_all()
