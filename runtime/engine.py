@@ -9,7 +9,9 @@ The life of a request, top-down:
      by default, or role actors from actors/) and the drafter the plan asks for (offload/drafters.py).
   2. `generate(prompts)` encodes and checks the prompts, turns them into `Request`s, and hands them to the
      `Pipeline`, which verifies drafts losslessly (runtime/verify.py): greedy output equals the target's own,
-     token for token.
+     token for token. An engine that planned without a job plans again for this one first (`_plan_job`), and a
+     running job whose passes find the profile off may be re-placed once (`propose` / `adopt`: the pipeline's
+     `Replacer`).
   3. Results come back in input order, with per-request acceptance counts; `last_stats` holds the totals.
 
 Which file to touch: a new drafter is a class in offload/drafters.py and one `register_drafter` line; a new model
@@ -225,7 +227,8 @@ class Engine:
         given (item 1 of the planner's rules: no KV for rows the job does not have): its rows, prompt lengths and
         new tokens, KV for its longest row (unless the config fixes max_seq_len), on the profile as corrected so
         far; it moves to that plan when `replacement` says it pays (nothing runs yet: no row is fed again), and
-        always when the job's rows are longer than the current plan holds (an earlier job's plan)."""
+        always when the job's rows are longer than the current plan holds (an earlier job's plan; then with KV for
+        at least twice the rows' tokens it held)."""
         if self._blind is None or not requests:
             return
         need = max(len(r.prompt) + r.max_new_tokens for r in requests)
@@ -238,7 +241,9 @@ class Engine:
         profile = self.replanner.calibrated_profile() or self.profile
         assert profile is not None
         alpha = self.replanner.tracker.curve() if self.plan.drafting else None
-        if need > self.plan.max_seq_len:
+        if need > self.plan.max_seq_len:  # (KV at least doubled: a run of ever longer jobs re-plans log2 times)
+            if self.config.max_seq_len is None:
+                max_seq_len = min(self._blind.max_seq_len, max(need, 2 * self.plan.max_seq_len))
             plan = make_plan(self.config, self.models, max_seq_len, workload=workload, alpha=alpha, profile=profile,
                              compare_no_draft=False)
         else:

@@ -189,3 +189,39 @@ def test_an_engine_made_without_a_job_plans_again_for_each_job(tiny_models, sing
     engine.generate(PROMPTS, short)  # the first job again: planned again, not run on the stream's plan
     assert engine.plan.max_seq_len == max(len(p) for p in PROMPTS) + 20
     engine.close()
+
+
+def test_rows_requeued_by_a_re_placement_are_fed_again_whole(tiny_models, single_thread, monkeypatch) -> None:
+    """The prompt budget of a pass (prefill_chunk) paces prompts arriving beside decoding rows; the rows a
+    re-placement requeued had all been decoding, and their next pass feeds each of them whole."""
+    from specoffload.runtime.offload.batches import Batches
+    from specoffload.runtime.offload.pipeline import Pipeline
+
+    config = replace(_config(tiny_models, "llama", 3.0), prefill_chunk=1)
+    engine = Engine(config)
+    _forced(engine, monkeypatch, {"max_batch_size": 2})
+    requeued: list = []
+    fed: list[tuple[int, int]] = []  # (tokens fed, tokens it had to feed) of each requeued row's next pass
+    requeue, plan_feed = Batches.requeue_all, Pipeline._plan_feed
+
+    def requeue_all(self):  # noqa: ANN001, ANN202
+        rows = requeue(self)
+        requeued.extend(rows)
+        return rows
+
+    def _plan_feed(self, b):  # noqa: ANN001, ANN202
+        had = b.feed is not None
+        plan_feed(self, b)
+        if not had:
+            for n, r in enumerate(b.rows):
+                if any(r is q for q in requeued) and b.fed_before[n] == 0:
+                    fed.append((b.feed[n], r.num_tokens))
+
+    monkeypatch.setattr(Batches, "requeue_all", requeue_all)
+    monkeypatch.setattr(Pipeline, "_plan_feed", _plan_feed)
+    out = engine.generate(PROMPTS, GREEDY)
+    ref = Engine(EngineConfig(tiny_models["llama"], max_batch_size=4)).generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    assert requeued and len(fed) >= len(requeued)
+    assert all(n == total and total > 1 for n, total in fed)  # whole, though a pass feeds 1 prompt token
+    engine.close()

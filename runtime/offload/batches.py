@@ -206,11 +206,11 @@ class Batches:
         self.preempted += 1
         return n
 
-    def requeue_all(self) -> Waiting:
+    def requeue_all(self) -> list[Request]:
         """Re-placement (pipeline.py, step 6): every batch's unfinished rows back at the head of the queue, oldest
         admission first, each to be fed again whole when admitted (as a preempted row is); finished rows retired.
-        Their caches stay with the workers being replaced. Returns the queue, for the next `Batches`. Call only
-        where no op is in flight."""
+        Their caches stay with the workers being replaced. Returns the rows requeued (`waiting` is the queue for
+        the next `Batches`). Call only where no op is in flight."""
         rows = []
         for b in self.items:
             b.clear_pass()
@@ -225,7 +225,7 @@ class Batches:
         for r in reversed(rows):
             self.waiting.push_front(r)
         self._order.clear()
-        return self.waiting
+        return rows
 
     def restart(self, b: Batch) -> None:
         """After a lost worker: forget the pass in flight, retire finished rows, fresh caches for the rest."""

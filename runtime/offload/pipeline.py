@@ -24,7 +24,7 @@ The life of a `run` (the engine has encoded the prompts into requests):
      plan was made on off (offload/replan.py `replace_due`: compute or stream rate beyond its margin), the engine is
      asked once per run for a better plan for the rows the job has left (runtime/planning.py `replacement`). If one
      pays, the ops in flight finish, every unfinished row goes back to the head of the queue (as a preempted row:
-     its committed tokens are fed again whole), the workers are rebuilt under the new plan's placement (batch, k,
+     its committed tokens are fed again whole, in one pass: outside `prefill_chunk`), the workers are rebuilt under the new plan's placement (batch, k,
      KV and resident weights), and the schedule runs on with them.
 """
 
@@ -133,6 +133,7 @@ class Pipeline:
         self._switch_to: Plan | None = None  # a plan the schedule stopped for (`_run_schedule`)
         self._pulled = 0  # requests taken from the run's source so far
         self._total: int | None = None  # the run's requests, when its source has a length
+        self._refeed: set[int] = set()
         self.verified = 0  # verify ops run in the current run (progress reports)
         #: per verify op of the current run: (perf_counter at its end, batch, tokens it committed, rows), the last
         #: VERIFY_LOG_PASSES of them (a long job's memory stays flat); the steady-state decode rate of a window of
@@ -172,6 +173,7 @@ class Pipeline:
         done = RequestTotals()  # counters only: a finished request is the caller's once yielded
 
         self.replacements, self._switch_to, self._pulled, self._total = [], None, 0, total
+        self._refeed: set[int] = set()  # id() of the rows a re-placement requeued, until their tokens are fed again
 
         def admit(r: Request) -> Request:
             self._pulled += 1
@@ -215,7 +217,8 @@ class Pipeline:
                     plan, self._switch_to = self._switch_to, None  # re-placement (module docstring, step 6)
                     bytes_done += self.workers.bytes_read - bytes_before
                     preempted_done += self.batches.preempted
-                    waiting = self.batches.requeue_all()
+                    self._refeed = {id(r) for r in self.batches.requeue_all()}
+                    waiting = self.batches.waiting
                     assert self.replacer is not None
                     self.adopt(self.replacer.adopt(plan))
                     bytes_before = self.workers.bytes_read
@@ -276,9 +279,11 @@ class Pipeline:
     def _should_switch(self, passes: int) -> bool:
         """Once a run, when the replanner says the plan's profile was off: ask the replacer for a better plan.
         Call with no op in flight."""
-        if self.replacer is None or not self.replanner.replace_due or self.replacements:
+        if self.replacer is None or not self.replanner.replace_due:
             return False
         self.replanner.replace_due = False
+        if self.replacements:
+            return False
         plan = self.replacer.propose(*self._left())
         if plan is None:
             return False
@@ -365,7 +370,9 @@ class Pipeline:
     def _plan_feed(self, b: Batch) -> None:
         """Decide what b's next pass feeds of each row's committed tokens (`b.feed`) and which rows it verifies
         (`b.ready`: the pass reaches their pending token). A decoding row feeds its pending token; prompt tokens
-        (a new row's, or a whole row's after a restart) share the pass's `prefill_chunk` budget in row order."""
+        (a new row's, or a whole row's after a restart) share the pass's `prefill_chunk` budget in row order; a row a
+        re-placement requeued is fed again whole, outside the budget (the budget paces prompts arriving beside
+        decoding rows; these rows had all been decoding)."""
         if b.feed is not None:
             return
         t_len = self.workers.attention.lengths(b.index)
@@ -375,7 +382,9 @@ class Pipeline:
         for n, r in enumerate(b.rows):
             unfed = r.num_tokens - t_len[n]
             take = unfed
-            if unfed > 1 and budget is not None:
+            if id(r) in self._refeed:  # (fed again whole after a re-placement: it is not a prompt arriving)
+                self._refeed.discard(id(r))
+            elif unfed > 1 and budget is not None:
                 take = min(unfed, budget)
                 budget -= take
             b.feed.append(take)
