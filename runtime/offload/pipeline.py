@@ -24,8 +24,8 @@ The life of a `run` (the engine has encoded the prompts into requests):
      plan was made on off (offload/replan.py `replace_due`: compute or stream rate beyond its margin), the engine is
      asked once per run for a better plan for the rows the job has left (runtime/planning.py `replacement`). If one
      pays, the ops in flight finish, every unfinished row goes back to the head of the queue (as a preempted row:
-     its committed tokens are fed again whole, in one pass: outside `prefill_chunk`), the workers are rebuilt under the new plan's placement (batch, k,
-     KV and resident weights), and the schedule runs on with them.
+     its committed tokens are fed again whole, in one pass: outside `prefill_chunk`), the workers are rebuilt
+     under the new plan's placement (batch, k, KV and resident weights), and the schedule runs on with them.
 """
 
 from __future__ import annotations
