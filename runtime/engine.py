@@ -128,22 +128,13 @@ class Engine:
         blind = plan is None  # planned here, for no job in particular (`_plan_job`)
         if plan is None:
             plan = make_plan(config, self.models, max_seq_len, profile=self.profile)
-        self.plan = plan
         self.tracer = Tracer(enabled=config.trace)
         self._turn = Turn("Engine")
         self._profile_marked = False
         self.last_stats: GenerateStats | None = None
         self.placement: Placement | None = None
         self.workers: Workers | None = None
-        if config.offloaded:
-            self.placement = place_plan(config, plan, self.models)  # PlacementError (with the minimum) if too small
-            self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
-                                                         self._select_experts(), plan.draft_experts)
-        else:  # nothing streams: the same pipeline, every part resident where compute runs
-            self.weight_plan = WeightPlan.all_resident(self.models.target, config.num_buffers)
-        self.replanner = Replanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
-                                   self.placement, config.expert_loading, refill=config.refill,
-                                   full_feed=not drafter.model_free)
+        self._place(plan)  # PlacementError (with the minimum) if the budget is too small
         if config.exact == "auto":
             config = self.config = dataclasses.replace(config, exact=self._exact_is_hidden(plan))
         self.target.exact = config.exact  # (as the workers' models compute)
@@ -160,6 +151,20 @@ class Engine:
                                  replacer=self if replaces else None)
 
     # ---- construction -----------------------------------------------------------------------------------------------
+    def _place(self, plan: Plan) -> None:
+        """`plan`'s placement (offloaded), weight plan and replanner, at construction and at a re-placement."""
+        cfg, config = self.target.config, self.config
+        self.plan = plan
+        if config.offloaded:
+            self.placement = place_plan(config, plan, self.models)
+            self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
+                                                         self._select_experts(), plan.draft_experts)
+        else:  # nothing streams: the same pipeline, every part resident where compute runs
+            self.weight_plan = WeightPlan.all_resident(self.models.target, config.num_buffers)
+        self.replanner = Replanner(plan, config.replan_interval, self.profile, self.models.costs(plan.drafting),
+                                   self.placement, config.expert_loading, refill=config.refill,
+                                   full_feed=not config.drafter_class.model_free)
+
     def _prefill_chunk(self, plan: Plan) -> int | None:
         return self.config.prefill_chunk if self.config.prefill_chunk is not None else plan.prefill_chunk
 
@@ -268,13 +273,8 @@ class Engine:
         self.workers = None
         self.pipeline.drop_workers()
         gc.collect()  # (their tensors go before the new ones are made)
-        cfg, previous = self.target.config, self.replanner
-        self.plan, self.placement = plan, place_plan(self.config, plan, self.models)
-        self.weight_plan = WeightPlan.from_placement(self.placement, cfg.num_layers, cfg.num_experts,
-                                                     self._select_experts(), plan.draft_experts)
-        self.replanner = Replanner(plan, self.config.replan_interval, self.profile,
-                                   self.models.costs(plan.drafting), self.placement, self.config.expert_loading,
-                                   refill=self.config.refill, full_feed=previous.full_feed)
+        previous = self.replanner
+        self._place(plan)
         self.replanner.carry(previous)
         self.workers = local_workers(self.config, self.weight_plan, plan)
         return Adopted(plan, self.weight_plan, self.workers, self.replanner, self._prefill_chunk(plan))

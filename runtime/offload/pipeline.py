@@ -183,9 +183,12 @@ class Pipeline:
 
         self.replanner.tokens_per_row = None
         source = requests.map(admit) if isinstance(requests, (Feed, MappedFeed)) else map(admit, requests)
-        self.batches = Batches(self.workers, self.plan, Waiting(source), on_finished=bar.update,
-                               rows=lambda: self.replanner.rows, refill=self.refill, on_retired=finished.put,
-                               prefill_chunk=self.prefill_chunk)
+
+        def batches(waiting: Waiting) -> Batches:  # (this run's, and again with a re-placement's workers)
+            return Batches(self.workers, self.plan, waiting, on_finished=bar.update, rows=lambda: self.replanner.rows,
+                           refill=self.refill, on_retired=finished.put, prefill_chunk=self.prefill_chunk)
+
+        self.batches = batches(Waiting(source))
         self.rounds_since_adapt, self.adapted, self.adapt_due = 0, 0, 0
         self.routing: list[list[int]] = []  # the target's routing since the last adapt, from verified passes
         self.adaptation = [0, 0, 0, 0]  # hits, picks, bytes moved, experts moved (Drafter.adapt)
@@ -222,9 +225,7 @@ class Pipeline:
                     assert self.replacer is not None
                     self.adopt(self.replacer.adopt(plan))
                     bytes_before = self.workers.bytes_read
-                    self.batches = Batches(self.workers, self.plan, waiting, on_finished=bar.update,
-                                           rows=lambda: self.replanner.rows, refill=self.refill,
-                                           on_retired=finished.put, prefill_chunk=self.prefill_chunk)
+                    self.batches = batches(waiting)
                     self.batches.admit_all()
                 except SpecOffloadError as exc:  # PipelineError: an op failed
                     self._recover(exc)
