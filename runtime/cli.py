@@ -171,7 +171,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="a batch waits for its slowest row, then takes a new wave (default: a finished row's slot "
                         "takes a waiting prompt at once)")
     o.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens one streamed pass feeds at most (default: the planner's, else whole prompts)")
+                   help="prompt tokens any streamed pass feeds at most, a bound on its activations (default: the "
+                        "planner's, beside decoding rows only)")
     o.add_argument("--kv-block-size", type=int, default=0,
                    help="positions per block of the target's paged KV cache (0: contiguous caches per batch)")
 

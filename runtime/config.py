@@ -124,8 +124,10 @@ class EngineConfig:
     Continuous batching (offloaded; runtime/offload/batches.py):
     refill: a finished row's slot takes a waiting prompt at once, prefilled inside its batch's next streamed pass
         beside the other rows' decode tokens (False: a batch waits for its slowest row, then takes a new wave).
-    prefill_chunk: prompt tokens one streamed pass feeds at most (a longer prompt continues over the batch's next
-        passes, so one long prompt does not stall the rows decoding beside it); None: whole prompts.
+    prefill_chunk: prompt tokens any streamed pass feeds at most (a longer prompt continues over the batch's next
+        passes, so one long prompt does not stall the rows decoding beside it, and a pass's activations stay
+        bounded); None: the planner's budget (`Plan.prefill_chunk`), which paces prompts beside decoding rows only
+        (runtime/offload/batches.py `PromptBudget`).
     """
 
     target: str | Path

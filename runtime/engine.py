@@ -41,6 +41,7 @@ from .bounded_encode import TooLong, encode_bounded
 from .config import ConfigError, EngineConfig
 from .models.linear import bound_kernel_caches
 from .models.model import Transformer
+from .offload.batches import PromptBudget
 from .offload.pipeline import Adopted, Pipeline, Recovery
 from .offload.profiler import load_or_measure, mark_stale
 from .offload.replan import Replanner
@@ -147,7 +148,7 @@ class Engine:
         self.pipeline = Pipeline(plan, self.weight_plan, cfg.num_layers, self.workers, self.replanner, self.tracer,
                                  recovery, config.num_threads,
                                  adapt_interval=drafter.adapt_interval(config),
-                                 refill=config.refill, prefill_chunk=self._prefill_chunk(plan),
+                                 refill=config.refill, prompts=self._prompts(plan),
                                  replacer=self if replaces else None)
 
     # ---- construction -----------------------------------------------------------------------------------------------
@@ -165,8 +166,8 @@ class Engine:
                                    self.placement, config.expert_loading, refill=config.refill,
                                    full_feed=not config.drafter_class.model_free)
 
-    def _prefill_chunk(self, plan: Plan) -> int | None:
-        return self.config.prefill_chunk if self.config.prefill_chunk is not None else plan.prefill_chunk
+    def _prompts(self, plan: Plan) -> PromptBudget:
+        return PromptBudget(pace=plan.prefill_chunk, cap=self.config.prefill_chunk)
 
     def _exact_is_hidden(self, plan: Plan) -> bool:
         """exact="auto": on where the planned decode pass waits on its reads long enough to hide exact mode's extra
@@ -277,7 +278,7 @@ class Engine:
         self._place(plan)
         self.replanner.carry(previous)
         self.workers = local_workers(self.config, self.weight_plan, plan)
-        return Adopted(plan, self.weight_plan, self.workers, self.replanner, self._prefill_chunk(plan))
+        return Adopted(plan, self.weight_plan, self.workers, self.replanner, self._prompts(plan))
 
     # ---- what it decided --------------------------------------------------------------------------------------------
     @property

@@ -8,12 +8,15 @@ PYTHONPATH, in child processes only):
     .venv/bin/pip install --no-deps --no-build-isolation --target /tmp/old_pkg /tmp/old_tree
     python -m scripts.bench_revisions --baseline /tmp/old_pkg --label <rev>     # --quick: 1 round
 
-Workload: the offload benchmark's quick mode (scripts/bench_offload.py --quick: 8 HumanEval prompts of 32 tokens,
-8 new tokens, budget 4.5 GiB, disk tier; no draft at batch 8, the 0.5B draft at batch 4 with k = 3), local and
-Ray backends. Each (revision, backend, system) runs in a fresh process: one warm-up generate, then `--reps`
-timed ones. Rounds alternate the revisions (ABBA) so a drift of the machine hits both. Greedy tokens must be
-identical across revisions and backends. Results: docs/perf/revisions.json ("summary": new / old per system,
-and the Ray overhead ray / local per revision) and a section of docs/perf/README.md.
+Workload: by default the offload benchmark's quick mode (scripts/bench_offload.py --quick: 8 HumanEval prompts of 32
+tokens, 8 new tokens, budget 4.5 GiB, disk tier; no draft at batch 8, the 0.5B draft at batch 4 with k = 3), local
+and Ray backends; --prompts, --prompt-tokens, --new-tokens and --budget change it. The `planned` system (local only,
+`--combos local:planned`) is `Engine(config)` with batch "auto" and no draft: the planner picks the batch and the
+per-pass prompt budget for the job, as `LLM(model, device_memory=...)` does. Each (revision, backend, system) runs
+in a fresh process: one warm-up generate, then `--reps` timed ones. Rounds alternate the revisions (ABBA) so a drift
+of the machine hits both. Greedy tokens must be identical across revisions and backends. Results:
+docs/perf/revisions.json ("summary": new / old per system, and the Ray overhead ray / local per revision) and a
+section of docs/perf/README.md.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # (the worker imports nothing of the working tree's package)
-SYSTEMS = {"nodraft": {"max_batch_size": 8, "draft": False}, "draft": {"max_batch_size": 4, "draft": True}}
-#: what is measured per revision: both systems locally; the Ray backend with its five actors (draft included)
-COMBOS = (("local", "nodraft"), ("local", "draft"), ("ray", "draft"))
+SYSTEMS = {"nodraft": {"max_batch_size": 8, "draft": False}, "draft": {"max_batch_size": 4, "draft": True},
+           "planned": {"max_batch_size": "auto", "draft": False}}
+#: what may be measured per revision: the systems locally; the Ray backend with its five actors (draft included)
+COMBOS = (("local", "nodraft"), ("local", "draft"), ("ray", "draft"), ("local", "planned"))
+#: measured unless --combos says otherwise
+DEFAULT_COMBOS = COMBOS[:3]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -46,11 +52,12 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = [tok.encode(p)[:32] for p in humaneval_prompts(8)]
+    prompts = [tok.encode(p)[: args.prompt_tokens] for p in humaneval_prompts(args.prompts)]
     system = SYSTEMS[args.system]
-    config = EngineConfig(target, draft=draft if system["draft"] else None, device_memory="4.5GiB",
-                          max_seq_len=40, max_batch_size=system["max_batch_size"], num_draft_tokens=3)
-    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    config = EngineConfig(target, draft=draft if system["draft"] else None, device_memory=args.budget,
+                          max_seq_len=max(map(len, prompts)) + args.new_tokens,
+                          max_batch_size=system["max_batch_size"], num_draft_tokens=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     if args.backend == "ray":
         from specoffload.actors import connect
 
@@ -69,16 +76,21 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         results = generate(prompts, params)
         rates.append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - start))
+    engine_plan = getattr(getattr(generate, "__self__", None), "plan", None)  # (the local engine's, after its job)
+    stats = getattr(getattr(generate, "__self__", None), "last_stats", None)
     close()
-    print(json.dumps({"rates": rates, "tokens": tokens, "threads": torch.get_num_threads()}))
+    print(json.dumps({"rates": rates, "tokens": tokens, "threads": torch.get_num_threads(),
+                      "plan": engine_plan.describe() if engine_plan is not None else None,
+                      "passes": getattr(stats, "passes", None)}))
 
 
-def run_one(revision: str, baseline: Path, backend: str, system: str, reps: int) -> dict:
+def run_one(revision: str, baseline: Path, backend: str, system: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
     if revision == "old":
         env["PYTHONPATH"] = f"{baseline}{os.pathsep}{ROOT}"
     cmd = [sys.executable, "-m", "scripts.bench_revisions", "--worker", "--revision", revision, "--backend", backend,
-           "--system", system, "--reps", str(reps)]
+           "--system", system, "--reps", str(args.reps), "--prompts", str(args.prompts), "--prompt-tokens",
+           str(args.prompt_tokens), "--new-tokens", str(args.new_tokens), "--budget", args.budget]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{revision}/{backend}/{system} failed:\n{out.stderr[-3000:]}")
@@ -92,8 +104,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each runs every combination twice)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 round, 2 reps")
-    ap.add_argument("--combos", default=",".join(f"{b}:{s}" for b, s in COMBOS),
-                    help="backend:system pairs to measure (default: all)")
+    ap.add_argument("--combos", default=",".join(f"{b}:{s}" for b, s in DEFAULT_COMBOS),
+                    help=f"backend:system pairs to measure, of {','.join(f'{b}:{s}' for b, s in COMBOS)} (default: "
+                         "the first three)")
+    ap.add_argument("--prompts", type=int, default=8, help="HumanEval prompts")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="each prompt cut to at most this many tokens")
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--budget", default="4.5GiB", help="device memory")
     ap.add_argument("--out", default="revisions", help="docs/perf/<out>.json and its README section")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--revision", default="new", help=argparse.SUPPRESS)
@@ -103,7 +120,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    from scripts.common import PERF, median_spread, utc_now, write_json
+    from scripts.common import PERF, median_spread, run_meta, utc_now, write_json
     from scripts.readme_section import write_section
 
     if args.baseline is None or not (args.baseline / "specoffload").is_dir():
@@ -115,14 +132,16 @@ def main() -> int:
         raise SystemExit(f"--combos: pairs of {[f'{b}:{s}' for b, s in COMBOS]}")
     rates: dict[tuple[str, str, str], list[float]] = {}
     tokens: dict[tuple[str, str, str], list] = {}
+    plans: dict[tuple[str, str, str], dict] = {}
     for round_ in range(args.rounds):
         order = ("old", "new", "new", "old") if round_ % 2 == 0 else ("new", "old", "old", "new")
         for revision in order:
             for backend, system in combos:
                 key = (revision, backend, system)
-                result = run_one(revision, args.baseline, backend, system, args.reps)
+                result = run_one(revision, args.baseline, backend, system, args)
                 rates.setdefault(key, []).extend(result["rates"])
                 tokens[key] = result["tokens"]
+                plans[key] = {"plan": result.get("plan"), "passes": result.get("passes")}
                 print(f"round {round_} {revision:3s} {backend:5s} {system:7s}: "
                       f"{statistics.median(result['rates']):6.2f} tok/s", flush=True)
     identical = all(len({json.dumps(t) for (_, _, sys_), t in tokens.items() if sys_ == system}) == 1
@@ -131,15 +150,17 @@ def main() -> int:
     for (revision, backend, system), values in sorted(rates.items()):
         median, low, high = median_spread(values)
         rows.append({"revision": revision, "backend": backend, "system": system, "tok_s_median": median,
-                     "tok_s_min": low, "tok_s_max": high, "n": len(values)})
+                     "tok_s_min": low, "tok_s_max": high, "n": len(values)} | plans[revision, backend, system])
     med = {(r["revision"], r["backend"], r["system"]): r["tok_s_median"] for r in rows}
     for backend, system in combos:
         summary[f"new_over_old_{backend}_{system}"] = med["new", backend, system] / med["old", backend, system]
     for revision in ("old", "new"):
         if (revision, "ray", "draft") in med and (revision, "local", "draft") in med:
             summary[f"ray_overhead_{revision}"] = med[revision, "local", "draft"] / med[revision, "ray", "draft"] - 1
-    meta = {"date": utc_now(), "baseline": args.label, "rounds": args.rounds, "reps": args.reps,
-            "cpu_count": os.cpu_count(), "workload": "8 HumanEval prompts x 32 tokens, 8 new, 4.5 GiB, disk tier"}
+    workload = (f"{args.prompts} HumanEval prompts x up to {args.prompt_tokens} tokens, {args.new_tokens} new, "
+                f"{args.budget}, disk tier")
+    meta = run_meta("float32") | {"date": utc_now(), "baseline": args.label, "rounds": args.rounds,
+                                  "reps": args.reps, "workload": workload}
     write_json(PERF / f"{args.out}.json", {"summary": summary, "meta": meta, "rows": rows})
     lines = ["| revision | backend | system | tok/s median | min | max | n |", "|---|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['revision']} | {r['backend']} | {r['system']} | {r['tok_s_median']:.2f} | {r['tok_s_min']:.2f} "

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specoffload.planner.plan import fixed_plan
 from specoffload.runtime.config import EngineConfig
 from specoffload.runtime.engine import Engine
-from specoffload.runtime.offload.batches import Batches
+from specoffload.runtime.offload.batches import Batches, PromptBudget
 from specoffload.runtime.sampling import SamplingParams
 from tests.conftest import OFFLOAD_PROMPTS
 
@@ -128,3 +130,47 @@ def test_preemption_over_the_wire_matches_the_local_backend(tiny_models, residen
     finally:
         engine.close()
         roles.close()
+
+
+class _Pool:
+    """A paged attention worker's admission view: 4 positions a block, `free` blocks free."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def block_size(self) -> int:
+        return 4
+
+    def free_blocks(self) -> int:
+        return self.free
+
+
+@pytest.mark.parametrize(("prompts", "whole", "admitted"), [
+    (PromptBudget(pace=1), False, 3),  # beside decoding rows: a first feed of 1 token + 1 position, 1 block each
+    (PromptBudget(pace=1), True, 2),  # a batch's every row new: fed whole (8 + 1 positions, 3 blocks each)
+    (PromptBudget(cap=1), True, 3),  # the user's cap holds on the first fill too
+    (PromptBudget(), False, 2),  # no budget: whole prompts
+])
+def test_admission_counts_the_first_feed_the_pass_will_make(prompts, whole, admitted) -> None:
+    from types import SimpleNamespace
+
+    from specoffload.runtime.request import Request
+
+    workers = SimpleNamespace(attention=_Pool(free=6))
+    rows = [Request(i, list(range(1, 9)), 4, frozenset()) for i in range(3)]
+    batches = Batches(workers, fixed_plan(3, 0, 24), rows, prompts=prompts)  # type: ignore[arg-type]
+    assert batches._fit(3, whole=whole) == admitted
+
+
+@given(st.one_of(st.none(), st.integers(1, 10**6)), st.one_of(st.none(), st.integers(1, 10**6)), st.booleans())
+def test_a_prompt_budget_is_the_cap_where_set_else_the_pace_beside_decoding_rows(pace, cap, decoding) -> None:
+    budget = PromptBudget(pace=pace, cap=cap).tokens(decoding)
+    assert budget == (cap if cap is not None else pace if decoding else None)
+    if cap is not None:  # the user's bound holds on every pass
+        assert budget == PromptBudget(pace=pace, cap=cap).tokens(not decoding) == cap
+
+
+def test_a_prompt_budget_below_one_token_is_refused() -> None:
+    for bad in ({"pace": 0}, {"cap": -3}):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            PromptBudget(**bad)

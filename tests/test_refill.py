@@ -60,17 +60,42 @@ def test_refill_takes_fewer_passes_than_waves_on_uneven_rows(tiny_models, single
 
 
 def test_chunked_prefill_spreads_a_long_prompt_over_passes(tiny_models, single_thread):
-    """One 30-token prompt beside short ones, 4 prompt tokens a pass: the long row joins over 8 passes while the
-    others decode; tokens equal the unchunked run's."""
-    prompts = [[1, 7, 9], [1, *range(20, 49)], [1, 4]]
-    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    """A 30-token prompt takes a finished row's slot beside a decoding row. The planner's budget (`PromptBudget.pace`,
+    4 or 1 prompt tokens a pass) feeds it in chunks while the other row decodes and the rest whole once that row has
+    finished; the batch's first fill decodes no row and is fed whole. The user's cap (`prefill_chunk`) holds on every
+    pass. Tokens equal the unchunked run's."""
+    from specoffload.runtime.offload.batches import PromptBudget
+
+    prompts = [[1, 7, 9], [1, 4], [1, *range(20, 49)]]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (2, 8, 6)]
     out = {}
-    for chunk in (None, 4):
-        engine = _offloaded(tiny_models, draft=None, prefill_chunk=chunk, max_batch_size=3)
-        out[chunk] = ([r.token_ids for r in engine.generate(prompts, params)], engine.last_stats.passes)
+    for kind, chunk in (("none", None), ("pace", 4), ("pace", 1), ("cap", 4)):
+        engine = _offloaded(tiny_models, draft=None, max_batch_size=2, prefill_chunk=chunk if kind == "cap" else None)
+        if kind == "pace":
+            engine.pipeline.prompts = PromptBudget(pace=chunk)
+        fed: list[list[int]] = []
+        plan_feed = engine.pipeline._plan_feed
+
+        def spy(b, plan_feed=plan_feed, fed=fed):  # noqa: ANN001, ANN202
+            had = b.feed is not None
+            plan_feed(b)
+            if not had:
+                fed.append(list(b.feed))
+
+        engine.pipeline._plan_feed = spy
+        out[kind, chunk] = ([r.token_ids for r in engine.generate(prompts, params)], engine.last_stats.passes, fed)
         engine.close()
-    assert out[4][0] == out[None][0]
-    assert out[4][1] >= out[None][1] + 6  # the long prompt's 30 tokens took ceil(30 - 2 / 4) passes, not one
+    tokens, passes, fed = ({key: run[i] for key, run in out.items()} for i in range(3))
+    assert all(t == tokens["none", None] for t in tokens.values())
+    assert [len(t) for t in tokens["none", None]] == [2, 8, 6]
+    assert fed["none", None][2] == [30, 1]  # the long prompt takes the first row's slot at pass 3, whole
+    assert fed["pace", 4][0] == fed["pace", 1][0] == [3, 2]  # the first fill: both prompts whole, beyond the budget
+    # 4 (1) tokens a pass beside the decoding row until that row finishes, then the rest whole
+    assert fed["pace", 4][2:9] == [[4, 1]] * 6 + [[6]] and fed["pace", 1][2:9] == [[1, 1]] * 6 + [[24]]
+    assert passes["pace", 4] >= passes["none", None] + 5
+    # the user's cap: every pass feeds at most 4 prompt tokens (plus a decoding row's one), the first fill included
+    assert fed["cap", 4][0] == [3, 1] and all(sum(f) <= 4 + len(f) - 1 for f in fed["cap", 4])
+    assert passes["cap", 4] > passes["pace", 4]
 
 
 def test_sampled_rows_do_not_depend_on_the_batch(tiny_models, single_thread):

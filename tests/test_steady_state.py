@@ -171,6 +171,7 @@ def test_warmup_mean_output_len() -> None:
 def test_plans_carry_refill_and_the_prefill_chunk(tiny_models) -> None:
     from specoffload.runtime.config import EngineConfig
     from specoffload.runtime.engine import Engine
+    from specoffload.runtime.offload.batches import PromptBudget
     from specoffload.runtime.planning import ModelPair, make_plan
 
     path = tiny_models["llama"]
@@ -191,12 +192,13 @@ def test_plans_carry_refill_and_the_prefill_chunk(tiny_models) -> None:
     chunked = fixed_plan(2, 0, 48, prefill_chunk=3)
     engine = Engine(EngineConfig(path, **base), plan=chunked)
     try:
-        assert engine.pipeline.prefill_chunk == 3  # the plan's
+        assert engine.pipeline.prompts == PromptBudget(pace=3)  # the plan's: paces prompts beside decoding rows
     finally:
         engine.close()
     engine = Engine(EngineConfig(path, prefill_chunk=5, **base), plan=chunked)
     try:
-        assert engine.pipeline.prefill_chunk == 5  # the config's wins
+        assert engine.pipeline.prompts == PromptBudget(pace=3, cap=5)  # the config's caps every pass
+        assert engine.pipeline.prompts.tokens(decoding=True) == engine.pipeline.prompts.tokens(decoding=False) == 5
     finally:
         engine.close()
 

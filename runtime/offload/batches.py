@@ -16,12 +16,12 @@ committed token again (pipeline.py).
 
 With a paged target KV (runtime/kv_blocks.py) admission counts blocks: a waiting request is admitted (in queue
 order) only while the pool's free blocks, less one per running row for its next pass, hold its first feed (its
-tokens up to `prefill_chunk`, plus k_max + 1 positions); with no row running the head of the queue is admitted
-anyway. When a pass's blocks do not fit, the pipeline preempts the batch's youngest row (`preempt`): it leaves its
-batch, its blocks go back to the pool and it returns to the head of the queue, to be fed again whole (prompt and
-output so far, in chunks) when admitted: recompute preemption, never an error and never a lost row. A batch that
-lost rows to preemption regrows at its next retirement, new rows appended at its end as blocks admit them
-(`_regrow`); an empty one takes rows again once blocks are free (`can_admit`).
+tokens up to the pass's `PromptBudget`, plus k_max + 1 positions); with no row running the head of the queue is
+admitted anyway. When a pass's blocks do not fit, the pipeline preempts the batch's youngest row (`preempt`): it
+leaves its batch, its blocks go back to the pool and it returns to the head of the queue, to be fed again whole
+(prompt and output so far, in passes as the `PromptBudget` allows) when admitted: recompute preemption, never an
+error and never a lost row. A batch that lost rows to preemption regrows at its next retirement, new rows appended
+at its end as blocks admit them (`_regrow`); an empty one takes rows again once blocks are free (`can_admit`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,32 @@ from specoffload.planner.plan import Plan
 
 from ..request import Request, Waiting
 from .workers import Workers
+
+
+@dataclass(frozen=True)
+class PromptBudget:
+    """Prompt tokens one target pass may feed, over its rows that are not decoding (a new row's prompt, or a row
+    fed again whole after a preemption, a restart or a re-placement), shared in row order (pipeline.py `_plan_feed`).
+
+    pace: the planner's budget (`Plan.prefill_chunk`: what the compute headroom under the pass's io holds,
+        planner/cost.py `prefill_budget`). It paces those tokens beside the rows a pass decodes; a pass that decodes
+        no row (a batch's first fill, every row requeued) has no row to keep waiting and feeds every row whole.
+    cap: the user's (`EngineConfig.prefill_chunk`): every pass, decoding rows or not (it bounds the pass's
+        activations); it replaces `pace`.
+    """
+
+    pace: int | None = None
+    cap: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("pace", "cap"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"PromptBudget.{name} must be >= 1 or None, got {value}")
+
+    def tokens(self, decoding: bool) -> int | None:
+        """The budget of a pass that decodes rows (`decoding`) or none; None: no limit."""
+        return self.cap if self.cap is not None else self.pace if decoding else None
 
 
 @dataclass
@@ -76,11 +102,11 @@ class Batches:
     def __init__(self, workers: Workers, plan: Plan, waiting: Waiting | Iterable[Request],
                  on_finished: Callable[[int], object] = lambda n: None, rows: Callable[[], int] | None = None,
                  refill: bool = True, on_retired: Callable[[Request], object] = lambda r: None,
-                 prefill_chunk: int | None = None) -> None:
+                 prompts: PromptBudget = PromptBudget()) -> None:
         """rows: the rows a wave may admit now (online re-planning; default plan.batch); refill: a finished row's
         slot takes a waiting request at once (False: only when the whole batch has finished). on_finished(n): n
-        rows finished (progress); on_retired(r): request r finished and left its batch. prefill_chunk: prompt
-        tokens a pass feeds at most (a paged KV admits by the blocks of a request's first feed)."""
+        rows finished (progress); on_retired(r): request r finished and left its batch. prompts: the prompt tokens
+        a pass feeds (a paged KV admits by the blocks of a request's first feed)."""
         self.workers, self.plan = workers, plan
         self.waiting = waiting if isinstance(waiting, Waiting) else Waiting(waiting)
         self.on_finished, self.on_retired = on_finished, on_retired
@@ -89,7 +115,7 @@ class Batches:
         self.items = [Batch(n) for n in range(plan.num_batches)]
         self.waves = 0
         self.refilled = 0  # rows admitted into a running batch's freed slots
-        self.prefill_chunk = prefill_chunk
+        self.prompts = prompts
         self.block_size = workers.attention.block_size()  # paged target KV: positions per block (0: contiguous)
         self.preempted = 0  # rows preempted to free KV blocks (each fed again whole later)
         self._order: dict[int, int] = {}  # id(request) -> admission order (the youngest row is preempted first)
@@ -113,7 +139,7 @@ class Batches:
         a paged KV: also whether b, left empty by preemption, can take a waiting request now."""
         if self.waiting.streaming:
             return self.rows() <= self.plan.batch and len(b.rows) < self._limit(b) and bool(self.waiting)
-        return bool(self.block_size) and not b.rows and self._limit(b) > 0 and self._fit(1) > 0
+        return bool(self.block_size) and not b.rows and self._limit(b) > 0 and self._fit(1, whole=True) > 0
 
     def grow(self, b: Batch) -> None:
         """Over a feed, rows arrive after a batch was admitted: fill b's free slots with them as a new wave (the
@@ -124,7 +150,7 @@ class Batches:
             return
         live = [r for r in b.rows if not r.finished]
         b.clear_pass()
-        b.rows = live + self._take(self._limit(b) - len(live))
+        b.rows = live + self._take(self._limit(b) - len(live), whole=True)
         self._new_wave(b)
 
     def admit_all(self) -> None:
@@ -138,7 +164,7 @@ class Batches:
         plan.batch (speculation off, merging) only once every other batch has drained: until then it stays empty."""
         limit = self._limit(b)
         n = min(limit, math.ceil(self.waiting.available(limit * share) / share))
-        b.rows = self._take(n)
+        b.rows = self._take(n, whole=True)
         b.clear_pass()
         if b.rows:
             self._new_wave(b)
@@ -164,7 +190,7 @@ class Batches:
         if self.refill and self.waiting and self.rows() <= self.plan.batch:
             live = len(b.rows) - len(finished)
             take = min(len(finished), max(0, self._limit(b) - live))
-        new = self._take(take, retiring=len(finished)) if take else []
+        new = self._take(take, retiring=len(finished), whole=len(finished) == len(b.rows)) if take else []
         take = len(new)
         if take:
             slots = finished[:take]
@@ -261,19 +287,21 @@ class Batches:
             self.workers.drafter.add_rows(b.index, len(new), capacity)
             self.refilled += len(new)
 
-    def _take(self, n: int, retiring: int = 0) -> list[Request]:
+    def _take(self, n: int, retiring: int = 0, whole: bool = False) -> list[Request]:
         """Pop up to n waiting requests, as many as the KV pool's free blocks admit now (module docstring);
-        retiring: rows of the caller's batch that are leaving (not counted as running)."""
-        n = self._fit(n, retiring)
+        retiring: rows of the caller's batch that are leaving (not counted as running); whole: the rows taken make
+        up the batch's every row (its first pass decodes none, and feeds each row whole: pipeline.py `_plan_feed`)."""
+        n = self._fit(n, retiring, whole)
         taken = [self.waiting.popleft() for _ in range(n)]
         for r in taken:
             self._admissions += 1
             self._order[id(r)] = self._admissions
         return taken
 
-    def _fit(self, n: int, retiring: int = 0) -> int:
+    def _fit(self, n: int, retiring: int = 0, whole: bool = False) -> int:
         """How many of the first n waiting requests may be admitted now: all that are there with contiguous caches;
-        with a paged KV, those (in queue order) whose first feed fits the free blocks less one per running row."""
+        with a paged KV, those (in queue order) whose first feed (their tokens up to the prompt budget of a pass that
+        decodes rows, or of one that decodes none when `whole`) fits the free blocks less one per running row."""
         if n <= 0:
             return 0
         if not self.block_size:
@@ -282,7 +310,8 @@ class Batches:
         free = self.workers.attention.free_blocks() - running
         fit = 0
         for r in self.waiting.peek(n):
-            first = r.num_tokens if self.prefill_chunk is None else min(r.num_tokens, self.prefill_chunk)
+            budget = self.prompts.tokens(decoding=not whole)
+            first = r.num_tokens if budget is None else min(r.num_tokens, budget)
             need = -(-(first + self.plan.k_max + 1) // self.block_size)
             if need > free and (fit or running > 0):
                 break

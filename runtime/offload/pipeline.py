@@ -7,8 +7,9 @@ The life of a `run` (the engine has encoded the prompts into requests):
      device threads with real overlap; each op handler below is a few calls on the workers.
   3. A target pass feeds each row its committed tokens not yet in the target's KV cache (the whole prompt for a
      new row: prefill is the same layer-streamed pass, beside the other rows' decode tokens) plus the row's draft
-     tokens; a pass feeds at most `prefill_chunk` prompt tokens (a longer prefill continues in the batch's next
-     passes, the row verifying once its prompt is in). Drafts are ragged: row r verifies n_r = min(k, its
+     tokens; prompt tokens are paced by a per-pass budget (`PromptBudget`: a longer prefill continues in the batch's
+     next passes, the row verifying once its prompt is in; beside no decoding row, as at a batch's first fill, the
+     planner's budget lets every prompt in whole). Drafts are ragged: row r verifies n_r = min(k, its
      remaining - 1) of them, or fewer when the drafter proposes fewer (a model-free drafter without a match).
      Propose, verify, commit and truncate are runtime/speculative.py's, as in the resident
      runner, so greedy outputs are identical token for token.
@@ -24,7 +25,7 @@ The life of a `run` (the engine has encoded the prompts into requests):
      plan was made on off (offload/replan.py `replace_due`: compute or stream rate beyond its margin), the engine is
      asked once per run for a better plan for the rows the job has left (runtime/planning.py `replacement`). If one
      pays, the ops in flight finish, every unfinished row goes back to the head of the queue (as a preempted row:
-     its committed tokens are fed again whole, in one pass: outside `prefill_chunk`), the workers are rebuilt
+     its committed tokens are fed again; those filling the new batches, in one pass), the workers are rebuilt
      under the new plan's placement (batch, k, KV and resident weights), and the schedule runs on with them.
 """
 
@@ -58,7 +59,7 @@ from ..speculative import (
 )
 from ..stats import OffloadStats, RequestTotals
 from ..trace import Tracer
-from .batches import Batch, Batches
+from .batches import Batch, Batches, PromptBudget
 from .executor import OpExecutor
 from .replan import Replanner
 from .schedule import Op, PipelineSchedule
@@ -96,7 +97,7 @@ class Adopted(NamedTuple):
     weights: WeightPlan
     workers: Workers
     replanner: Replanner
-    prefill_chunk: int | None
+    prompts: PromptBudget
 
 
 class NoRecovery:
@@ -111,16 +112,14 @@ class Pipeline:
 
     def __init__(self, plan: Plan, weights: WeightPlan, num_layers: int, workers: Workers, replanner: Replanner,
                  tracer: Tracer, recovery: Recovery | None = None, compute_threads: int | None = None,
-                 adapt_interval: int = 0, refill: bool = True, prefill_chunk: int | None = None,
+                 adapt_interval: int = 0, refill: bool = True, prompts: PromptBudget | None = None,
                  replacer: Replacer | None = None) -> None:
         """adapt_interval: every this many verify rounds (and after the first), the drafter gets the target's
         routing counts (`Drafter.adapt`, e.g. to migrate its resident experts; traced as "migrate"); 0: never.
-        refill: a finished row's slot takes a waiting request at once (Batches); prefill_chunk: prompt tokens one
-        pass feeds at most (None: every waiting prompt whole). replacer: re-places the job when its passes say
-        the plan is wrong (module docstring, step 6); None: never."""
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
-        self.refill, self.prefill_chunk = refill, prefill_chunk
+        refill: a finished row's slot takes a waiting request at once (Batches); prompts: the prompt tokens a pass
+        feeds (`PromptBudget`). replacer: re-places the job when its passes say the plan is wrong (module
+        docstring, step 6); None: never."""
+        self.refill, self.prompts = refill, prompts or PromptBudget()
         self.plan, self.weights, self.num_layers = plan, weights, num_layers
         self.workers, self.replanner, self.tracer = workers, replanner, tracer
         self.recovery = recovery or NoRecovery()
@@ -133,7 +132,6 @@ class Pipeline:
         self._switch_to: Plan | None = None  # a plan the schedule stopped for (`_run_schedule`)
         self._pulled = 0  # requests taken from the run's source so far
         self._total: int | None = None  # the run's requests, when its source has a length
-        self._refeed: set[int] = set()
         self.verified = 0  # verify ops run in the current run (progress reports)
         #: per verify op of the current run: (perf_counter at its end, batch, tokens it committed, rows), the last
         #: VERIFY_LOG_PASSES of them (a long job's memory stays flat); the steady-state decode rate of a window of
@@ -173,7 +171,6 @@ class Pipeline:
         done = RequestTotals()  # counters only: a finished request is the caller's once yielded
 
         self.replacements, self._switch_to, self._pulled, self._total = [], None, 0, total
-        self._refeed: set[int] = set()  # id() of the rows a re-placement requeued, until their tokens are fed again
 
         def admit(r: Request) -> Request:
             self._pulled += 1
@@ -186,7 +183,7 @@ class Pipeline:
 
         def batches(waiting: Waiting) -> Batches:  # (this run's, and again with a re-placement's workers)
             return Batches(self.workers, self.plan, waiting, on_finished=bar.update, rows=lambda: self.replanner.rows,
-                           refill=self.refill, on_retired=finished.put, prefill_chunk=self.prefill_chunk)
+                           refill=self.refill, on_retired=finished.put, prompts=self.prompts)
 
         self.batches = batches(Waiting(source))
         self.rounds_since_adapt, self.adapted, self.adapt_due = 0, 0, 0
@@ -220,7 +217,7 @@ class Pipeline:
                     plan, self._switch_to = self._switch_to, None  # re-placement (module docstring, step 6)
                     bytes_done += self.workers.bytes_read - bytes_before
                     preempted_done += self.batches.preempted
-                    self._refeed = {id(r) for r in self.batches.requeue_all()}
+                    self.batches.requeue_all()
                     waiting = self.batches.waiting
                     assert self.replacer is not None
                     self.adopt(self.replacer.adopt(plan))
@@ -265,7 +262,7 @@ class Pipeline:
     def adopt(self, adopted: Adopted) -> None:
         """Run with a re-placement's plan and workers from now on (between runs, or at a run's switch point)."""
         self.plan, self.weights, self.workers, self.replanner = adopted[:4]
-        self.prefill_chunk = adopted.prefill_chunk
+        self.prompts = adopted.prompts
         self.adapt_interval = self._adapt_every if self.plan.drafting else 0
 
     def _left(self) -> tuple[int, float, int]:
@@ -370,26 +367,25 @@ class Pipeline:
 
     def _plan_feed(self, b: Batch) -> None:
         """Decide what b's next pass feeds of each row's committed tokens (`b.feed`) and which rows it verifies
-        (`b.ready`: the pass reaches their pending token). A decoding row feeds its pending token; prompt tokens
-        (a new row's, or a whole row's after a restart) share the pass's `prefill_chunk` budget in row order; a row a
-        re-placement requeued is fed again whole, outside the budget (the budget paces prompts arriving beside
-        decoding rows; these rows had all been decoding)."""
+        (`b.ready`: the pass reaches their pending token). A decoding row (one token unfed: its pending one) feeds
+        it; the other rows' tokens (a new row's prompt, or a whole row fed again after a preemption, a restart or a
+        re-placement) share the pass's prompt budget in row order (`PromptBudget`: the planner's paces them beside
+        the rows the pass decodes and lets a pass that decodes none feed every row whole; the user's caps every
+        pass)."""
         if b.feed is not None:
             return
         t_len = self.workers.attention.lengths(b.index)
         b.fed_before = t_len
-        budget = self.prefill_chunk
+        unfed = [r.num_tokens - t_len[n] for n, r in enumerate(b.rows)]
+        budget = self.prompts.tokens(decoding=any(u <= 1 for u in unfed))
         b.feed, b.ready = [], []
-        for n, r in enumerate(b.rows):
-            unfed = r.num_tokens - t_len[n]
-            take = unfed
-            if id(r) in self._refeed:  # (fed again whole after a re-placement: it is not a prompt arriving)
-                self._refeed.discard(id(r))
-            elif unfed > 1 and budget is not None:
-                take = min(unfed, budget)
+        for u in unfed:
+            take = u
+            if u > 1 and budget is not None:
+                take = min(u, budget)
                 budget -= take
             b.feed.append(take)
-            b.ready.append(take == unfed)
+            b.ready.append(take == u)
 
     def _embed(self, op: Op) -> None:
         b = self.batches[op.batch]
