@@ -44,6 +44,7 @@ def worker(args: argparse.Namespace) -> None:
     """One (revision, backend, system) measurement in this process; prints a JSON line."""
     import torch
 
+    from scripts.common import io_compute_seconds
     from scripts.get_models import model_dir
     from specoffload.runtime import EngineConfig, SamplingParams
     from specoffload.runtime.prompts import humaneval_prompts
@@ -56,7 +57,8 @@ def worker(args: argparse.Namespace) -> None:
     system = SYSTEMS[args.system]
     config = EngineConfig(target, draft=draft if system["draft"] else None, device_memory=args.budget,
                           max_seq_len=max(map(len, prompts)) + args.new_tokens,
-                          max_batch_size=system["max_batch_size"], num_draft_tokens=3)
+                          max_batch_size=system["max_batch_size"], num_draft_tokens=3,
+                          trace=args.backend == "local")  # (the last generate's io and compute seconds)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     if args.backend == "ray":
         from specoffload.actors import connect
@@ -76,12 +78,13 @@ def worker(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         results = generate(prompts, params)
         rates.append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - start))
-    engine_plan = getattr(getattr(generate, "__self__", None), "plan", None)  # (the local engine's, after its job)
-    stats = getattr(getattr(generate, "__self__", None), "last_stats", None)
+    local = generate.__self__ if args.backend == "local" else None  # (its plan after the job, its last trace)
+    io_s, compute_s = io_compute_seconds(local) if local is not None else (0.0, 0.0)
     close()
     print(json.dumps({"rates": rates, "tokens": tokens, "threads": torch.get_num_threads(),
-                      "plan": engine_plan.describe() if engine_plan is not None else None,
-                      "passes": getattr(stats, "passes", None)}))
+                      "plan": local.plan.describe() if local is not None else None,
+                      "passes": local.last_stats.passes if local is not None else None,
+                      "io_over_compute": io_s / compute_s if compute_s else None}))
 
 
 def run_one(revision: str, baseline: Path, backend: str, system: str, args: argparse.Namespace) -> dict:
@@ -141,7 +144,7 @@ def main() -> int:
                 result = run_one(revision, args.baseline, backend, system, args)
                 rates.setdefault(key, []).extend(result["rates"])
                 tokens[key] = result["tokens"]
-                plans[key] = {"plan": result.get("plan"), "passes": result.get("passes")}
+                plans[key] = {k: result.get(k) for k in ("plan", "passes", "io_over_compute")}
                 print(f"round {round_} {revision:3s} {backend:5s} {system:7s}: "
                       f"{statistics.median(result['rates']):6.2f} tok/s", flush=True)
     identical = all(len({json.dumps(t) for (_, _, sys_), t in tokens.items() if sys_ == system}) == 1
@@ -154,6 +157,10 @@ def main() -> int:
     med = {(r["revision"], r["backend"], r["system"]): r["tok_s_median"] for r in rows}
     for backend, system in combos:
         summary[f"new_over_old_{backend}_{system}"] = med["new", backend, system] / med["old", backend, system]
+        for revision in ("old", "new"):
+            bound = plans[revision, backend, system]["io_over_compute"]
+            if bound is not None:  # (the loader's busy seconds over the pass's compute seconds, last generate)
+                summary[f"io_over_compute_{revision}_{backend}_{system}"] = bound
     for revision in ("old", "new"):
         if (revision, "ray", "draft") in med and (revision, "local", "draft") in med:
             summary[f"ray_overhead_{revision}"] = med[revision, "local", "draft"] / med[revision, "ray", "draft"] - 1
@@ -162,12 +169,16 @@ def main() -> int:
     meta = run_meta("float32") | {"date": utc_now(), "baseline": args.label, "rounds": args.rounds,
                                   "reps": args.reps, "workload": workload}
     write_json(PERF / f"{args.out}.json", {"summary": summary, "meta": meta, "rows": rows})
-    lines = ["| revision | backend | system | tok/s median | min | max | n |", "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| revision | backend | system | tok/s median | min | max | n | plan | passes | io / compute |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|---:|"]
     lines += [f"| {r['revision']} | {r['backend']} | {r['system']} | {r['tok_s_median']:.2f} | {r['tok_s_min']:.2f} "
-              f"| {r['tok_s_max']:.2f} | {r['n']} |" for r in rows]
+              f"| {r['tok_s_max']:.2f} | {r['n']} | {r['plan'] or '-'} | {r['passes'] or '-'} | "
+              f"{'-' if r['io_over_compute'] is None else format(r['io_over_compute'], '.2f')} |" for r in rows]
     text = (f"Run {meta['date']}, baseline `{args.label}` (old) against the working tree (new), {args.rounds} ABBA "
             f"round(s) x {args.reps} timed generates per process; {meta['workload']}. Ray overhead = local / ray - 1 "
-            f"(time per token). Greedy tokens identical across revisions and backends: {identical}.\n\n"
+            f"(time per token); local rows: the engine's plan after the job, the target passes and io / compute (the "
+            f"loader's busy seconds over the passes' compute seconds, of the last generate: above 1 the pass waits on "
+            f"its reads). Greedy tokens identical across revisions and backends: {identical}.\n\n"
             + "\n".join(lines) + "\n\n" + "Summary: " + ", ".join(f"{k} = {v:.3f}" if isinstance(v, float)
                                                                     else f"{k} = {v}" for k, v in summary.items()))
     write_section(PERF / "README.md", args.out, text, heading=f"{args.out} (`scripts/bench_revisions.py`)")
