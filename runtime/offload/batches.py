@@ -232,11 +232,11 @@ class Batches:
         self.preempted += 1
         return n
 
-    def requeue_all(self) -> list[Request]:
+    def requeue_all(self) -> Waiting:
         """Re-placement (pipeline.py, step 6): every batch's unfinished rows back at the head of the queue, oldest
         admission first, each to be fed again whole when admitted (as a preempted row is); finished rows retired.
-        Their caches stay with the workers being replaced. Returns the rows requeued (`waiting` is the queue for
-        the next `Batches`). Call only where no op is in flight."""
+        Their caches stay with the workers being replaced. Returns the queue, for the next `Batches`. Call only
+        where no op is in flight."""
         rows = []
         for b in self.items:
             b.clear_pass()
@@ -251,7 +251,7 @@ class Batches:
         for r in reversed(rows):
             self.waiting.push_front(r)
         self._order.clear()
-        return rows
+        return self.waiting
 
     def restart(self, b: Batch) -> None:
         """After a lost worker: forget the pass in flight, retire finished rows, fresh caches for the rest."""
@@ -308,9 +308,8 @@ class Batches:
             return min(n, self.waiting.available(n))
         running = sum(len(b.rows) for b in self.items) - retiring
         free = self.workers.attention.free_blocks() - running
-        fit = 0
+        fit, budget = 0, self.prompts.tokens(decoding=not whole)
         for r in self.waiting.peek(n):
-            budget = self.prompts.tokens(decoding=not whole)
             first = r.num_tokens if budget is None else min(r.num_tokens, budget)
             need = -(-(first + self.plan.k_max + 1) // self.block_size)
             if need > free and (fit or running > 0):

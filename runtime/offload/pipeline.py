@@ -217,8 +217,7 @@ class Pipeline:
                     plan, self._switch_to = self._switch_to, None  # re-placement (module docstring, step 6)
                     bytes_done += self.workers.bytes_read - bytes_before
                     preempted_done += self.batches.preempted
-                    self.batches.requeue_all()
-                    waiting = self.batches.waiting
+                    waiting = self.batches.requeue_all()
                     assert self.replacer is not None
                     self.adopt(self.replacer.adopt(plan))
                     bytes_before = self.workers.bytes_read
