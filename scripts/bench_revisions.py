@@ -175,8 +175,9 @@ def main() -> int:
               f"| {r['tok_s_max']:.2f} | {r['n']} | {r['plan'] or '-'} | {r['passes'] or '-'} | "
               f"{'-' if r['io_over_compute'] is None else format(r['io_over_compute'], '.2f')} |" for r in rows]
     text = (f"Run {meta['date']}, baseline `{args.label}` (old) against the working tree (new), {args.rounds} ABBA "
-            f"round(s) x {args.reps} timed generates per process; {meta['workload']}. Ray overhead = local / ray - 1 "
-            f"(time per token); local rows: the engine's plan after the job, the target passes and io / compute (the "
+            f"round(s) x {args.reps} timed generates per process; {meta['workload']}. "
+            + ("Ray overhead = local / ray - 1 (time per token); " if any(b == "ray" for b, _ in combos) else "")
+            + f"Local rows: the engine's plan after the job, the target passes and io / compute (the "
             f"loader's busy seconds over the passes' compute seconds, of the last generate: above 1 the pass waits on "
             f"its reads). Greedy tokens identical across revisions and backends: {identical}.\n\n"
             + "\n".join(lines) + "\n\n" + "Summary: " + ", ".join(f"{k} = {v:.3f}" if isinstance(v, float)
