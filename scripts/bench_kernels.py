@@ -23,7 +23,8 @@ GGUF blocks (q4_k, q6_k: random blocks of the same shapes; `PackedBlocks`, runti
 `portable` the same source built without a vector path (what this CPU ran before it had one), `dequant` the
 native build's 16-bit copy then `linear`; in bfloat16 (weights rounded) unless --blocks-dtype float32, where on AVX2
 `decoded` is the native build that decodes every weight (before it factored the float32 sums: ggml.c
-`tile_factored`) and the summary has `<kind>_kernel_over_decoded_<rows>`. Summary: `<kind>_kernel_over_portable_<rows>`,
+`tile_factored`) and the summary has `<kind>_kernel_over_decoded_<rows>`; in bfloat16 on a CPU with AVX512-BF16
+`nodot` is the native build without its pair products (ggml.c `tile_dot`): `<kind>_kernel_over_nodot_<rows>`. Summary: `<kind>_kernel_over_portable_<rows>`,
 `<kind>_kernel_over_bf16_<rows>` and `_over_int4g32_<rows>` (torch's int4 kernel, what a q4_k weight is repacked for
 without the ggml kernel; at the row counts both were measured), and `<kind>_kernel_faster_up_to_rows`
 (BLOCKS_MAX_ROWS is set from it). `--blocks-only` measures these with bf16 and int4 g32 only. A quick
@@ -90,9 +91,11 @@ def _blocks(summary: dict, table: list[dict], ms: dict, rows_list: tuple[int, ..
     builds = {"kernel": native, "portable": kernels._load(path)}
     if dtype == torch.float32 and native.isa == "avx2" and (decoded := kernels.build(decoded=True)) is not None:
         builds["decoded"] = kernels._load(decoded)  # (the AVX2 path before it factored float32 sums)
+    if dtype == torch.bfloat16 and native.dot and (no_dot := kernels.build(no_dot=True)) is not None:
+        builds["nodot"] = kernels._load(no_dot)  # (the AVX-512 path before it summed bfloat16 pairs: `tile_dot`)
     summary["ggml_isa"], summary["blocks_dtype"] = native.isa, str(dtype).removeprefix("torch.")
     for kind in kernels.KINDS:
-        nb = [shape[1] // kernels.BLOCK for shape in LAYER]
+        nb = [shape[1] // kernels.BLOCK_INPUTS[kind] for shape in LAYER]
         blocks = [kernels.random_blocks(kind, shape[0], n, g) for shape, n in zip(LAYER, nb)]
         ways = {name: (lambda b, x, k=kind, build=build: build.matmul(k, b, x, dtype=dtype))
                 for name, build in builds.items()}
@@ -175,8 +178,8 @@ def main() -> int:
         summary["int8g_max_rows_in_engine"] = INT8G_MAX_ROWS
     if _blocks(summary, table, ms, blocks_rows, reps, g, getattr(torch, args.blocks_dtype)):
         rows_list = [*rows_list, *(r for r in blocks_rows if r not in rows_list)]
-    print("\n| format | rows | kernel tok/s | kernel ms | dequant + GEMM ms | portable build ms | decoded build ms "
-          "| engine uses |")
+    print("\n| format | rows | kernel tok/s | kernel ms | dequant + GEMM ms | portable build ms | decoded / nodot "
+          "build ms | engine uses |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for label in [f for f, _ in formats] + [k for k in kernels.KINDS if (k, "kernel", blocks_rows[0]) in ms]:
         for rows in rows_list:
@@ -184,7 +187,8 @@ def main() -> int:
                 continue
             k, d = ms[label, "kernel", rows], ms.get((label, "dequant", rows))
             used = next(r["way"] for r in table if r["format"] == label and r["rows"] == rows and r["engine"])
-            p, c = ms.get((label, "portable", rows)), ms.get((label, "decoded", rows))
+            p = ms.get((label, "portable", rows))
+            c = ms.get((label, "decoded", rows), ms.get((label, "nodot", rows)))
             print(f"| {label} | {rows} | {rows / k * 1e3:.0f} | {k:.2f} | {'' if d is None else f'{d:.2f}'} | "
                   f"{'' if p is None else f'{p:.2f}'} | {'' if c is None else f'{c:.2f}'} | {used} |")
     print(summary)

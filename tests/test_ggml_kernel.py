@@ -70,6 +70,36 @@ def test_products_equal_the_dequantized_weights(name, out, blocks, rows, threads
     assert torch.equal(alone[0][0], got[0]) and torch.equal(alone[1][0], got[-1])
 
 
+@needs_kernel
+def test_bfloat16_weights_take_pair_products_where_the_cpu_has_them():
+    """`tile_dot` (AVX512-BF16's `vdpbf16ps`) is built exactly where the AVX-512 path runs on a CPU with
+    avx512_bf16."""
+    flags = set(kernels._cpu_signature().split())
+    assert KERNEL.dot == (KERNEL.isa == "avx512" and "avx512_bf16" in flags)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+def test_pair_products_equal_the_rounding_build_in_bfloat16(generic, name):
+    """In bfloat16 the kernel multiplies x rounded to bfloat16 by each weight rounded to bfloat16 (a bfloat16
+    GEMM's operands): the pair-product build (`tile_dot`, where built), the one that rounds each weight and
+    multiply-adds in float32 (`nodot`) and the portable one give x_bf16 @ W_bf16^T to float32 summation, for tiles of
+    every height (1-8 rows of x, 1 and 2 W rows); a row alone gives its bits in the batch."""
+    path = kernels.build(no_dot=True)
+    assert path is not None
+    no_dot = kernels._load(path)
+    assert not no_dot.dot
+    raw = weights(name, 37, 3 * 256, 7)  # an odd number of outputs: the last one alone
+    w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), (37, 3 * 256), torch.bfloat16)
+    x = torch.randn(19, 3 * 256, generator=torch.Generator().manual_seed(8))  # tiles of 8, 8 and 3 rows
+    want = x.bfloat16().double() @ w.double().T
+    for kernel in (KERNEL, no_dot, generic):
+        got = kernel.matmul(name, torch.from_numpy(raw), x, dtype=torch.bfloat16).double()
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+        alone = kernel.matmul(name, torch.from_numpy(raw), x[-1:], threads=1, dtype=torch.bfloat16).double()
+        assert torch.equal(alone[0], got[-1])
+
+
 @pytest.fixture(scope="module")
 def decoded():
     """The native build with float32 weights decoded one by one (ggml.c without `tile_factored`)."""
@@ -122,7 +152,8 @@ def test_rounded_weights_are_the_dequantized_copys(name, dtype, out, blocks, row
     w = dequantize({"qweight": torch.from_numpy(raw)}, weight_format(name), shape, dtype)
     assert torch.equal(KERNEL.dequantize(name, torch.from_numpy(raw), shape[1], dtype), w)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(seed))
-    want = x.double() @ w.double().T
+    xq = x.to(dtype) if dtype == torch.bfloat16 else x  # (in bfloat16 the kernel takes x as bfloat16 too)
+    want = xq.double() @ w.double().T
     got = KERNEL.matmul(name, torch.from_numpy(raw), x, dtype=dtype).double()
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()) + 1e-30)
 
@@ -148,7 +179,7 @@ def test_f16_rows_of_any_width_multiply_as_their_values(generic, out, inputs, ro
     w = torch.from_numpy(raw).view(torch.float16).to(dtype)  # [out, in]: the converted copy
     assert torch.equal(KERNEL.dequantize("f16", torch.from_numpy(raw), inputs, dtype), w)
     x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed)) * 100
-    want = x.double() @ w.double().T
+    want = (x.to(dtype) if dtype == torch.bfloat16 else x).double() @ w.double().T
     for kernel in (KERNEL, generic):
         got = kernel.matmul("f16", torch.from_numpy(raw), x, threads=threads, dtype=dtype)
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()) + 1e-30)

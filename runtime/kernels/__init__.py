@@ -91,17 +91,19 @@ def _compiler() -> tuple[str, str] | None:
     return cc, (version.splitlines() or [""])[0]
 
 
-def build(generic: bool = False, decoded: bool = False) -> Path | None:
+def build(generic: bool = False, decoded: bool = False, no_dot: bool = False) -> Path | None:
     """The compiled library for this source, compiler and CPU (built now if not cached), or None (logged).
     generic: without a vector path; decoded: the AVX2 path decoding every weight with float32 weights too, not
-    factoring the sums (ggml.c `tile_factored`; the baseline it is measured against)."""
+    factoring the sums (ggml.c `tile_factored`; the baseline it is measured against); no_dot: the AVX-512 path
+    without AVX512-BF16's pair products for bfloat16 weights (ggml.c `tile_dot`; its baseline)."""
     compiler = _compiler()
     if compiler is None:
         log.info("no C compiler ($CC or cc): GGUF q4_k / q6_k weights are converted for torch's kernels instead")
         return None
     cc, version = compiler
     source, cpu = SOURCE.read_bytes(), _cpu_signature().encode()
-    defines = (*(("-DSPECOFFLOAD_GENERIC",) if generic else ()), *(("-DSPECOFFLOAD_DECODED",) if decoded else ()))
+    defines = (*(("-DSPECOFFLOAD_GENERIC",) if generic else ()), *(("-DSPECOFFLOAD_DECODED",) if decoded else ()),
+               *(("-DSPECOFFLOAD_NO_DOT",) if no_dot else ()))
     for arch in (NATIVE, ()):  # (a compiler without -march=native: the portable flags)
         flags = (*FLAGS, *arch, *defines)
         key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(), cpu])).hexdigest()[:16]
@@ -142,10 +144,17 @@ class GGMLKernel:
         """The path the library was built with for this CPU: "avx512", "avx2" or "portable"."""
         return ISAS.get(self.lib.specoffload_ggml_vector(), "portable")
 
+    @property
+    def dot(self) -> bool:
+        """q4_k / q6_k weights in bfloat16 are multiplied by pairs with AVX512-BF16's `vdpbf16ps` (ggml.c
+        `tile_dot`)."""
+        return bool(self.lib.specoffload_ggml_dot())
+
     def matmul(self, kind: str, blocks: torch.Tensor, x: torch.Tensor, threads: int | None = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x [M, K] float32 @ W^T -> [M, N] float32; W [N, K] as `kind` blocks, uint8 [N, K / block inputs * block
-        bytes], each weight rounded to `dtype` (the weight `dequantize` gives in that dtype)."""
+        bytes], each weight rounded to `dtype` (the weight `dequantize` gives in that dtype); in bfloat16 x is
+        rounded to bfloat16 too (a bfloat16 GEMM's operands; the engine's activations are bfloat16 then)."""
         if x.dtype != torch.float32 or x.dim() != 2:
             raise ValueError(f"ggml matmul takes float32 x [M, K], got {x.dtype} {list(x.shape)}")
         blocks = self._blocks(blocks)
@@ -189,6 +198,8 @@ class GGMLKernel:
 
     @staticmethod
     def _check(rc: int, kind: str, inputs: int) -> None:
+        if rc == -3:
+            raise MemoryError("the ggml kernel could not allocate x's bfloat16 copy")
         if rc == -1:
             raise ValueError(f"the ggml kernel cannot take {kind} blocks of {inputs} inputs (whole blocks of "
                              f"{BLOCK_INPUTS[kind]}) in this dtype")
@@ -206,6 +217,7 @@ def _load(path: Path) -> GGMLKernel:
     lib.specoffload_convert_16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.specoffload_convert_16.restype = ctypes.c_int
     lib.specoffload_ggml_vector.restype = ctypes.c_int
+    lib.specoffload_ggml_dot.restype = ctypes.c_int
     return GGMLKernel(lib, path)
 
 
@@ -220,7 +232,8 @@ def probe(kernel: GGMLKernel) -> bool:
         x = torch.randn(3, PROBE_INPUTS, generator=g)
         for dtype in ROUNDING:
             w = kernel.dequantize(kind, blocks, PROBE_INPUTS, dtype, threads=2)  # [N, K]
-            want = x.double() @ w.double().T
+            xq = x.to(dtype) if dtype == torch.bfloat16 else x  # (the kernel takes x in bfloat16 then)
+            want = xq.double() @ w.double().T
             got = kernel.matmul(kind, blocks, x, threads=2, dtype=dtype).double()
             if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
                 return False

@@ -49,6 +49,15 @@
 #define FACTORED 0
 #endif
 
+/* bfloat16 weights (round 1) on the AVX-512 path of a CPU with AVX512-BF16: pairs of products summed by
+ * `vdpbf16ps` (`tile_dot`); SPECOFFLOAD_NO_DOT builds the path that rounds each weight and multiply-adds it in
+ * float32, its baseline */
+#if VECTOR == 1 && defined(__AVX512BF16__) && !defined(SPECOFFLOAD_NO_DOT)
+#define DOT 1
+#else
+#define DOT 0
+#endif
+
 enum { KIND_Q4_K = 0, KIND_Q6_K = 1, KIND_F16 = 2, KINDS = 3 };
 #define QK 256                         /* inputs per k-quant block */
 #define MAX_THREADS 64
@@ -59,6 +68,7 @@ static const int64_t BLOCK_INPUTS[KINDS] = {QK, QK, 1};
 #define F16_WORK ((int64_t)1 << 22)
 
 int specoffload_ggml_vector(void) { return VECTOR; }
+int specoffload_ggml_dot(void) { return DOT; }
 
 static float half(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
@@ -323,14 +333,74 @@ static inline __attribute__((always_inline)) void tile(int kind, int round, int 
         for (int m = 0; m < MT; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
+#if DOT
+/* round 1 with AVX512-BF16: y rows m < MT, columns of the R (1 or 2) W rows from w0, from x as bfloat16 (xh [M, K],
+ * x rounded to nearest even, `to_bf16`). Each block is decoded to float32 as `decode` does, rounded to bfloat16 to
+ * nearest even by `vcvtne2ps2bf16` (the weight `dequantize_row` writes with round 1), and 32 weights at a time
+ * multiplied by a row of x with `vdpbf16ps`: lane i adds w[2i] x[2i] + w[2i + 1] x[2i + 1], each product of two
+ * bfloat16 values exact in float32, to its float32 accumulator. The same products as `tile` with round 1 on x in
+ * bfloat16, summed in another fixed order; a row's sum does not depend on the tile. Per 32 weights and row of x:
+ * one instruction where `tile` runs two multiply-adds, and no rounding of each weight in integer operations. */
+static inline __attribute__((always_inline)) void tile_dot(int kind, int MT, int R, const uint8_t *w0,
+                                                           int64_t row_bytes, int64_t nb, const uint16_t *xh,
+                                                           int64_t K, float *y, int64_t N) {
+    __m512 acc[2][TILE];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+        float scale[2][16], low[2][8];
+        for (int r = 0; r < R; r++) factors(kind, w0 + r * row_bytes + blk * BLOCK_BYTES[kind], scale[r], low[r]);
+        for (int c = 0; c < 4; c++) {
+            __m512bh pairs[2][2]; /* [W row][inputs 64c + 32h .. + 31] */
+            for (int r = 0; r < R; r++) {
+                __m512 w[4];
+                decode(kind, 0, w0 + r * row_bytes + blk * BLOCK_BYTES[kind], scale[r], low[r], c, w);
+                pairs[r][0] = _mm512_cvtne2ps_pbh(w[1], w[0]); /* (the second operand fills the low half) */
+                pairs[r][1] = _mm512_cvtne2ps_pbh(w[3], w[2]);
+            }
+            UNROLL for (int h = 0; h < 2; h++) {
+                const uint16_t *xp = xh + blk * QK + 64 * c + 32 * h;
+                UNROLL for (int m = 0; m < MT; m++) {
+                    __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xp + m * K));
+                    UNROLL for (int r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], pairs[r][h], xv);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+#define DOT_TILES(kind, R) BY_MT(tile_dot(kind, MT, R, w0, row_bytes, nb, xh, K, y, N))
+
+/* x [n] (n a multiple of 32) as bfloat16 bits, each rounded to nearest even. */
+static void to_bf16(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i += 32)
+        _mm512_storeu_si512((void *)(out + i),
+                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+}
+#endif
+
 #define TILES(kind, round, R) BY_MT(tile(kind, round, MT, R, w0, row_bytes, nb, x, K, y, N))
 
 #define ROUNDS(kind, R)                                                                                       \
     if (round == 1) { TILES(kind, 1, R) } else if (round == 2) { TILES(kind, 2, R) } else { TILES(kind, 0, R) }
 
 static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, int64_t nb,
-                 const float *x, int64_t K, const float *xs, float *y, int64_t N) {
+                 const float *x, int64_t K, const float *xs, const uint16_t *xh, float *y, int64_t N) {
     (void)xs; /* (only the AVX2 path factors its sums) */
+#if DOT
+    if (xh != NULL) {
+        if (kind == KIND_Q4_K) {
+            if (r == 2) { DOT_TILES(KIND_Q4_K, 2) } else { DOT_TILES(KIND_Q4_K, 1) }
+        } else {
+            if (r == 2) { DOT_TILES(KIND_Q6_K, 2) } else { DOT_TILES(KIND_Q6_K, 1) }
+        }
+        return;
+    }
+#else
+    (void)xh;
+#endif
     if (kind == KIND_Q4_K) {
         if (r == 2) { ROUNDS(KIND_Q4_K, 2) } else { ROUNDS(KIND_Q4_K, 1) }
     } else {
@@ -504,7 +574,8 @@ static inline __attribute__((always_inline)) void tile(int kind, int round, int 
 /* y's columns of the r W rows from w0 (the tile of mt rows of x at x; xs: their `sub_sums`, or NULL), one W row at
  * a time. */
 static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, int64_t nb,
-                 const float *x, int64_t K, const float *xs, float *y, int64_t N) {
+                 const float *x, int64_t K, const float *xs, const uint16_t *xh, float *y, int64_t N) {
+    (void)xh; /* (only the AVX-512 path with AVX512-BF16 takes x as bfloat16) */
     for (int i = 0; i < r; i++) {
         const uint8_t *w = w0 + i * row_bytes;
         if (kind == KIND_Q4_K) { ROUNDS(KIND_Q4_K) } else { ROUNDS(KIND_Q6_K) }
@@ -590,8 +661,9 @@ static void decode_block(int kind, int round, const uint8_t *b, float *w) {
 }
 
 static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, int64_t nb,
-                 const float *x, int64_t K, const float *xs, float *y, int64_t N) {
+                 const float *x, int64_t K, const float *xs, const uint16_t *xh, float *y, int64_t N) {
     (void)xs; /* (only the AVX2 path factors its sums) */
+    (void)xh; /* (only the AVX-512 path with AVX512-BF16 takes x as bfloat16) */
     for (int i = 0; i < r; i++) {
         float acc[TILE][16], w[QK];
         memset(acc, 0, sizeof(acc));
@@ -735,11 +807,22 @@ static void convert(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16) 
 #endif
 }
 
+/* x [n] rounded to bfloat16 to nearest even (finite values, as torch rounds them), held as float32. */
+static void bf16_rounded(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, 4);
+        bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+        memcpy(out + i, &bits, 4);
+    }
+}
+
 struct job {
     int kind, round; /* kind -1: convert (round: 1 to bfloat16, 0 to float16) values n0 .. n1 of w into y */
     const uint8_t *w;
     const float *x; /* NULL: dequantize rows n0 .. n1 into y (bytes per weight by round) */
     const float *xs; /* x's `sub_sums` [M, K / 32] (AVX2, q4_k, round 0), or NULL */
+    const uint16_t *xh; /* x as bfloat16 [M, K] (AVX512-BF16, q4_k / q6_k, round 1: `tile_dot`), or NULL */
     void *y;
     int64_t M, N, K, n0, n1;
 };
@@ -770,7 +853,8 @@ static void *work(void *arg) {
         for (int64_t n = j->n0; n < j->n1; n += 2) {
             int r = j->n1 - n >= 2 ? 2 : 1;
             rows(j->kind, j->round, r, mt, j->w + n * row_bytes, row_bytes, nb, j->x + m * j->K, j->K,
-                 j->xs ? j->xs + m * (j->K / 32) : NULL, (float *)j->y + m * j->N + n, j->N);
+                 j->xs ? j->xs + m * (j->K / 32) : NULL, j->xh ? j->xh + m * j->K : NULL,
+                 (float *)j->y + m * j->N + n, j->N);
         }
     }
     return NULL;
@@ -811,18 +895,37 @@ static int bad(int kind, int round, int64_t N, int64_t K, int64_t M) {
 }
 
 /* y [M, N] = x [M, K] @ W^T, W [N, K] as blocks of `kind` (row n at w + n * K / block inputs * block bytes), each
- * weight rounded as `round` says, float32, all contiguous. Returns 0; -1 for a kind or rounding it does not know or
- * K not whole blocks; -2 if a thread failed to start (its rows are then computed on the calling thread). */
+ * weight rounded as `round` says, float32, all contiguous; with round 1 x is rounded to bfloat16 as well (the
+ * operands of a bfloat16 GEMM: exact for an engine whose activations are bfloat16). Returns 0; -1 for a kind or
+ * rounding it does not know or K not whole blocks; -2 if a thread failed to start (its rows are then computed on
+ * the calling thread); -3 if x's bfloat16 copy could not be allocated (nothing computed). */
 int specoffload_ggml_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
                             int threads, int round) {
     if (bad(kind, round, N, K, M) || x == NULL) return -1;
-    float *xs = NULL;
+    float *xs = NULL, *xr = NULL;
+    uint16_t *xh = NULL;
+    if (round == 1 && M > 0) { /* x as bfloat16 too: a bfloat16 copy for `tile_dot`, else rounded float32 values */
+#if DOT
+        if (kind != KIND_F16) {
+            if ((xh = malloc((size_t)(M * K) * sizeof(uint16_t))) == NULL) return -3;
+            to_bf16(x, M * K, xh);
+        }
+#endif
+        if (xh == NULL) {
+            if ((xr = malloc((size_t)(M * K) * sizeof(float))) == NULL) return -3;
+            bf16_rounded(x, M * K, xr);
+            x = xr;
+        }
+    }
 #if FACTORED
     if (kind == KIND_Q4_K && round == 0 && M > 0 && (xs = malloc((size_t)(M * (K / 32)) * sizeof(float))) != NULL)
         sub_sums(x, M, K, xs); /* (without it, the tile decodes each weight) */
 #endif
-    int rc = run((struct job){kind, round, w, x, xs, y, M, N, K, 0, 0}, threads);
+    struct job base = {kind, round, w, x, xs, xh, y, M, N, K, 0, 0};
+    int rc = run(base, threads);
     free(xs);
+    free(xr);
+    free(xh);
     return rc;
 }
 
@@ -830,12 +933,12 @@ int specoffload_ggml_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, co
  * multiplies with the same `round`. Returns as it does. */
 int specoffload_ggml_dequantize(int kind, const uint8_t *w, int64_t N, int64_t K, void *out, int threads, int round) {
     if (bad(kind, round, N, K, 0)) return -1;
-    return run((struct job){kind, round, w, NULL, NULL, out, 0, N, K, 0, 0}, threads);
+    return run((struct job){kind, round, w, NULL, NULL, NULL, out, 0, N, K, 0, 0}, threads);
 }
 
 /* n values between float16 and bfloat16 (`to_bf16` 1: float16 src -> bfloat16 dst; 0: the reverse), as torch's
  * dst.copy_(src) converts them but for NaN payloads. Returns as specoffload_ggml_matmul does. */
 int specoffload_convert_16(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16, int threads) {
     if (n < 0 || to_bf16 < 0 || to_bf16 > 1 || (!to_bf16 && !HAVE_HALF)) return -1;
-    return run((struct job){-1, to_bf16, (const uint8_t *)src, NULL, NULL, dst, 0, n, 0, 0, 0}, threads);
+    return run((struct job){-1, to_bf16, (const uint8_t *)src, NULL, NULL, NULL, dst, 0, n, 0, 0, 0}, threads);
 }
