@@ -24,9 +24,10 @@ GGUF blocks (q4_k, q6_k: random blocks of the same shapes; `PackedBlocks`, runti
 native build's 16-bit copy then `linear`; in bfloat16 (weights rounded) unless --blocks-dtype float32, where on AVX2
 `decoded` is the native build that decodes every weight (before it factored the float32 sums: ggml.c
 `tile_factored`) and the summary has `<kind>_kernel_over_decoded_<rows>`; in bfloat16 on a CPU with AVX512-BF16
-`nodot` is the native build without its pair products (ggml.c `tile_dot`): `<kind>_kernel_over_nodot_<rows>`. Summary: `<kind>_kernel_over_portable_<rows>`,
-`<kind>_kernel_over_bf16_<rows>` and `_over_int4g32_<rows>` (torch's int4 kernel, what a q4_k weight is repacked for
-without the ggml kernel; at the row counts both were measured), and `<kind>_kernel_faster_up_to_rows`
+`nodot` is the native build without its pair products (ggml.c `tile_dot`): `<kind>_kernel_over_nodot_<rows>`.
+Summary: `<kind>_kernel_over_portable_<rows>`, `<kind>_kernel_over_bf16_<rows>` and `_over_int4g32_<rows>` (torch's
+int4 kernel, what a q4_k weight is repacked for without the ggml kernel; at the row counts both were measured), and
+`<kind>_kernel_faster_up_to_rows`
 (BLOCKS_MAX_ROWS is set from it). `--blocks-only` measures these with bf16 and int4 g32 only. A quick
 run (one row count pair, 3 reps) writes docs/perf/scratch/<out>_quick.json; --out names the file (default kernels).
 """
