@@ -323,3 +323,47 @@ def test_sixteen_bit_conversion_is_torchs(generic, n, to_bf16, threads, seed):
         got = kernel.convert(torch.empty(n, dtype=dest_dtype), src, threads=threads)
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
+@needs_kernel
+def test_calls_from_two_threads_at_once_each_get_their_product():
+    """ggml.c keeps its worker threads between calls and lends them to one call at a time (`pooled`); a call made
+    meanwhile (the loader's conversion beside the compute thread's products) starts threads of its own: every
+    call's product is the one it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(9)
+    cases = [(name, torch.from_numpy(weights(name, 33, 512, i)), torch.randn(1 + i % 5, 512, generator=g))
+             for i, name in enumerate(["q4_k", "q6_k", "f16"] * 4)]
+    alone = [KERNEL.matmul(name, raw, x, threads=2) for name, raw, x in cases]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            got = list(pool.map(lambda case: KERNEL.matmul(case[0], case[1], case[2], threads=2), cases))
+            assert all(torch.equal(a, b) for a, b in zip(alone, got))
+
+
+@needs_kernel
+def test_a_forked_child_multiplies_with_workers_of_its_own():
+    """A child forked after the parent's calls started workers has none of them: it starts its own and computes the
+    same product (a pool that waited on the parent's threads would hang it: the waits have timeouts)."""
+    import multiprocessing as mp
+
+    raw = torch.from_numpy(weights("q4_k", 64, 512, 3))
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(3))
+    want = KERNEL.matmul("q4_k", raw, x, threads=2)  # (the parent's workers exist from here)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_product, args=(raw, x, queue))
+    child.start()
+    try:
+        got = queue.get(timeout=60)  # (before the join: a child exits once its queue is drained)
+        child.join(60)
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0, "the child did not finish its product"
+    assert torch.equal(torch.tensor(got), want)
+
+
+def _child_product(raw: torch.Tensor, x: torch.Tensor, queue) -> None:  # noqa: ANN001
+    queue.put(KERNEL.matmul("q4_k", raw, x, threads=2).tolist())  # (plain values: the parent reads them after exit)

@@ -21,11 +21,15 @@
  * accumulators), each block decoded once per tile; with float32 weights (round 0) that path factors each
  * sub-block's sum instead of decoding every weight (`tile_factored`: the same products, summed in another order).
  * Otherwise (0) a portable loop the compiler vectorizes. f16 rows (`tile_f16`, both vector paths) convert 8
- * weights at a time with F16C, each rounded as `round` says, shared by a tile of up to 8 rows of x. The output rows
- * are split over `threads` POSIX threads (each writes its own columns of y).
+ * weights at a time with F16C, each rounded as `round` says, shared by a tile of up to 8 rows of x. With bfloat16
+ * weights (round 1) on a CPU with AVX512-BF16, q4_k / q6_k tiles multiply pairs of bfloat16 weights and inputs
+ * with `vdpbf16ps` (`tile_dot`). A block's scales are unpacked in vectors on both vector paths (`factors`). The
+ * output rows are split over `threads` POSIX threads (each writes its own columns of y), kept between calls
+ * (`pooled`).
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -63,8 +67,9 @@ enum { KIND_Q4_K = 0, KIND_Q6_K = 1, KIND_F16 = 2, KINDS = 3 };
 #define MAX_THREADS 64
 static const int64_t BLOCK_BYTES[KINDS] = {144, 210, 2};
 static const int64_t BLOCK_INPUTS[KINDS] = {QK, QK, 1};
-/* f16 multiply-adds that pay for a thread: starting one costs ~80 us on a 2-core VM, where one thread does ~4M
- * multiply-adds of an f16 tile in ~150 us (a [1536, 336] expert at 8 rows; at 1 row 40 us alone, 110 us on two) */
+/* f16 multiply-adds that pay for a thread: starting one cost ~80 us on a 2-core VM, where one thread does ~4M
+ * multiply-adds of an f16 tile in ~150 us (a [1536, 336] expert at 8 rows; at 1 row 40 us alone, 110 us on two);
+ * measured before the workers were kept between calls (`pooled`), whose wake-up costs less */
 #define F16_WORK ((int64_t)1 << 22)
 
 int specoffload_ggml_vector(void) { return VECTOR; }
@@ -72,7 +77,7 @@ int specoffload_ggml_dot(void) { return DOT; }
 
 static float half(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-#if VECTOR == 2
+#if VECTOR && defined(__F16C__)
     return _cvtsh_ss((unsigned short)h); /* F16C: the same exact conversion in one instruction */
 #else
     uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
@@ -89,6 +94,27 @@ static float half(const uint8_t *p) {
 
 /* A block's per-sub-block factors: q4_k scale[8] = d * sc_j, low[8] = dmin * m_j; q6_k scale[16] = d * sc_j. */
 static inline void factors(int kind, const uint8_t *b, float *scale, float *low) {
+#if VECTOR
+    if (kind == KIND_Q4_K) {
+        /* the twelve scale bytes as three little-endian words w: sc_0..3 = the low 6 bits of w[0]'s bytes, m_0..3
+         * of w[1]'s; sc_4..7 = w[2]'s low nibbles | (w[0]'s bytes' top 2 bits) << 4, m_4..7 = w[2]'s high nibbles
+         * | (w[1]'s bytes' top 2 bits) << 4 (a byte per j: the scalar loop's values), then as float32 times d */
+        uint32_t w[3];
+        memcpy(w, b + 4, 12);
+        const uint32_t six = 0x3F3F3F3Fu, nib = 0x0F0F0F0Fu, two = 0x03030303u;
+        uint64_t sc = (uint64_t)(w[0] & six) | (uint64_t)((w[2] & nib) | (((w[0] >> 6) & two) << 4)) << 32;
+        uint64_t m = (uint64_t)(w[1] & six) | (uint64_t)(((w[2] >> 4) & nib) | (((w[1] >> 6) & two) << 4)) << 32;
+        _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(half(b)),
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc)))));
+        _mm256_storeu_ps(low, _mm256_mul_ps(_mm256_set1_ps(half(b + 2)),
+                                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)m)))));
+    } else {
+        __m256 d = _mm256_set1_ps(half(b + 208));
+        __m128i s = _mm_loadu_si128((const __m128i *)(b + 192)); /* 16 signed scales */
+        _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s))));
+        _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8)))));
+    }
+#else
     if (kind == KIND_Q4_K) {
         float d = half(b), dmin = half(b + 2);
         const uint8_t *s = b + 4;
@@ -109,6 +135,7 @@ static inline void factors(int kind, const uint8_t *b, float *scale, float *low)
         const int8_t *s = (const int8_t *)(b + 192);
         for (int j = 0; j < 16; j++) scale[j] = d * (float)s[j];
     }
+#endif
 }
 
 #if VECTOR /* both vector paths: the decoding's byte work is 256-bit AVX2 in each */
@@ -860,7 +887,86 @@ static void *work(void *arg) {
     return NULL;
 }
 
-/* The jobs over pairs of W rows (or of values to convert) on `threads` threads (the caller's one of them). */
+/* Worker threads kept between calls: started on first use (up to MAX_THREADS - 1, as calls ask), then waiting on a
+ * condition variable for the next call's jobs, so a call costs a wake-up, not a thread start and join (~50-80 us
+ * each on a 2-core VM, against a few ms for a decode pass's product). One call uses them at a time: a call made
+ * while another holds them (the loader's conversion beside the compute thread's products) starts threads of its
+ * own, as every call did before; a forked child, which has none of its parent's workers, starts its own. */
+static struct {
+    pthread_mutex_t hold;       /* held by the call using the workers */
+    pthread_mutex_t lock;       /* guards the fields below */
+    pthread_cond_t go, done;
+    int started;                /* workers 1 .. started running */
+    long pid;                   /* the process that started them */
+    unsigned long calls;        /* calls handed out so far: a worker takes each one once */
+    int wanted, left;           /* this call's workers (jobs[1 .. wanted]) and those not yet finished */
+    struct job *jobs;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          0, 0, 0, 0, 0, NULL};
+
+/* pool.calls when worker i started: the calls before it are not its own */
+static unsigned long born[MAX_THREADS];
+
+static void *worker(void *arg) {
+    int id = (int)(intptr_t)arg;
+    unsigned long seen = born[id];
+    pthread_mutex_lock(&pool.lock);
+    for (;;) {
+        while (pool.calls == seen) pthread_cond_wait(&pool.go, &pool.lock);
+        seen = pool.calls;
+        if (id > pool.wanted) continue;
+        struct job *j = &pool.jobs[id];
+        pthread_mutex_unlock(&pool.lock);
+        work(j);
+        pthread_mutex_lock(&pool.lock);
+        if (--pool.left == 0) pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* jobs[1 .. threads - 1] on the pool's workers and jobs[0] on the caller; 0, or -1 where the pool is busy or
+ * cannot start enough workers (nothing run then). */
+static int pooled(struct job *jobs, int threads) {
+    if (pthread_mutex_trylock(&pool.hold) != 0) return -1;
+    long pid = (long)getpid();
+    if (pool.pid != pid) { /* (first use, or a forked child: its parent's workers are not here) */
+        pthread_mutex_init(&pool.lock, NULL);
+        pthread_cond_init(&pool.go, NULL);
+        pthread_cond_init(&pool.done, NULL);
+        pool.started = 0;
+        pool.calls = 0;
+        pool.pid = pid;
+    }
+    while (pool.started < threads - 1) {
+        pthread_t id;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        born[pool.started + 1] = pool.calls; /* (pool.calls changes only under pool.hold, which this call holds) */
+        int failed = pthread_create(&id, &attr, worker, (void *)(intptr_t)(pool.started + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) {
+            pthread_mutex_unlock(&pool.hold);
+            return -1;
+        }
+        pool.started++;
+    }
+    pthread_mutex_lock(&pool.lock);
+    pool.jobs = jobs;
+    pool.wanted = pool.left = threads - 1;
+    pool.calls++;
+    pthread_cond_broadcast(&pool.go);
+    pthread_mutex_unlock(&pool.lock);
+    work(&jobs[0]);
+    pthread_mutex_lock(&pool.lock);
+    while (pool.left > 0) pthread_cond_wait(&pool.done, &pool.lock);
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool.hold);
+    return 0;
+}
+
+/* The jobs over pairs of W rows (or of values to convert) on `threads` threads (the caller's one of them): the
+ * pool's workers, or threads started for this call where the pool is busy. */
 static int run(struct job base, int threads) {
     int64_t pairs = (base.N + 1) / 2;
     if (base.kind < 0 && threads > 1 && base.N < (int64_t)1 << 16) threads = 1; /* (a thread costs ~20 us) */
@@ -879,8 +985,12 @@ static int run(struct job base, int threads) {
         jobs[t] = base;
         jobs[t].n0 = n0;
         jobs[t].n1 = n1 < base.N ? n1 : base.N;
-        if (t > 0) started[t] = pthread_create(&ids[t], NULL, work, &jobs[t]) == 0;
     }
+    if (threads == 1 || pooled(jobs, threads) == 0) {
+        if (threads == 1) work(&jobs[0]);
+        return 0;
+    }
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&ids[t], NULL, work, &jobs[t]) == 0;
     work(&jobs[0]);
     for (int t = 1; t < threads; t++) {
         if (started[t]) pthread_join(ids[t], NULL);
