@@ -355,12 +355,24 @@ def _attend_latent(query: Tensor, first: Tensor, second: Tensor, mask: Tensor, s
     return out.view(batch, heads, steps, rank)
 
 
+#: queries per row up to which CPU attention is two float32 matmuls around a softmax (`_attend_few`) rather than
+#: torch's fused kernel, which for one query per row in bfloat16 takes 4-10x as long on the CPU (2-core EPYC, torch
+#: 2.13, 12 / 2 heads of 128: 8 rows over 101 keys 0.98 ms against 0.25, over 1000 keys 10.5 against 1.5; 5
+#: queries over 1000 keys 4.2 against 2.9; 16 queries about even, 64 slower): decode and verify passes
+FEW_QUERIES = 8
+#: float32 elements of `_attend_few`'s copies of keys and values and its scores per call: rows go in groups under it
+FEW_ELEMENTS = 1 << 23
+
+
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, sinks: Tensor | None) -> Tensor:
     """softmax(q k^T scale, masked) v: q [B, heads, T, D], keys / values [B, kv_heads, S, D], mask [B, 1, T, S] bool
     -> [B, heads, T, D]. With sinks [heads] (gpt-oss) as transformers' eager attention computes it: each head's sink
-    logit joins every query's softmax (after the max is subtracted) and its probability is dropped, taking no value."""
+    logit joins every query's softmax (after the max is subtracted) and its probability is dropped, taking no value.
+    On the CPU with at most FEW_QUERIES queries per row: `_attend_few`."""
     heads, kv_heads = q.shape[1], keys.shape[1]
     if sinks is None:
+        if q.shape[2] <= FEW_QUERIES and q.device.type == "cpu":
+            return _attend_few(q, keys, values, mask, scale)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=heads != kv_heads)
     keys = keys.repeat_interleave(heads // kv_heads, dim=1)  # [B, heads, S, D]
@@ -372,6 +384,29 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # [B, heads, T, S]
     return torch.matmul(probs.to(values.dtype), values)
+
+
+def _attend_few(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """`_attend` without sinks in float32: scores = (q k^T) scale for each query head against its KV head (head h
+    reads KV head h // (heads / kv_heads), as enable_gqa does), -inf where mask is False, softmax over the keys, times
+    v; q [B, heads, T, Dq], keys [B, kv_heads, S, Dq], values [B, kv_heads, S, Dv] -> [B, heads, T, Dv] in q's dtype.
+    Rows go in groups whose float32 copies and scores stay under FEW_ELEMENTS; a row's result does not depend on
+    the group (batched matmuls compute each batch entry alone)."""
+    batch, heads, steps, dq = q.shape
+    kv_heads, seen, dv = keys.shape[1], keys.shape[2], values.shape[3]
+    group = heads // kv_heads
+    per_row = kv_heads * seen * (dq + dv) + heads * steps * seen
+    rows = max(1, FEW_ELEMENTS // max(1, per_row))
+    out = q.new_empty(batch, heads, steps, dv)
+    for lo in range(0, batch, rows):
+        hi = min(batch, lo + rows)
+        qg = q[lo:hi].float().reshape(hi - lo, kv_heads, group * steps, dq)  # [b, kv, group T, Dq]
+        scores = torch.matmul(qg, keys[lo:hi].float().transpose(2, 3)) * scale  # [b, kv, group T, S]
+        scores = scores.view(hi - lo, kv_heads, group, steps, seen)
+        scores = scores.masked_fill(~mask[lo:hi, :, None], float("-inf"))  # (mask [b, 1, 1, T, S])
+        probs = torch.softmax(scores, dim=-1).view(hi - lo, kv_heads, group * steps, seen)
+        out[lo:hi] = torch.matmul(probs, values[lo:hi].float()).view(hi - lo, heads, steps, dv)
+    return out
 
 
 def _project(x: Tensor, weight: Tensor, bias: Tensor | None, mask: Tensor | None) -> Tensor:
