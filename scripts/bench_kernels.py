@@ -24,7 +24,8 @@ GGUF blocks (q4_k, q6_k: random blocks of the same shapes; `PackedBlocks`, runti
 native build's 16-bit copy then `linear`; in bfloat16 (weights rounded) unless --blocks-dtype float32, where on AVX2
 `decoded` is the native build that decodes every weight (before it factored the float32 sums: ggml.c
 `tile_factored`) and the summary has `<kind>_kernel_over_decoded_<rows>`; in bfloat16 on a CPU with AVX512-BF16
-`nodot` is the native build without its pair products (ggml.c `tile_dot`): `<kind>_kernel_over_nodot_<rows>`.
+`nodot` is the native build without its pair products (ggml.c `tile_dot`): `<kind>_kernel_over_nodot_<rows>`;
+`--vs REV` adds ggml.c as of git revision REV, built for this CPU (`<kind>_kernel_over_<REV>_<rows>`).
 Summary: `<kind>_kernel_over_portable_<rows>`, `<kind>_kernel_over_bf16_<rows>` and `_over_int4g32_<rows>` (torch's
 int4 kernel, what a q4_k weight is repacked for without the ggml kernel; at the row counts both were measured), and
 `<kind>_kernel_faster_up_to_rows`
@@ -35,8 +36,10 @@ run (one row count pair, 3 reps) writes docs/perf/scratch/<out>_quick.json; --ou
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -82,7 +85,7 @@ def _layer(fn, weights: list[object], x_in: list[torch.Tensor]) -> None:  # noqa
 
 
 def _blocks(summary: dict, table: list[dict], ms: dict, rows_list: tuple[int, ...], reps: int,
-            g: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> bool:
+            g: torch.Generator, dtype: torch.dtype = torch.bfloat16, vs: str | None = None) -> bool:
     """The GGUF block kinds' rows of the table (module docstring) in `dtype`; False where the ggml kernel is not
     built here."""
     native, path = block_kernel(), kernels.build(generic=True)
@@ -94,6 +97,11 @@ def _blocks(summary: dict, table: list[dict], ms: dict, rows_list: tuple[int, ..
         builds["decoded"] = kernels._load(decoded)  # (the AVX2 path before it factored float32 sums)
     if dtype == torch.bfloat16 and native.dot and (no_dot := kernels.build(no_dot=True)) is not None:
         builds["nodot"] = kernels._load(no_dot)  # (the AVX-512 path before it summed bfloat16 pairs: `tile_dot`)
+    if vs is not None:  # ggml.c as of another revision, built for this CPU as the engine builds it
+        text = subprocess.run(["git", "show", f"{vs}:runtime/kernels/ggml.c"], capture_output=True, check=True,
+                              cwd=Path(__file__).resolve().parent.parent).stdout
+        if (old := kernels.build(source=text)) is not None:
+            builds[vs] = kernels._load(old)
     summary["ggml_isa"], summary["blocks_dtype"] = native.isa, str(dtype).removeprefix("torch.")
     for kind in kernels.KINDS:
         nb = [shape[1] // kernels.BLOCK_INPUTS[kind] for shape in LAYER]
@@ -132,6 +140,8 @@ def main() -> int:
     ap.add_argument("--blocks-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="the GGUF block kinds' compute dtype (float32: weights not rounded; on AVX2 the build "
                          "that decodes every weight beside it)")
+    ap.add_argument("--vs", default=None, metavar="REV",
+                    help="also the ggml.c of git revision REV, built for this CPU (`<kind>_kernel_over_<REV>_<rows>`)")
     args = ap.parse_args()
     if not (int4_kernel_ok() and hasattr(torch, "_weight_int8pack_mm")):
         print("this torch has no CPU int4 / int8 weight-only kernel: nothing to measure", file=sys.stderr)
@@ -177,7 +187,7 @@ def main() -> int:
         wins = [r for r in rows_list if ms["int8g32", "kernel", r] < ms["int8g32", "dequant", r]]
         summary["int8g32_kernel_faster_up_to_rows"] = max(wins) if wins else 0
         summary["int8g_max_rows_in_engine"] = INT8G_MAX_ROWS
-    if _blocks(summary, table, ms, blocks_rows, reps, g, getattr(torch, args.blocks_dtype)):
+    if _blocks(summary, table, ms, blocks_rows, reps, g, getattr(torch, args.blocks_dtype), args.vs):
         rows_list = [*rows_list, *(r for r in blocks_rows if r not in rows_list)]
     print("\n| format | rows | kernel tok/s | kernel ms | dequant + GEMM ms | portable build ms | decoded / nodot "
           "build ms | engine uses |")

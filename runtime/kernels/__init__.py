@@ -91,8 +91,10 @@ def _compiler() -> tuple[str, str] | None:
     return cc, (version.splitlines() or [""])[0]
 
 
-def build(generic: bool = False, decoded: bool = False, no_dot: bool = False) -> Path | None:
-    """The compiled library for this source, compiler and CPU (built now if not cached), or None (logged).
+def build(generic: bool = False, decoded: bool = False, no_dot: bool = False,
+          source: bytes | None = None) -> Path | None:
+    """The compiled library for this source (`source`: another ggml.c's text, e.g. an older revision's for a
+    benchmark), compiler and CPU (built now if not cached), or None (logged).
     generic: without a vector path; decoded: the AVX2 path decoding every weight with float32 weights too, not
     factoring the sums (ggml.c `tile_factored`; the baseline it is measured against); no_dot: the AVX-512 path
     without AVX512-BF16's pair products for bfloat16 weights (ggml.c `tile_dot`; its baseline)."""
@@ -101,7 +103,8 @@ def build(generic: bool = False, decoded: bool = False, no_dot: bool = False) ->
         log.info("no C compiler ($CC or cc): GGUF q4_k / q6_k weights are converted for torch's kernels instead")
         return None
     cc, version = compiler
-    source, cpu = SOURCE.read_bytes(), _cpu_signature().encode()
+    given = source is not None
+    source, cpu = source if given else SOURCE.read_bytes(), _cpu_signature().encode()
     defines = (*(("-DSPECOFFLOAD_GENERIC",) if generic else ()), *(("-DSPECOFFLOAD_DECODED",) if decoded else ()),
                *(("-DSPECOFFLOAD_NO_DOT",) if no_dot else ()))
     for arch in (NATIVE, ()):  # (a compiler without -march=native: the portable flags)
@@ -111,10 +114,14 @@ def build(generic: bool = False, decoded: bool = False, no_dot: bool = False) ->
         if lib.exists():
             return lib
         lib.parent.mkdir(parents=True, exist_ok=True)
+        src = SOURCE
+        if given:  # (the text beside its library)
+            src = lib.parent / SOURCE.name
+            src.write_bytes(source)
         fd, tmp = tempfile.mkstemp(prefix=".ggml-", suffix=".so", dir=lib.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+            done = subprocess.run([cc, *flags, "-o", tmp, str(src)], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as e:
             done = subprocess.CompletedProcess([cc], 1, "", str(e))
