@@ -23,7 +23,7 @@
  * Otherwise (0) a portable loop the compiler vectorizes. f16 rows (`tile_f16`, both vector paths) convert 8
  * weights at a time with F16C, each rounded as `round` says, shared by a tile of up to 8 rows of x. With bfloat16
  * weights (round 1) on a CPU with AVX512-BF16, q4_k / q6_k tiles multiply pairs of bfloat16 weights and inputs
- * with `vdpbf16ps` (`tile_dot`). A block's scales are unpacked in vectors on both vector paths (`factors`). The
+ * with `vdpbf16ps` (`tile_dot`), q4_k's weights picked from each sub-block's 16 values (`looked_up`). A block's scales are unpacked in vectors on both vector paths (`factors`). The
  * output rows are split over `threads` POSIX threads (each writes its own columns of y), kept between calls
  * (`pooled`).
  */
@@ -361,6 +361,23 @@ static inline __attribute__((always_inline)) void tile(int kind, int round, int 
 }
 
 #if DOT
+/* A q4_k block's inputs 64c .. 64c + 63 as bfloat16 weights, by table: a sub-block j has 16 weights, one per
+ * code q, bf16(scale_j * q - low_j) (the float32 multiply then subtract of `decode`, rounded to nearest even as
+ * `vcvtne2ps2bf16` rounds: the same values), so the two sub-blocks' 32 values are computed in one vector and each
+ * code picks its own with `vpermw` (codes of sub-block 2c index words 0-15, those of 2c + 1 words 16-31). */
+static inline __attribute__((always_inline)) void looked_up(const uint8_t *b, const float *scale, const float *low,
+                                                            int c, __m512bh *pairs) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(scale[2 * c]), q), _mm512_set1_ps(low[2 * c]));
+    __m512 t1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(scale[2 * c + 1]), q), _mm512_set1_ps(low[2 * c + 1]));
+    __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0); /* words 0-15: sub-block 2c, 16-31: 2c + 1 */
+    __m256i lo, hi;
+    codes(KIND_Q4_K, b, c, &lo, &hi);
+    pairs[0] = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), table);
+    pairs[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(_mm512_cvtepu8_epi16(hi), _mm512_set1_epi16(16)),
+                                                  table);
+}
+
 /* round 1 with AVX512-BF16: y rows m < MT, columns of the R (1 or 2) W rows from w0, from x as bfloat16 (xh [M, K],
  * x rounded to nearest even, `to_bf16`). Each block is decoded to float32 as `decode` does, rounded to bfloat16 to
  * nearest even by `vcvtne2ps2bf16` (the weight `dequantize_row` writes with round 1), and 32 weights at a time
@@ -380,8 +397,13 @@ static inline __attribute__((always_inline)) void tile_dot(int kind, int MT, int
         for (int c = 0; c < 4; c++) {
             __m512bh pairs[2][2]; /* [W row][inputs 64c + 32h .. + 31] */
             for (int r = 0; r < R; r++) {
+                const uint8_t *b = w0 + r * row_bytes + blk * BLOCK_BYTES[kind];
+                if (kind == KIND_Q4_K) {
+                    looked_up(b, scale[r], low[r], c, pairs[r]);
+                    continue;
+                }
                 __m512 w[4];
-                decode(kind, 0, w0 + r * row_bytes + blk * BLOCK_BYTES[kind], scale[r], low[r], c, w);
+                decode(kind, 0, b, scale[r], low[r], c, w);
                 pairs[r][0] = _mm512_cvtne2ps_pbh(w[1], w[0]); /* (the second operand fills the low half) */
                 pairs[r][1] = _mm512_cvtne2ps_pbh(w[3], w[2]);
             }
