@@ -2,7 +2,7 @@
 
     scripts/setup_llamacpp.sh      # once: llama-cpp-python built from source into its own venv (outside the repo)
     python -m scripts.bench_peers [--gguf FILE] [--prompts 8] [--new-tokens 32] [--reps 3] [--batches 1,8]
-        [--llamacpp-batches 1,8]
+        [--llamacpp-batches 1,8] [--packed on,off]
 
 Systems, all resident in host memory on this CPU, greedy, EOS ignored, the prompts tokenized once (the GGUF's own
 tokenizer) and given to each as token ids:
@@ -398,8 +398,12 @@ def main() -> int:
                     help="ours' prefill_chunk under the limit (prompt tokens per pass: bounds prefill activations)")
     ap.add_argument("--malloc-arena-max", type=int, default=2,
                     help="MALLOC_ARENA_MAX for both systems under the limit (0: glibc's default)")
+    ap.add_argument("--packed", default="on,off",
+                    help="ours' packed_weights at each batch: on (the blocks, ggml kernel), off (dequantized at load)")
     ap.add_argument("--out", default="peers")
     args = ap.parse_args()
+    if not set(args.packed.split(",")) <= {"on", "off"}:
+        ap.error(f"--packed takes on, off or on,off, got {args.packed!r}")
     if args.quick:
         args.prompts, args.new_tokens, args.reps = 2, 8, 1
     if args.dtype == "auto":
@@ -433,7 +437,7 @@ def main() -> int:
             systems[f"transformers b{b}"] = lambda b=b: transformers_run(converted, prompts, args.new_tokens, b,
                                                                          args.threads, args.dtype)
     for b in map(int, args.batches.split(",")):
-        for packed in ("on", "off"):
+        for packed in args.packed.split(","):
             systems[f"ours b{b} packed-{packed}"] = lambda b=b, packed=packed: ours(target, prompts, args.new_tokens,
                                                                                    b, packed, args.dtype)
     runs: dict[str, list[dict]] = {name: [] for name in systems}

@@ -155,7 +155,7 @@ class GGMLKernel:
     def dot(self) -> bool:
         """q4_k / q6_k weights in bfloat16 are multiplied by pairs with AVX512-BF16's `vdpbf16ps` (ggml.c
         `tile_dot`)."""
-        return bool(self.lib.specoffload_ggml_dot())
+        return hasattr(self.lib, "specoffload_ggml_dot") and bool(self.lib.specoffload_ggml_dot())
 
     def matmul(self, kind: str, blocks: torch.Tensor, x: torch.Tensor, threads: int | None = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -224,7 +224,8 @@ def _load(path: Path) -> GGMLKernel:
     lib.specoffload_convert_16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.specoffload_convert_16.restype = ctypes.c_int
     lib.specoffload_ggml_vector.restype = ctypes.c_int
-    lib.specoffload_ggml_dot.restype = ctypes.c_int
+    if hasattr(lib, "specoffload_ggml_dot"):  # (a build of an older ggml.c, for a benchmark, has none)
+        lib.specoffload_ggml_dot.restype = ctypes.c_int
     return GGMLKernel(lib, path)
 
 
