@@ -282,3 +282,32 @@ def test_experts_forward_needs_every_selected_expert(tiny_models: dict[str, Path
         layers.experts_forward(cfg, normed, ids, weights, {0: one})
     out = layers.experts_forward(cfg, normed, ids, weights, {0: one, 1: one})
     torch.testing.assert_close(out, torch.nn.functional.silu(normed) * normed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_query_attention_is_the_fused_kernels_and_each_rows_own(dtype: torch.dtype, monkeypatch) -> None:
+    """`layers._attend_few` (decode / verify on the CPU: at most FEW_QUERIES queries per row) gives what torch's fused
+    attention gives, grouped-query heads and masks included, to the dtype's rounding; a row's result is the same alone,
+    in the whole batch and in groups of 2 rows (FEW_ELEMENTS lowered); a query that sees no key averages the values
+    (no NaN)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(7, 6, 3, 32, generator=g).to(dtype)  # [B, heads, T, D]
+    keys, values = (torch.randn(7, 2, 41, 32, generator=g).to(dtype) for _ in range(2))  # [B, kv, S, D]
+    mask = torch.rand(7, 1, 3, 41, generator=g) > 0.4
+    mask[..., 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), keys.double(), values.double(),
+                                                            attn_mask=mask, scale=0.2, enable_gqa=True)
+    got = layers._attend(q, keys, values, mask, 0.2, None)
+    assert got.dtype == dtype and got.shape == (7, 6, 3, 32)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol)
+    alone = torch.cat([layers._attend_few(q[i : i + 1], keys[i : i + 1], values[i : i + 1], mask[i : i + 1], 0.2)
+                       for i in range(7)])
+    assert torch.equal(alone, got)
+    per_row = 2 * 41 * 64 + 6 * 3 * 41
+    monkeypatch.setattr(layers, "FEW_ELEMENTS", 2 * per_row)  # groups of 2 rows
+    assert torch.equal(layers._attend_few(q, keys, values, mask, 0.2), got)
+    blind = torch.zeros_like(mask)
+    mean = layers._attend_few(q, keys, values, blind, 0.2)
+    assert torch.allclose(mean.double(), values.double().mean(2, keepdim=True).repeat_interleave(3, 1)
+                          .expand(-1, -1, 3, -1).reshape(7, 6, 3, 32), rtol=tol, atol=tol)

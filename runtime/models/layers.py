@@ -390,8 +390,9 @@ def _attend_few(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: fl
     """`_attend` without sinks in float32: scores = (q k^T) scale for each query head against its KV head (head h
     reads KV head h // (heads / kv_heads), as enable_gqa does), -inf where mask is False, softmax over the keys, times
     v; q [B, heads, T, Dq], keys [B, kv_heads, S, Dq], values [B, kv_heads, S, Dv] -> [B, heads, T, Dv] in q's dtype.
-    Rows go in groups whose float32 copies and scores stay under FEW_ELEMENTS; a row's result does not depend on
-    the group (batched matmuls compute each batch entry alone)."""
+    Masked scores are float32's lowest value, not -inf, so a query that sees no key (none does in a pass: it sees its
+    own position) averages the values instead of giving NaN. Rows go in groups whose float32 copies and scores stay
+    under FEW_ELEMENTS; a row's result is the same in any group (tests/test_models.py)."""
     batch, heads, steps, dq = q.shape
     kv_heads, seen, dv = keys.shape[1], keys.shape[2], values.shape[3]
     group = heads // kv_heads
@@ -403,7 +404,7 @@ def _attend_few(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: fl
         qg = q[lo:hi].float().reshape(hi - lo, kv_heads, group * steps, dq)  # [b, kv, group T, Dq]
         scores = torch.matmul(qg, keys[lo:hi].float().transpose(2, 3)) * scale  # [b, kv, group T, S]
         scores = scores.view(hi - lo, kv_heads, group, steps, seen)
-        scores = scores.masked_fill(~mask[lo:hi, :, None], float("-inf"))  # (mask [b, 1, 1, T, S])
+        scores = scores.masked_fill(~mask[lo:hi, :, None], torch.finfo(torch.float32).min)  # (mask [b, 1, 1, T, S])
         probs = torch.softmax(scores, dim=-1).view(hi - lo, kv_heads, group * steps, seen)
         out[lo:hi] = torch.matmul(probs, values[lo:hi].float()).view(hi - lo, heads, steps, dv)
     return out
