@@ -23,7 +23,8 @@
  * Otherwise (0) a portable loop the compiler vectorizes. f16 rows (`tile_f16`, both vector paths) convert 8
  * weights at a time with F16C, each rounded as `round` says, shared by a tile of up to 8 rows of x. With bfloat16
  * weights (round 1) on a CPU with AVX512-BF16, q4_k / q6_k tiles multiply pairs of bfloat16 weights and inputs
- * with `vdpbf16ps` (`tile_dot`), q4_k's weights picked from each sub-block's 16 values (`looked_up`). A block's scales are unpacked in vectors on both vector paths (`factors`). The
+ * with `vdpbf16ps` (`tile_dot`), q4_k's weights picked from each sub-block's 16 values (`looked_up`), and f16 rows
+ * 32 weights at a time (`tile_f16_dot`). A block's scales are unpacked in vectors on both vector paths (`factors`). The
  * output rows are split over `threads` POSIX threads (each writes its own columns of y), kept between calls
  * (`pooled`).
  */
@@ -234,10 +235,61 @@ static inline __attribute__((always_inline)) void tile_f16(int round, int MT, in
 #define F16_R(MT) ((MT) == 1 ? 8 : (MT) == 2 ? 4 : (MT) <= 4 ? 2 : 1)
 #define F16_TILES(round, RR) BY_MT(tile_f16(round, MT, RR, (const uint16_t *)w, x, K, y, N))
 
+#if DOT
+/* `tile_f16` for round 1 with AVX512-BF16, from x as bfloat16 (xh [M, K]): 32 weights of each W row converted to
+ * float32 (exact) and rounded to bfloat16 by `vcvtne2ps2bf16` (the converted copy's weights), then multiplied by
+ * pairs with `vdpbf16ps` (`tile_dot`'s arithmetic); the last K % 32 inputs zero-filled in both by masked loads. A
+ * pair's sum is the same whatever MT and R are. */
+static inline __attribute__((always_inline)) void tile_f16_dot(int MT, int R, const uint16_t *w, const uint16_t *xh,
+                                                               int64_t K, float *y, int64_t N) {
+    __m512 acc[8][TILE];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K; i += 32) {
+        int64_t left = K - i;
+        __mmask32 keep = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+        __mmask16 lo = (__mmask16)keep, hi = (__mmask16)(keep >> 16);
+        __m512bh pairs[8];
+        UNROLL for (int r = 0; r < R; r++) {
+            const uint16_t *wr = w + r * K + i;
+            __m512 a = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lo, wr));
+            __m512 b = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(hi, wr + 16));
+            pairs[r] = _mm512_cvtne2ps_pbh(b, a);
+        }
+        UNROLL for (int m = 0; m < MT; m++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(keep, xh + m * K + i);
+            UNROLL for (int r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], pairs[r], xv);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MT; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+#define F16_DOT_TILES(RR) BY_MT(tile_f16_dot(MT, RR, (const uint16_t *)w, xh, K, y, N))
+#endif
+
 /* y's columns of the r float16 W rows from w0, F16_R(mt) at a time and the rest one by one (round 1 compiled
- * apart: the others are exact). */
+ * apart: the others are exact; with x as bfloat16, xh, `tile_f16_dot`). */
 static void rows_f16(int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, const float *x, int64_t K,
-                     float *y, int64_t N) {
+                     const uint16_t *xh, float *y, int64_t N) {
+#if DOT
+    if (xh != NULL) {
+        for (int i = 0; i < r;) {
+            const uint8_t *w = w0 + i * row_bytes;
+            if (r - i >= F16_R(mt)) {
+                F16_DOT_TILES(F16_R(MT))
+                i += F16_R(mt);
+                y += F16_R(mt);
+            } else {
+                F16_DOT_TILES(1)
+                i++;
+                y++;
+            }
+        }
+        return;
+    }
+#else
+    (void)xh;
+#endif
     for (int i = 0; i < r;) {
         const uint8_t *w = w0 + i * row_bytes;
         if (r - i >= F16_R(mt)) {
@@ -422,11 +474,14 @@ static inline __attribute__((always_inline)) void tile_dot(int kind, int MT, int
 
 #define DOT_TILES(kind, R) BY_MT(tile_dot(kind, MT, R, w0, row_bytes, nb, xh, K, y, N))
 
-/* x [n] (n a multiple of 32) as bfloat16 bits, each rounded to nearest even. */
+/* x [n] as bfloat16 bits, each rounded to nearest even (the last n % 32 by masked loads and stores). */
 static void to_bf16(const float *x, int64_t n, uint16_t *out) {
-    for (int64_t i = 0; i < n; i += 32)
-        _mm512_storeu_si512((void *)(out + i),
-                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+    for (int64_t i = 0; i < n; i += 32) {
+        int64_t left = n - i;
+        __mmask32 keep = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+        __m512 a = _mm512_maskz_loadu_ps((__mmask16)keep, x + i), b = _mm512_maskz_loadu_ps((__mmask16)(keep >> 16), x + i + 16);
+        _mm512_mask_storeu_epi16((void *)(out + i), keep, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
 }
 #endif
 
@@ -734,7 +789,8 @@ static void rows(int kind, int round, int r, int mt, const uint8_t *w0, int64_t 
 
 /* The float16 W rows from w0, one at a time, 16 lanes a row of x (as `rows`). */
 static void rows_f16(int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, const float *x, int64_t K,
-                     float *y, int64_t N) {
+                     const uint16_t *xh, float *y, int64_t N) {
+    (void)xh;
     for (int i = 0; i < r; i++) {
         const uint8_t *w = w0 + i * row_bytes;
         for (int m = 0; m < mt; m++) {
@@ -871,7 +927,7 @@ struct job {
     const uint8_t *w;
     const float *x; /* NULL: dequantize rows n0 .. n1 into y (bytes per weight by round) */
     const float *xs; /* x's `sub_sums` [M, K / 32] (AVX2, q4_k, round 0), or NULL */
-    const uint16_t *xh; /* x as bfloat16 [M, K] (AVX512-BF16, q4_k / q6_k, round 1: `tile_dot`), or NULL */
+    const uint16_t *xh; /* x as bfloat16 [M, K] (AVX512-BF16, round 1: `tile_dot`, `tile_f16_dot`), or NULL */
     void *y;
     int64_t M, N, K, n0, n1;
 };
@@ -896,6 +952,7 @@ static void *work(void *arg) {
         int mt = j->M - m < TILE ? (int)(j->M - m) : TILE;
         if (j->kind == KIND_F16) {
             rows_f16(j->round, (int)(j->n1 - j->n0), mt, j->w + j->n0 * row_bytes, row_bytes, j->x + m * j->K, j->K,
+                     j->xh ? j->xh + m * j->K : NULL,
                      (float *)j->y + m * j->N + j->n0, j->N);
             continue;
         }
@@ -1036,12 +1093,10 @@ int specoffload_ggml_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, co
     if (bad(kind, round, N, K, M) || x == NULL) return -1;
     float *xs = NULL, *xr = NULL;
     uint16_t *xh = NULL;
-    if (round == 1 && M > 0) { /* x as bfloat16 too: a bfloat16 copy for `tile_dot`, else rounded float32 values */
+    if (round == 1 && M > 0) { /* x as bfloat16 too: a bfloat16 copy for the pair products, else rounded float32 values */
 #if DOT
-        if (kind != KIND_F16) {
-            if ((xh = malloc((size_t)(M * K) * sizeof(uint16_t))) == NULL) return -3;
-            to_bf16(x, M * K, xh);
-        }
+        if ((xh = malloc((size_t)(M * K) * sizeof(uint16_t))) == NULL) return -3;
+        to_bf16(x, M * K, xh);
 #endif
         if (xh == NULL) {
             if ((xr = malloc((size_t)(M * K) * sizeof(float))) == NULL) return -3;
