@@ -24,9 +24,9 @@
  * weights at a time with F16C, each rounded as `round` says, shared by a tile of up to 8 rows of x. With bfloat16
  * weights (round 1) on a CPU with AVX512-BF16, q4_k / q6_k tiles multiply pairs of bfloat16 weights and inputs
  * with `vdpbf16ps` (`tile_dot`), q4_k's weights picked from each sub-block's 16 values (`looked_up`), and f16 rows
- * 32 weights at a time (`tile_f16_dot`). A block's scales are unpacked in vectors on both vector paths (`factors`). The
- * output rows are split over `threads` POSIX threads (each writes its own columns of y), kept between calls
- * (`pooled`).
+ * 32 weights at a time (`tile_f16_dot`). A block's scales are unpacked in vectors on both vector paths
+ * (`factors`). The output rows are split over `threads` POSIX threads (each writes its own columns of y), kept
+ * between calls (`pooled`).
  */
 #include <pthread.h>
 #include <stdint.h>
