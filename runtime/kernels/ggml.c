@@ -93,6 +93,19 @@ static float half(const uint8_t *p) {
 #endif
 }
 
+static inline float bf16_bits_to_float(uint32_t bits) {
+    float f;
+    bits <<= 16;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16_bits(float w) { /* to nearest even (finite w) */
+    uint32_t bits;
+    memcpy(&bits, &w, 4);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 /* A block's per-sub-block factors: q4_k scale[8] = d * sc_j, low[8] = dmin * m_j; q6_k scale[16] = d * sc_j. */
 static inline void factors(int kind, const uint8_t *b, float *scale, float *low) {
 #if VECTOR
@@ -271,36 +284,24 @@ static inline __attribute__((always_inline)) void tile_f16_dot(int MT, int R, co
  * apart: the others are exact; with x as bfloat16, xh, `tile_f16_dot`). */
 static void rows_f16(int round, int r, int mt, const uint8_t *w0, int64_t row_bytes, const float *x, int64_t K,
                      const uint16_t *xh, float *y, int64_t N) {
-#if DOT
-    if (xh != NULL) {
-        for (int i = 0; i < r;) {
-            const uint8_t *w = w0 + i * row_bytes;
-            if (r - i >= F16_R(mt)) {
-                F16_DOT_TILES(F16_R(MT))
-                i += F16_R(mt);
-                y += F16_R(mt);
-            } else {
-                F16_DOT_TILES(1)
-                i++;
-                y++;
-            }
-        }
-        return;
-    }
-#else
+#if !DOT
     (void)xh;
 #endif
     for (int i = 0; i < r;) {
         const uint8_t *w = w0 + i * row_bytes;
-        if (r - i >= F16_R(mt)) {
+        int rr = r - i >= F16_R(mt) ? F16_R(mt) : 1; /* W rows in this tile */
+#if DOT
+        if (xh != NULL) {
+            if (rr > 1) { F16_DOT_TILES(F16_R(MT)) } else { F16_DOT_TILES(1) }
+        } else
+#endif
+        if (rr > 1) {
             if (round == 1) { F16_TILES(1, F16_R(MT)) } else { F16_TILES(0, F16_R(MT)) }
-            i += F16_R(mt);
-            y += F16_R(mt);
         } else {
             if (round == 1) { F16_TILES(1, 1) } else { F16_TILES(0, 1) }
-            i++;
-            y++;
         }
+        i += rr;
+        y += rr;
     }
 }
 
@@ -432,7 +433,8 @@ static inline __attribute__((always_inline)) void looked_up(const uint8_t *b, co
 
 /* round 1 with AVX512-BF16: y rows m < MT, columns of the R (1 or 2) W rows from w0, from x as bfloat16 (xh [M, K],
  * x rounded to nearest even, `to_bf16`). Each block is decoded to float32 as `decode` does, rounded to bfloat16 to
- * nearest even by `vcvtne2ps2bf16` (the weight `dequantize_row` writes with round 1), and 32 weights at a time
+ * nearest even by `vcvtne2ps2bf16` (the weight `dequantize_row` writes with round 1; q4_k's by table, `looked_up`,
+ * the same values), and 32 weights at a time
  * multiplied by a row of x with `vdpbf16ps`: lane i adds w[2i] x[2i] + w[2i + 1] x[2i + 1], each product of two
  * bfloat16 values exact in float32, to its float32 accumulator. The same products as `tile` with round 1 on x in
  * bfloat16, summed in another fixed order; a row's sum does not depend on the tile. Per 32 weights and row of x:
@@ -712,19 +714,6 @@ static void dequantize_row(int kind, int round, const uint8_t *row, int64_t nb, 
 }
 #else
 /* The portable path: one W row at a time, the block decoded into 256 floats, then TILE rows of x in 16 lanes. */
-static float bf16_bits_to_float(uint32_t bits) {
-    float f;
-    bits <<= 16;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static uint16_t float_to_bf16_bits(float w) { /* to nearest even (finite w) */
-    uint32_t bits;
-    memcpy(&bits, &w, 4);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 #ifdef __FLT16_MANT_DIG__
 #define HAVE_HALF 1
 static float rounded(float w, int round) {
@@ -912,15 +901,12 @@ static void convert(const uint16_t *src, uint16_t *dst, int64_t n, int to_bf16) 
 #endif
 }
 
+#if !DOT /* (a build with the pair products takes x as bfloat16: `to_bf16`) */
 /* x [n] rounded to bfloat16 to nearest even (finite values, as torch rounds them), held as float32. */
 static void bf16_rounded(const float *x, int64_t n, float *out) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, x + i, 4);
-        bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-        memcpy(out + i, &bits, 4);
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_bits_to_float(float_to_bf16_bits(x[i]));
 }
+#endif
 
 struct job {
     int kind, round; /* kind -1: convert (round: 1 to bfloat16, 0 to float16) values n0 .. n1 of w into y */
@@ -1093,16 +1079,15 @@ int specoffload_ggml_matmul(int kind, const uint8_t *w, int64_t N, int64_t K, co
     if (bad(kind, round, N, K, M) || x == NULL) return -1;
     float *xs = NULL, *xr = NULL;
     uint16_t *xh = NULL;
-    if (round == 1 && M > 0) { /* x as bfloat16 too: a bfloat16 copy for the pair products, else rounded float32 values */
+    if (round == 1 && M > 0) { /* x as bfloat16 too: a bfloat16 copy for the pair products, else rounded floats */
 #if DOT
         if ((xh = malloc((size_t)(M * K) * sizeof(uint16_t))) == NULL) return -3;
         to_bf16(x, M * K, xh);
+#else
+        if ((xr = malloc((size_t)(M * K) * sizeof(float))) == NULL) return -3;
+        bf16_rounded(x, M * K, xr);
+        x = xr;
 #endif
-        if (xh == NULL) {
-            if ((xr = malloc((size_t)(M * K) * sizeof(float))) == NULL) return -3;
-            bf16_rounded(x, M * K, xr);
-            x = xr;
-        }
     }
 #if FACTORED
     if (kind == KIND_Q4_K && round == 0 && M > 0 && (xs = malloc((size_t)(M * (K / 32)) * sizeof(float))) != NULL)
