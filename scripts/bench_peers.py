@@ -4,8 +4,9 @@
     python -m scripts.bench_peers [--gguf FILE] [--prompts 8] [--new-tokens 32] [--reps 3] [--batches 1,8]
         [--llamacpp-batches 1,8] [--packed on,off]
 
-Systems, all resident in host memory on this CPU, greedy, EOS ignored, the prompts tokenized once (the GGUF's own
-tokenizer) and given to each as token ids:
+Systems, all resident in host memory on this CPU, greedy, EOS ignored, the prompts (`--prompts` of them split
+evenly over `--workloads`: HumanEval by default, aclsum summaries with `summarization`, each corpus's first ones)
+tokenized once (the GGUF's own tokenizer) and given to each as token ids:
 - llama.cpp at each `--llamacpp-batches` width (1: llama-cpp-python's high-level API, one sequence at a time; more:
   its low-level batch API, that many sequences decoded in one batch), `--threads` threads, its own kernels on the
   GGUF's blocks; run in the peer venv by scripts/peers/llamacpp_runner.py;
@@ -46,9 +47,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.common import PERF, median_spread, run_meta, utc_now, write_json
+from scripts.common import PERF, WORKLOADS, median_spread, run_meta, utc_now, workload_prompts, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def peer_prompts(tok: object, workloads: str, n: int) -> list[list[int]]:
+    """`n` prompts as token ids, split evenly over `workloads` (comma-separated, scripts/common.py `WORKLOADS`; the
+    first ones take the remainder): each workload's first prompts in corpus order (HumanEval's task order, aclsum's
+    paper order), the workloads in the order named."""
+    names = workloads.split(",")
+    out: list[list[int]] = []
+    for i, name in enumerate(names):
+        take = n // len(names) + (i < n % len(names))
+        out += [tok.encode(p) for p in workload_prompts(name)[:take]]  # type: ignore[attr-defined]
+    return out
 
 
 def llamacpp(python: str, gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int, n_ctx: int,
@@ -259,7 +272,6 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
     """llama.cpp (mmap) and ours (streaming) under one memory limit on a model larger than it (module docstring)."""
     from specoffload.planner.units import parse_bytes
     from specoffload.runtime.models.gguf import resolve_model
-    from specoffload.runtime.prompts import humaneval_prompts
     from specoffload.runtime.tokenizer import load_tokenizer
 
     meta = run_meta(args.dtype)
@@ -268,7 +280,7 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
     gguf = args.gguf or write_shape_gguf(args.layers, tokenizer_from, shaped)
     target = resolve_model(gguf)  # the companion (config, tokenizer) made here, outside the limit
     tok = load_tokenizer(target)
-    prompts = [tok.encode(p) for p in humaneval_prompts(args.prompts)]
+    prompts = peer_prompts(tok, args.workloads, args.prompts)
     n_ctx = max(map(len, prompts)) + args.new_tokens + 8
     device_memory = parse_bytes(args.ours_device_memory)
     peers = ROOT / "scripts" / "peers"
@@ -314,8 +326,9 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
     ran = [f"llama.cpp b{b}" for b in llama_batches if f"llama.cpp b{b}" not in failed and runs[f"llama.cpp b{b}"]]
     llama_name = max(ran, key=lambda n: results[n]["tok_s_median"]) if ran else None  # llama.cpp at its best batch
     llama_decode = max(ran, key=lambda n: results[n]["decode_tok_s_median"]) if ran else None
-    summary = {"gguf": gguf.name, "memory_limit_bytes": limit, "model_bytes": gguf.stat().st_size,
-               "ours_device_memory": device_memory, "failed_under_limit": sorted(failed),
+    summary = {"gguf": gguf.name, "prompts": len(prompts), "workloads": args.workloads,
+               "memory_limit_bytes": limit, "model_bytes": gguf.stat().st_size, "ours_device_memory": device_memory,
+               "failed_under_limit": sorted(failed),
                "best_llamacpp": llama_name}
     degenerate = [name for name, rs in runs.items() if rs and name not in failed and _degenerate(rs[0]["tokens"])]
     summary["degenerate_output"] = degenerate  # every row one repeated id (llama.cpp: NaN logits argmax to 0)
@@ -370,7 +383,9 @@ def _ours_result(out: dict, prompts: int, new_tokens: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None, help="default: the target's Q4_K_M (scripts/get_models.py)")
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8, help="split evenly over --workloads")
+    ap.add_argument("--workloads", default="code", help=f"comma-separated, of {', '.join(WORKLOADS)}: code is "
+                    "HumanEval, summarization aclsum (each workload's first prompts in corpus order)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", default="1,8", help="ours: batch sizes")
@@ -404,6 +419,8 @@ def main() -> int:
     args = ap.parse_args()
     if not set(args.packed.split(",")) <= {"on", "off"}:
         ap.error(f"--packed takes on, off or on,off, got {args.packed!r}")
+    if not args.workloads or not set(args.workloads.split(",")) <= set(WORKLOADS):
+        ap.error(f"--workloads takes a comma-separated subset of {', '.join(WORKLOADS)}, got {args.workloads!r}")
     if args.quick:
         args.prompts, args.new_tokens, args.reps = 2, 8, 1
     if args.dtype == "auto":
@@ -419,7 +436,6 @@ def main() -> int:
                             check=True).stdout.strip().splitlines()[-1]
     from scripts.get_models import SPECS, default_cache, fetch_gguf
     from specoffload.runtime.models.gguf import resolve_model
-    from specoffload.runtime.prompts import humaneval_prompts
     from specoffload.runtime.tokenizer import load_tokenizer
 
     if args.budget:
@@ -427,7 +443,7 @@ def main() -> int:
     gguf = args.gguf or fetch_gguf(SPECS["target"], default_cache())
     target = resolve_model(gguf)
     tok = load_tokenizer(target)
-    prompts = [tok.encode(p) for p in humaneval_prompts(args.prompts)]
+    prompts = peer_prompts(tok, args.workloads, args.prompts)
     n_ctx = max(map(len, prompts)) + args.new_tokens + 8
     systems = {f"llama.cpp b{b}": lambda b=b: llamacpp(python, gguf, prompts, args.new_tokens, args.threads, n_ctx, b)
                for b in map(int, args.llamacpp_batches.split(","))}
@@ -448,7 +464,8 @@ def main() -> int:
             print(f"rep {rep} {name}: {r['tok_s']:.2f} tok/s (decode {r['decode_tok_s']:.2f})", file=sys.stderr)
     first = next(n for n in runs if n.startswith("llama.cpp"))
     reference = runs[first][0]["tokens"]
-    results, summary = {}, {"gguf": gguf.name, "prompts": len(prompts), "new_tokens": args.new_tokens,
+    results, summary = {}, {"gguf": gguf.name, "prompts": len(prompts), "workloads": args.workloads,
+                            "new_tokens": args.new_tokens,
                             "threads": args.threads, "dtype": args.dtype,
                             "llama_cpp_python": runs[first][0]["version"]}
     for name, rs in runs.items():
