@@ -292,12 +292,16 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
              "n_ctx": n_ctx, "batch": b, "repack": False, "ubatch": args.llamacpp_ubatch}, limit, gguf,
             args.malloc_arena_max), len(prompts), args.new_tokens)
         for b in llama_batches}
-    systems[f"ours b{args.budget_batch}"] = lambda: _ours_result(limited(
-        [sys.executable, "-m", "scripts.peers.ours_runner"],  # (from ROOT: it imports scripts.common)
-        {"model": str(target), "prompts": prompts, "new_tokens": args.new_tokens, "batch": args.budget_batch,
-         "device_memory": device_memory, "packed_weights": "auto", "prefill_chunk": args.ours_prefill_chunk,
-         "dtype": args.dtype},
-        limit, gguf, args.malloc_arena_max), len(prompts), args.new_tokens)
+    ours_names = {}  # system name -> drafter name ("none": ours without a draft, the summary's headline)
+    for drafter, k in [("none", 0), *_drafters(args.ours_drafters)]:
+        name = f"ours b{args.budget_batch}" + (f" {drafter} k{k}" if k else "")
+        ours_names[name] = drafter
+        systems[name] = lambda drafter=drafter, k=k: _ours_result(limited(
+            [sys.executable, "-m", "scripts.peers.ours_runner"],  # (from ROOT: it imports scripts.common)
+            {"model": str(target), "prompts": prompts, "new_tokens": args.new_tokens, "batch": args.budget_batch,
+             "device_memory": device_memory, "packed_weights": "auto", "prefill_chunk": args.ours_prefill_chunk,
+             "dtype": args.dtype, "drafter": drafter, "k": k},
+            limit, gguf, args.malloc_arena_max), len(prompts), args.new_tokens)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     failed: dict[str, str] = {}  # a system that cannot run under the limit (killed for memory): not run again
     for rep in range(args.reps):
@@ -322,7 +326,6 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
         results[name] = {"tok_s_median": med, "tok_s_min": lo, "tok_s_max": hi, "decode_tok_s_median": dmed,
                          "decode_tok_s_min": dlo, "decode_tok_s_max": dhi,
                          "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rs]}
-    ours_name = f"ours b{args.budget_batch}"
     ran = [f"llama.cpp b{b}" for b in llama_batches if f"llama.cpp b{b}" not in failed and runs[f"llama.cpp b{b}"]]
     llama_name = max(ran, key=lambda n: results[n]["tok_s_median"]) if ran else None  # llama.cpp at its best batch
     llama_decode = max(ran, key=lambda n: results[n]["decode_tok_s_median"]) if ran else None
@@ -334,7 +337,11 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
     summary["degenerate_output"] = degenerate  # every row one repeated id (llama.cpp: NaN logits argmax to 0)
     for name in degenerate:
         results[name]["degenerate_output"] = True
-    if llama_name is not None and ours_name not in failed:
+    for ours_name, drafter in ours_names.items():
+        if llama_name is None or ours_name in failed or not runs[ours_name]:
+            continue
+        # summary keys: ours_<what> without a draft (the headline), ours_<drafter>_<what> with one
+        key = "ours_" if drafter == "none" else f"ours_{drafter}_"
         reference = runs[llama_name][0]["tokens"]
         same = sum(a == b for x, y in zip(runs[ours_name][0]["tokens"], reference) for a, b in zip(x, y))
         results[ours_name]["greedy_agreement_with_llamacpp"] = same / max(sum(map(len, reference)), 1)
@@ -345,22 +352,34 @@ def budget_case(args: argparse.Namespace, python: str, tokenizer_from: Path) -> 
         per_pass = {what: round(statistics.median(r[what] / max(r["passes"], 1) for r in runs[ours_name]), 4)
                     for what in ("load_s", "read_s", "decompress_s", "compute_s")}
         results[ours_name]["per_pass"] = per_pass
-        summary |= {"ours_load_s_per_pass": per_pass["load_s"], "ours_read_s_per_pass": per_pass["read_s"],
-                    "ours_decompress_s_per_pass": per_pass["decompress_s"],
-                    "ours_compute_s_per_pass": per_pass["compute_s"],
-                    "ours_io_over_compute": round(per_pass["load_s"] / per_pass["compute_s"], 3)
+        summary |= {f"{key}load_s_per_pass": per_pass["load_s"], f"{key}read_s_per_pass": per_pass["read_s"],
+                    f"{key}decompress_s_per_pass": per_pass["decompress_s"],
+                    f"{key}compute_s_per_pass": per_pass["compute_s"],
+                    f"{key}io_over_compute": round(per_pass["load_s"] / per_pass["compute_s"], 3)
                     if per_pass["compute_s"] else None}
-    if llama_name is not None and ours_name not in failed and not degenerate:  # both ran and computed the model
-        summary |= {"ours_over_llamacpp_budget": round(results[ours_name]["tok_s_median"]
-                                                       / results[llama_name]["tok_s_median"], 3),
-                    "ours_over_llamacpp_budget_decode": round(results[ours_name]["decode_tok_s_median"]
-                                                              / results[llama_decode]["decode_tok_s_median"], 3)}
+        if drafter != "none":
+            accepted = [r["acceptance"] for r in runs[ours_name] if r.get("acceptance") is not None]
+            summary[f"{key}acceptance"] = round(statistics.median(accepted), 3) if accepted else None
+        if not degenerate:  # both ran and computed the model
+            summary |= {f"{key}over_llamacpp_budget": round(results[ours_name]["tok_s_median"]
+                                                            / results[llama_name]["tok_s_median"], 3),
+                        f"{key}over_llamacpp_budget_decode": round(results[ours_name]["decode_tok_s_median"]
+                                                                   / results[llama_decode]["decode_tok_s_median"], 3)}
     print(summary)
     name = f"scratch/{args.out}_budget_quick.json" if args.quick else f"{args.out}_budget.json"
     path = write_json(PERF / name, {"summary": summary, **meta, "end": utc_now(),
                                     "args": vars(args) | {"gguf": str(gguf)}, "results": results})
     print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _drafters(text: str) -> list[tuple[str, int]]:
+    """`--ours-drafters` "suffix@4,ngram@3" -> [("suffix", 4), ("ngram", 3)] (no @K: k 4)."""
+    out = []
+    for entry in filter(None, text.split(",")):
+        name, _, k = entry.partition("@")
+        out.append((name, int(k) if k else 4))
+    return out
 
 
 def _degenerate(tokens: list[list[int]]) -> bool:
@@ -407,6 +426,9 @@ def main() -> int:
     ap.add_argument("--llamacpp-budget-batches", default="",
                     help="llama.cpp's sequences per batch under the limit, comma-separated (default: --budget-batch); "
                          "the ratio is over its best")
+    ap.add_argument("--ours-drafters", default="",
+                    help="under the limit, ours also with each of these drafters, NAME@K comma-separated (e.g. "
+                         "suffix@4): summary keys ours_<NAME>_over_llamacpp_budget and its acceptance")
     ap.add_argument("--llamacpp-ubatch", type=int, default=0,
                     help="llama.cpp's n_ubatch under the limit (0: a wave's whole prefill in one step)")
     ap.add_argument("--ours-prefill-chunk", type=int, default=256,
@@ -419,6 +441,16 @@ def main() -> int:
     args = ap.parse_args()
     if not set(args.packed.split(",")) <= {"on", "off"}:
         ap.error(f"--packed takes on, off or on,off, got {args.packed!r}")
+    try:
+        drafters = _drafters(args.ours_drafters)
+    except ValueError:
+        ap.error(f"--ours-drafters takes NAME@K entries, comma-separated, got {args.ours_drafters!r}")
+    from specoffload.runtime.offload.drafters import DRAFTERS
+
+    unknown = [name for name, _ in drafters if name not in DRAFTERS or name == "none"]
+    if unknown:
+        known = ", ".join(sorted(set(DRAFTERS) - {"none"}))
+        ap.error(f"--ours-drafters: unknown drafter {unknown[0]!r}; one of {known}")
     if not args.workloads or not set(args.workloads.split(",")) <= set(WORKLOADS):
         ap.error(f"--workloads takes a comma-separated subset of {', '.join(WORKLOADS)}, got {args.workloads!r}")
     if args.quick:
