@@ -43,7 +43,7 @@ from typing import ClassVar
 import torch
 
 from ..kernels import BLOCK_INPUTS, BLOCK_LAYOUT, KINDS, PROBE_INPUTS, GGMLKernel, ggml_kernel, random_blocks
-from ..models.packed import PackedBlocks, PackedInt4, PackedInt8Split, kernel_block, split_layout
+from ..models.packed import Q6_K_MAX_ROWS, PackedBlocks, PackedInt4, PackedInt8Split, kernel_block, split_layout
 from . import WeightFormat, dequantize, register_format
 from .int4 import Int4
 from .int8g import Int8Group
@@ -413,6 +413,8 @@ class Q5_K(GGMLFormat):
 class Q6_K(GGMLFormat):
     name, default_group, block, block_bytes, gguf_type = "q6_k", QK_K, QK_K, 210, "Q6_K"
     scales_at = (208,)
+    #: rows up to which ggml.c multiplies (`PackedBlocks.matmul`): runtime/models/packed.py `Q6_K_MAX_ROWS`
+    kernel_max_rows: ClassVar[int] = Q6_K_MAX_ROWS
 
     def _codes(self, b: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Per half of 128 codes: 64 ql bytes (low nibbles: codes 0..63, high: 64..127) and 32 qh bytes (bits 2r,

@@ -76,13 +76,29 @@ INT4_GROUPS = (32, 64, 128, 256)
 #: rows up to which the split int8 kernel (`PackedInt8Split`: twice the int4 kernel's work) beats dequantize + GEMM
 #: (native bfloat16 GEMMs: 32; without: 64, docs/perf kernels_avx2 `int8g32_kernel_faster_up_to_rows`)
 INT8G_MAX_ROWS = 32 if native_16bit(torch.bfloat16) else 64
-#: rows up to which the ggml kernel over a q4_k / q6_k weight's blocks beats the kernel's dequantization + a GEMM:
-#: with native bfloat16 GEMMs 8 (the Xeon with AMX, 2 cores, one run: [8960, 1536] 3.5 / 5.4 ms against 5.6 / 5.9 at
-#: 4 / 8 rows, 7.8 against 5.5 at 12; [3584, 1536] 0.8 / 1.2 against 2.2 / 2.7, 4.0 against 2.1 at 12; a [336, 1536]
-#: expert 0.18 against 0.26 at 8, 0.32 against 0.25 at 12); without them 96, the most measured there (the kernel's
-#: AVX2 path against dequantize + the engine's GEMM on the 2-core AVX2 EPYC, one FFN layer of the 1.5B: 15 / 50 / 136
-#: ms against 77 / 153 / 172 at 8 / 32 / 96 rows; docs/perf kernels_blocks_avx2 `q4_k_kernel_faster_up_to_rows`)
-BLOCKS_MAX_ROWS = 8 if native_16bit(torch.bfloat16) else 96
+
+
+def amx() -> bool:
+    """The CPU runs AMX tiles for oneDNN's bfloat16 GEMMs (several times AVX-512's rate)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+#: rows up to which the ggml kernel over a q4_k / f16 weight's blocks beats the kernel's dequantization + a GEMM:
+#: with AMX 8 (the Xeon, 2 cores, one run: [8960, 1536] 3.5 / 5.4 ms against 5.6 / 5.9 at 4 / 8 rows, 7.8 against
+#: 5.5 at 12; [3584, 1536] 0.8 / 1.2 against 2.2 / 2.7, 4.0 against 2.1 at 12; a [336, 1536] expert 0.18 against 0.26
+#: at 8, 0.32 against 0.25 at 12); with native bfloat16 GEMMs but no AMX (AVX512-BF16) 16 (the 2-core AVX-512 EPYC,
+#: bfloat16, six copies of each weight in turn, one run: q4_k [8960, 1536] 2.4 / 3.9 / 4.4 ms against 4.1 / 4.5 / 4.7
+#: at 8 / 12 / 16 rows, 6.7 against 5.4 at 24; [3584, 1536] 1.0 / 1.5 / 1.7 against 1.5 / 1.6 / 1.7; a [336, 1536]
+#: expert 0.09 / 0.14 / 0.18 against 0.21 / 0.22 / 0.24, 0.25 against 0.26 at 24; the moefied GGUF streamed at 0.34
+#: GiB, 16 rows: 0.91-0.95 s a decode pass against 1.16-1.25 s at 8, two runs each, alternating); without native
+#: bfloat16 GEMMs 96, the most measured there (the kernel's AVX2 path against dequantize + the engine's GEMM on the
+#: 2-core AVX2 EPYC, one FFN layer of the 1.5B: 15 / 50 / 136 ms against 77 / 153 / 172 at 8 / 32 / 96 rows;
+#: docs/perf kernels_blocks_avx2 `q4_k_kernel_faster_up_to_rows`)
+BLOCKS_MAX_ROWS = (8 if amx() else 16) if native_16bit(torch.bfloat16) else 96
+#: the same for q6_k, whose decode costs more a weight: 8 with native bfloat16 GEMMs (the AVX-512 EPYC: [1536, 8960]
+#: 3.9 ms against 4.5 at 8 rows, 6.7 against 5.1 at 12, 8.0 against 5.0 at 16), else BLOCKS_MAX_ROWS
+Q6_K_MAX_ROWS = 8 if native_16bit(torch.bfloat16) else BLOCKS_MAX_ROWS
 #: weights of a block weight dequantized at a time for a GEMM over more rows (16 MiB in bfloat16: a 151936-row head
 #: does not need a 16-bit copy of itself)
 BLOCKS_DEQUANT = 1 << 23
