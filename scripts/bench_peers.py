@@ -447,6 +447,8 @@ def main() -> int:
         ap.error(f"--ours-drafters takes NAME@K entries, comma-separated, got {args.ours_drafters!r}")
     from specoffload.runtime.offload.drafters import DRAFTERS
 
+    if any(k < 1 for _, k in drafters):
+        ap.error(f"--ours-drafters: K is the draft tokens per row per pass, at least 1, got {args.ours_drafters!r}")
     unknown = [name for name, _ in drafters if name not in DRAFTERS or name == "none"]
     if unknown:
         known = ", ".join(sorted(set(DRAFTERS) - {"none"}))
