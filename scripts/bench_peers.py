@@ -30,8 +30,9 @@ row says why (`failed`), it is not run again, and the summary lists it (`failed_
 at `--budget-batch`, llama.cpp at each of `--llamacpp-budget-batches` (n_ubatch `--llamacpp-ubatch`), and the ratio is
 over llama.cpp's best. Both run with MALLOC_ARENA_MAX=`--malloc-arena-max` (2: glibc's per-thread arenas otherwise
 keep ~0.2 GiB of our loader's and compute thread's freed buffers), ours with `--ours-prefill-chunk` prompt tokens per
-pass; ours' row says where its passes went (`per_pass`: loader busy, of it file reads and block conversion, and
-compute).
+pass, without a draft and, for each `--ours-drafters` entry (NAME@K), with that drafter too (summary keys
+`ours_<NAME>_...`, its acceptance beside them); ours' row says where its passes went (`per_pass`: loader busy, of
+it file reads and block conversion, and compute).
 Per system: tokens/s with prefill counted (new tokens over the whole generate) and decode only (the tokens after
 the first over the time after the first: llama.cpp's own split; ours from a second call with one new token,
 T(N) - T(1)). Repetitions alternate systems. Greedy agreement with llama.cpp is reported (ours in `--dtype` against

@@ -249,6 +249,11 @@ static inline __attribute__((always_inline)) void tile_f16(int round, int MT, in
 #define F16_TILES(round, RR) BY_MT(tile_f16(round, MT, RR, (const uint16_t *)w, x, K, y, N))
 
 #if DOT
+/* The lanes of a run of 32 values that hold one, `left` being the values from the run's start to the row's end. */
+static inline __mmask32 first_lanes(int64_t left) {
+    return left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+}
+
 /* `tile_f16` for round 1 with AVX512-BF16, from x as bfloat16 (xh [M, K]): 32 weights of each W row converted to
  * float32 (exact) and rounded to bfloat16 by `vcvtne2ps2bf16` (the converted copy's weights), then multiplied by
  * pairs with `vdpbf16ps` (`tile_dot`'s arithmetic); the last K % 32 inputs zero-filled in both by masked loads. A
@@ -259,8 +264,7 @@ static inline __attribute__((always_inline)) void tile_f16_dot(int MT, int R, co
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
     for (int64_t i = 0; i < K; i += 32) {
-        int64_t left = K - i;
-        __mmask32 keep = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
+        __mmask32 keep = first_lanes(K - i);
         __mmask16 lo = (__mmask16)keep, hi = (__mmask16)(keep >> 16);
         __m512bh pairs[8];
         UNROLL for (int r = 0; r < R; r++) {
@@ -479,9 +483,9 @@ static inline __attribute__((always_inline)) void tile_dot(int kind, int MT, int
 /* x [n] as bfloat16 bits, each rounded to nearest even (the last n % 32 by masked loads and stores). */
 static void to_bf16(const float *x, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i += 32) {
-        int64_t left = n - i;
-        __mmask32 keep = left >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left) - 1);
-        __m512 a = _mm512_maskz_loadu_ps((__mmask16)keep, x + i), b = _mm512_maskz_loadu_ps((__mmask16)(keep >> 16), x + i + 16);
+        __mmask32 keep = first_lanes(n - i);
+        __m512 a = _mm512_maskz_loadu_ps((__mmask16)keep, x + i);
+        __m512 b = _mm512_maskz_loadu_ps((__mmask16)(keep >> 16), x + i + 16);
         _mm512_mask_storeu_epi16((void *)(out + i), keep, (__m512i)_mm512_cvtne2ps_pbh(b, a));
     }
 }
